@@ -1,0 +1,62 @@
+"""unicoll: one framework-agnostic API for Mixture-of-Experts collectives.
+
+``global_scatter``, ``global_gather``, ``all_gather`` and ``alltoall_single`` take numpy,
+torch or cupy arrays, return the same kind, and run on the backend chosen at run time
+(``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``).
+
+>>> import unicoll as uc
+>>> uc.init("gloo")                                              # doctest: +SKIP
+>>> y = uc.global_scatter(x, local_count, uc.exchange_counts(local_count))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import backends, reference, testing
+from .errors import BackendUnavailableError, NotInitializedError
+from .group import Group
+from .ops import all_gather, alltoall_single, exchange_counts, global_gather, global_scatter
+from .registry import register_backend
+from .runtime import (
+    barrier,
+    finalize,
+    get_backend,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+    new_group,
+)
+from .task import Task
+
+try:
+    __version__ = version("unicoll")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+del backends, version, PackageNotFoundError
+
+__all__ = [
+    "BackendUnavailableError",
+    "Group",
+    "NotInitializedError",
+    "Task",
+    "__version__",
+    "all_gather",
+    "alltoall_single",
+    "barrier",
+    "exchange_counts",
+    "finalize",
+    "get_backend",
+    "get_rank",
+    "get_world_size",
+    "global_gather",
+    "global_scatter",
+    "init",
+    "is_initialized",
+    "new_group",
+    "reference",
+    "register_backend",
+    "testing",
+]

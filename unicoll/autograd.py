@@ -1,0 +1,45 @@
+"""Attaching a collective's result to torch's autograd graph.
+
+The communication runs outside autograd (on detached tensors); :func:`attach` then links
+the finished result to the input with a Function whose backward runs the operator's
+backward collective. The same path serves ``sync_op=True`` and ``Task.wait()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """Carried past Function.apply as a non-tensor, so ``result`` is not treated as an input."""
+
+    result: torch.Tensor
+    backward: Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Collective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, payload: _Payload) -> torch.Tensor:
+        ctx.backward_collective = payload.backward
+        return payload.result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.backward_collective(grad.contiguous()), None
+
+
+def needs_grad(x: Any) -> bool:
+    """Whether a result computed from ``x`` should join the autograd graph now."""
+    return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+
+
+def attach(x: torch.Tensor, result: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``result`` with a ``grad_fn`` whose backward is ``backward(grad_of_result)``."""
+    return _Collective.apply(x, _Payload(result, backward))

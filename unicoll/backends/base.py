@@ -1,0 +1,202 @@
+"""What a backend is: a capability table, a handful of byte-moving primitives, and the MoE
+operators composed from them once, here, for every backend.
+
+A backend implements the abstract primitives (an uneven all-to-all over rows, an even
+all-gather, small integer exchanges, a barrier, groups, conversion to and from its native
+array type). The four operators below are written with those primitives plus a local
+reordering in the array namespace; a backend may override one with a fused path, and the
+conformance matrix holds it to the same results.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+from array_api_compat import array_namespace, device
+
+from .. import layout
+
+if TYPE_CHECKING:
+    from ..group import Group
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can move: the conformance matrix and the validator read this table."""
+
+    ops: frozenset[str]
+    dtypes: frozenset[str]
+    devices: frozenset[str]
+    libraries: frozenset[str]
+
+
+class Work(Protocol):
+    """A communication in flight, as the transport reports it."""
+
+    def wait(self, timeout: float) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An operator issued on a backend: the transfers in flight and how to finish the result.
+
+    ``finish`` runs once every work has completed and returns the native result.
+    """
+
+    works: tuple[Work, ...]
+    finish: Callable[[], Any]
+
+
+def _issued(work: Work | None, finish: Callable[[], Any]) -> Pending:
+    return Pending(() if work is None else (work,), finish)
+
+
+def _take_rows(x: Any, index: np.ndarray) -> Any:
+    xp = array_namespace(x)
+    return xp.take(x, xp.asarray(index, device=device(x)), axis=0)
+
+
+def _empty_rows(like: Any, rows: int) -> Any:
+    xp = array_namespace(like)
+    return xp.empty((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
+
+
+class Backend(ABC):
+    """A running backend, bound to this process's rank in the world."""
+
+    name: str
+    capabilities: Capabilities
+    rank: int
+    world_size: int
+
+    # -- primitives ------------------------------------------------------------------------
+
+    @abstractmethod
+    def to_native(self, x: Any) -> Any:
+        """The array the transport moves, sharing memory with ``x`` where the layout allows."""
+
+    @abstractmethod
+    def from_native(self, t: Any, library: str) -> Any:
+        """``t`` as an array of ``library``, sharing memory where possible."""
+
+    @abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        """A transport handle for the sorted world ``ranks`` (called on every rank)."""
+
+    @abstractmethod
+    def destroy_group(self, handle: Any) -> None:
+        """Release a handle returned by :meth:`new_group`."""
+
+    @abstractmethod
+    def barrier(self, group: Group) -> None:
+        """Block until every rank of ``group`` has reached this call."""
+
+    @abstractmethod
+    def alltoallv(
+        self, out: Any, x: Any, out_splits: list[int], in_splits: list[int], group: Group, async_op: bool
+    ) -> Work | None:
+        """Send ``in_splits[c]`` consecutive rows of ``x`` to rank c, receive ``out_splits[c]``
+        rows from each rank c into ``out`` in rank order. Returns the work when ``async_op``."""
+
+    @abstractmethod
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool) -> Work | None:
+        """Fill ``out`` (``W * rows`` rows) with every rank's ``x`` in rank order; every rank
+        passes the same shape."""
+
+    @abstractmethod
+    def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        """All-to-all of a host int64 array of ``W * k`` values: block c goes to rank c."""
+
+    @abstractmethod
+    def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        """All-gather of a host int64 array of k values, returned with shape ``(W, k)``."""
+
+    @abstractmethod
+    def finalize(self) -> None:
+        """Release every resource the backend holds."""
+
+    # -- operators, composed from the primitives --------------------------------------------
+
+    def global_scatter(
+        self, x: Any, local_count: np.ndarray, global_count: np.ndarray, group: Group, async_op: bool
+    ) -> Pending:
+        """MoE dispatch; see design.md. Counts are validated host int64 arrays of length W*E."""
+        world = group.world_size
+        received = global_count.reshape(world, -1)
+        send = local_count.reshape(world, -1).sum(axis=1)
+        buffer = _empty_rows(x, int(received.sum()))
+        work = self.alltoallv(buffer, x, received.sum(axis=1).tolist(), send.tolist(), group, async_op)
+        if world == 1 or received.shape[1] == 1:  # rank-major is already expert-major
+            return _issued(work, lambda: buffer)
+        order = layout.rank_major_to_expert_major(received)
+        return _issued(work, lambda: _take_rows(buffer, order))
+
+    def global_gather(
+        self, x: Any, local_count: np.ndarray, global_count: np.ndarray, group: Group, async_op: bool
+    ) -> Pending:
+        """MoE combine, the inverse of :meth:`global_scatter` with the same counts."""
+        world = group.world_size
+        held = global_count.reshape(world, -1)
+        if world > 1 and held.shape[1] > 1:
+            x = _take_rows(x, layout.expert_major_to_rank_major(held))
+        back = local_count.reshape(world, -1).sum(axis=1)
+        out = _empty_rows(x, int(back.sum()))
+        work = self.alltoallv(out, x, back.tolist(), held.sum(axis=1).tolist(), group, async_op)
+        return _issued(work, lambda: out)
+
+    def alltoall_single(
+        self,
+        out: Any | None,
+        x: Any,
+        out_splits: np.ndarray,
+        in_splits: np.ndarray,
+        group: Group,
+        async_op: bool,
+    ) -> Pending:
+        """Uneven all-to-all of rows with resolved split sizes; allocates ``out`` when None."""
+        if out is None:
+            out = _empty_rows(x, int(out_splits.sum()))
+        work = self.alltoallv(out, x, out_splits.tolist(), in_splits.tolist(), group, async_op)
+        return _issued(work, lambda: out)
+
+    def all_gather(self, out: Any | None, x: Any, rows: Sequence[int], group: Group, async_op: bool) -> Pending:
+        """Every rank's ``x`` (``rows[c]`` rows on rank c) concatenated in rank order.
+
+        Equal row counts go straight into ``out``; unequal ones travel padded to the largest
+        count and are compacted after the transfer.
+        """
+        if out is None:
+            out = _empty_rows(x, int(sum(rows)))
+        widest = max(rows)
+        if all(r == widest for r in rows):
+            return _issued(self.all_gather_even(out, x, group, async_op), lambda: out)
+        xp = array_namespace(x)
+        padded = xp.zeros((widest, *x.shape[1:]), dtype=x.dtype, device=device(x))
+        padded[: x.shape[0], ...] = x
+        buffer = _empty_rows(x, widest * len(rows))
+        work = self.all_gather_even(buffer, padded, group, async_op)
+        keep = np.concatenate([np.arange(c * widest, c * widest + r, dtype=np.int64) for c, r in enumerate(rows)])
+
+        def finish() -> Any:
+            out[...] = _take_rows(buffer, keep)
+            return out
+
+        return _issued(work, finish)
+
+
+class BackendFactory(Protocol):
+    """What :func:`unicoll.register_backend` takes: reports if it can run here, and starts it."""
+
+    capabilities: Capabilities
+
+    def probe(self) -> str | None:
+        """None when the backend can run on this machine, else the reason it cannot."""
+
+    def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
+        """Start the backend for this process (rendezvous with the other ranks)."""

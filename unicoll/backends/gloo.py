@@ -1,0 +1,33 @@
+"""The ``gloo`` backend: torch.distributed over gloo, CPU arrays of numpy and torch."""
+
+from __future__ import annotations
+
+from ..arrays import DTYPES
+from .base import Backend, Capabilities
+
+CAPABILITIES = Capabilities(
+    ops=frozenset({"global_scatter", "global_gather", "alltoall_single", "all_gather"}),
+    dtypes=frozenset(DTYPES),
+    devices=frozenset({"cpu"}),
+    libraries=frozenset({"numpy", "torch"}),
+)
+
+
+class GlooFactory:
+    """Registered as ``gloo``: usable wherever torch.distributed with gloo is installed."""
+
+    capabilities = CAPABILITIES
+
+    def probe(self) -> str | None:
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            return f"torch is not installed ({exc})"
+        if not dist.is_available() or not dist.is_gloo_available():
+            return "this torch build has no gloo support"
+        return None
+
+    def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
+        from .torch_dist import TorchDistBackend
+
+        return TorchDistBackend("gloo", "gloo", CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,147 @@
+"""The torch.distributed transport, shared by the ``gloo`` and ``torch-nccl`` backends.
+
+Arrays are moved as torch tensors: numpy arrays through ``torch.from_numpy`` and cupy arrays
+through DLPack, both zero-copy for contiguous data, and turned back into their own library
+on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import Backend, Capabilities, Work
+
+if TYPE_CHECKING:
+    from ..group import Group
+
+
+class _TorchWork:
+    """A torch.distributed ``Work`` seen through unicoll's ``Work`` protocol (seconds, not timedelta)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self, timeout: float) -> Any:
+        return self._work.wait(timedelta(seconds=timeout))
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _work(work: Any) -> Work | None:
+    return None if work is None else _TorchWork(work)
+
+
+def _to_torch(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().contiguous()
+    if isinstance(x, np.ndarray):
+        if not (x.flags.c_contiguous and x.flags.writeable):
+            x = np.array(x, order="C")
+        return torch.from_numpy(x)
+    return torch.from_dlpack(x)
+
+
+def _from_torch(t: torch.Tensor, library: str) -> Any:
+    if library == "torch":
+        return t
+    if library == "numpy":
+        return t.numpy()
+    import cupy
+
+    return cupy.from_dlpack(t)
+
+
+def env_rendezvous(rank: int, world_size: int) -> dist.Store:
+    """The store every rank meets at: a TCPStore on ``MASTER_ADDR:MASTER_PORT`` that rank 0
+    hosts, or an in-process store for a world of one."""
+    if world_size == 1:
+        return dist.HashStore()
+    try:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as missing:
+        raise RuntimeError(
+            f"unicoll.init: environment variable {missing.args[0]} is not set; with WORLD_SIZE={world_size} "
+            "every rank needs MASTER_ADDR and MASTER_PORT (`unicoll run` and torchrun set them)"
+        ) from None
+    return dist.TCPStore(addr, port, world_size, rank == 0, timedelta(seconds=60))
+
+
+class TorchDistBackend(Backend):
+    """torch.distributed with one process-group backend (``"gloo"`` or ``"nccl"``)."""
+
+    def __init__(
+        self, name: str, pg_backend: str, capabilities: Capabilities, *, rank: int, world_size: int, timeout: float
+    ) -> None:
+        self.name = name
+        self.capabilities = capabilities
+        self._timeout = timedelta(seconds=timeout)
+        self._owns_default_group = not dist.is_initialized()
+        if self._owns_default_group:
+            store = env_rendezvous(rank, world_size)
+            dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if dist.get_backend() == pg_backend:
+            self._world = dist.group.WORLD
+        else:  # an adopted default group of another transport: keep our own group beside it
+            self._world = dist.new_group(list(range(self.world_size)), backend=pg_backend, timeout=self._timeout)
+        self._pg_backend = pg_backend
+
+    def _pg(self, group: Group) -> Any:
+        return self._world if group.handle is None else group.handle
+
+    def to_native(self, x: Any) -> torch.Tensor:
+        return _to_torch(x)
+
+    def from_native(self, t: torch.Tensor, library: str) -> Any:
+        return _from_torch(t, library)
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        return dist.new_group(list(ranks), backend=self._pg_backend, timeout=self._timeout)
+
+    def destroy_group(self, handle: Any) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group(handle)
+
+    def barrier(self, group: Group) -> None:
+        dist.barrier(group=self._pg(group))
+
+    def alltoallv(
+        self, out: Any, x: Any, out_splits: list[int], in_splits: list[int], group: Group, async_op: bool
+    ) -> Work | None:
+        return _work(dist.all_to_all_single(out, x, out_splits, in_splits, group=self._pg(group), async_op=async_op))
+
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool) -> Work | None:
+        return _work(dist.all_gather_single(out, x, group=self._pg(group), async_op=async_op))
+
+    def _host_ints(self, values: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return t.cuda() if self._pg_backend == "nccl" else t
+
+    def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        send = self._host_ints(values)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self._pg(group))
+        return recv.cpu().numpy()
+
+    def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        send = self._host_ints(values)
+        recv = send.new_empty((group.world_size * send.numel(),))
+        dist.all_gather_single(recv, send, group=self._pg(group))
+        return recv.cpu().numpy().reshape(group.world_size, -1)
+
+    def finalize(self) -> None:
+        if not dist.is_initialized():
+            return
+        if self._owns_default_group:
+            dist.destroy_process_group()
+        elif self._world is not dist.group.WORLD:
+            dist.destroy_process_group(self._world)

@@ -1,0 +1,51 @@
+"""Reading counts and split sizes (any array library or a sequence of ints) into host int64 arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from .arrays import describe, device_kind, dtype_name, library_of
+from .errors import bad_input
+
+#: What a count or split argument may be: an int array of any supported library or a sequence.
+Counts = Union[Sequence[int], Any]
+
+_INT_DTYPES = ("int32", "int64")
+
+
+def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
+    """Return ``value`` as a 1-D, non-negative, host ``int64`` numpy array.
+
+    Arrays must have dtype int32 or int64. CUDA arrays are copied to the host, which
+    synchronizes with the device. Raises TypeError/ValueError naming ``op`` and ``param``.
+
+    >>> as_counts([1, 0, 2], "global_scatter", "local_count")
+    array([1, 0, 2])
+    """
+    lib = library_of(value)
+    if lib is not None:
+        name = dtype_name(value)
+        if name not in _INT_DTYPES:
+            raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
+        if lib == "torch":
+            host = value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
+        elif lib == "cupy":
+            host = value.get()
+        else:
+            host = value
+        counts = np.asarray(host, dtype=np.int64)
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            kinds = sorted({type(v).__name__ for v in value})
+            raise bad_input(op, param, "a sequence of ints", f"a sequence holding {', '.join(kinds)}", TypeError)
+        counts = np.asarray(value, dtype=np.int64).reshape(-1)
+    else:
+        raise bad_input(op, param, "an integer array or a sequence of ints", describe(value), TypeError)
+    if counts.ndim != 1:
+        raise bad_input(op, param, "a 1-D array", f"shape {counts.shape}")
+    if counts.size and counts.min() < 0:
+        raise bad_input(op, param, "non-negative counts", f"{int(counts.min())} at index {int(counts.argmin())}")
+    return counts

@@ -1,0 +1,217 @@
+"""The four operators: validate from the spec, run on the backend, hand back the caller's kind.
+
+Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
+this rank before anything is sent, the backend issues the transfer on its native arrays,
+and :func:`_complete` returns the result (``sync_op=True``) or a :class:`~unicoll.Task`,
+converting back to the caller's array library and, for torch tensors that require grad,
+linking the result into autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import runtime
+from .arrays import library_of
+from .backends.base import Backend, Pending
+from .counts import Counts, as_counts
+from .group import Group
+from .errors import bad_input
+from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, length_multiple
+from .task import Task
+from .validate import prepare
+
+
+def _complete(
+    op: str,
+    pending: Pending,
+    finish: Callable[[Any], Any],
+    sync_op: bool,
+) -> Any:
+    """Run ``finish(native_result)`` now (sync) or at ``Task.wait()`` (async)."""
+    if sync_op:
+        return finish(pending.finish())
+    return Task(pending.works, lambda: finish(pending.finish()), runtime.state().timeout, op)
+
+
+def _functional(backend: Backend, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """How to finish an operator that allocated its output: back to x's library, with autograd."""
+    library = library_of(x)
+    if library == "torch":
+        from .autograd import attach, needs_grad
+
+        if needs_grad(x):
+            return lambda result: attach(x, result, backward)
+    return lambda result: backend.from_native(result, library)
+
+
+def _even(rows: int, world: int) -> np.ndarray:
+    return np.full(world, rows // world, dtype=np.int64)
+
+
+def global_scatter(
+    x: Any,
+    local_count: Counts,
+    global_count: Counts,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = True,
+) -> Any:
+    """MoE dispatch: route rows of ``x`` to experts across ranks (see design.md, section 2).
+
+    Rows of ``x`` are ordered by ``i = rank * E + expert`` with ``local_count[i]`` rows each;
+    the result holds ``sum(global_count)`` rows, expert-major, then source rank.
+
+    >>> # W=2, E=2, rank 0: x=[0,1,2,3], local_count=[1,0,2,1], global_count=[1,0,0,2]
+    >>> uc.global_scatter(x, [1, 0, 2, 1], [1, 0, 0, 2])   # doctest: +SKIP
+    array([ 0, 10, 11])
+    """
+    call = prepare(GLOBAL_SCATTER, locals())
+    backend = runtime.state().backend
+    lc, gc, grp = call.local_count, call.global_count, call.group
+    pending = backend.global_scatter(backend.to_native(x), lc, gc, grp, not sync_op)
+    backward = lambda g: backend.global_gather(g, lc, gc, grp, False).finish()  # noqa: E731
+    return _complete("global_scatter", pending, _functional(backend, x, backward), sync_op)
+
+
+def global_gather(
+    x: Any,
+    local_count: Counts,
+    global_count: Counts,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = True,
+) -> Any:
+    """MoE combine: send expert outputs back to the ranks their rows came from.
+
+    ``x`` is laid out as global_scatter's output; the result holds ``sum(local_count)``
+    rows in the original order, so ``global_gather(global_scatter(x, lc, gc), lc, gc) == x``.
+    """
+    call = prepare(GLOBAL_GATHER, locals())
+    backend = runtime.state().backend
+    lc, gc, grp = call.local_count, call.global_count, call.group
+    pending = backend.global_gather(backend.to_native(x), lc, gc, grp, not sync_op)
+    backward = lambda g: backend.global_scatter(g, lc, gc, grp, False).finish()  # noqa: E731
+    return _complete("global_gather", pending, _functional(backend, x, backward), sync_op)
+
+
+def alltoall_single(
+    out_tensor: Any | None,
+    in_tensor: Any,
+    out_split_sizes: Counts | None = None,
+    in_split_sizes: Counts | None = None,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """Uneven all-to-all of rows; returns ``out_tensor`` filled, or a new array when it is None.
+
+    Rank r sends ``in_split_sizes[c]`` consecutive rows to rank c and receives
+    ``out_split_sizes[c]`` rows from rank c, in rank order. Split sizes that are None mean an
+    even split. With ``out_tensor=None`` and only ``in_split_sizes`` given, the receive sizes
+    are exchanged first (one small extra all-to-all).
+
+    >>> y = uc.alltoall_single(None, x, in_split_sizes=[1, 3])   # doctest: +SKIP
+    """
+    call = prepare(ALLTOALL_SINGLE, locals())
+    backend = runtime.state().backend
+    grp, world = call.group, call.W
+    in_splits = call.in_split_sizes if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
+    if call.out_split_sizes is not None:
+        out_splits = call.out_split_sizes
+    elif out_tensor is not None:
+        out_splits = _even(out_tensor.shape[0], world)
+    elif call.in_split_sizes is None:
+        out_splits = in_splits
+    else:
+        out_splits = backend.exchange_ints(in_splits, grp)
+    out_native = None if out_tensor is None else backend.to_native(out_tensor)
+    pending = backend.alltoall_single(out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op)
+    if out_tensor is not None:
+        return _complete("alltoall_single", pending, lambda _: out_tensor, sync_op)
+    backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
+    return _complete("alltoall_single", pending, _functional(backend, in_tensor, backward), sync_op)
+
+
+def all_gather(
+    tensor_or_tensor_list: Any | list | None,
+    tensor: Any,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """Every rank's ``tensor``, in rank order, on every rank.
+
+    ``tensor_or_tensor_list``: None returns all ranks' rows concatenated (row counts may
+    differ between ranks; they are exchanged first); an array of ``W * rows`` rows is filled
+    in place; an empty list gets ``W`` arrays appended; a list of ``W`` arrays is filled in
+    place (their row counts say how many rows each rank sends).
+
+    >>> parts = []
+    >>> uc.all_gather(parts, x)        # doctest: +SKIP
+    """
+    call = prepare(ALL_GATHER, locals())
+    backend = runtime.state().backend
+    grp, target = call.group, tensor_or_tensor_list
+    rows_here = int(tensor.shape[0])
+    if isinstance(target, list) and target:
+        rows = [int(t.shape[0]) for t in target]
+    elif target is None or isinstance(target, list):
+        rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
+    else:
+        rows = [rows_here] * call.W
+    out_native = backend.to_native(target) if target is not None and not isinstance(target, list) else None
+    pending = backend.all_gather(out_native, backend.to_native(tensor), rows, grp, not sync_op)
+    if target is None:
+
+        def backward(g: Any) -> Any:
+            received = backend.alltoall_single(None, g, np.full(len(rows), rows_here), np.array(rows), grp, False)
+            return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
+
+        return _complete("all_gather", pending, _functional(backend, tensor, backward), sync_op)
+    if not isinstance(target, list):
+        return _complete("all_gather", pending, lambda _: target, sync_op)
+    return _complete("all_gather", pending, lambda result: _fill_list(backend, target, result, rows, tensor), sync_op)
+
+
+def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
+    """Split the gathered rows per rank into ``target``: appended when empty, else copied in."""
+    gathered = backend.from_native(result, library_of(like))
+    offsets = np.concatenate([[0], np.cumsum(rows)]).tolist()
+    parts = [gathered[offsets[c] : offsets[c + 1]] for c in range(len(rows))]
+    if not target:
+        target.extend(parts)
+    else:
+        for slot, part in zip(target, parts):
+            slot[...] = part
+    return target
+
+
+def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
+    """The ``global_count`` that goes with ``local_count``: one all-to-all of the counts.
+
+    On rank r the result is ``[local_count on rank c][r*E + e]`` for every rank c and expert
+    e, the same kind of array as ``local_count`` (numpy for a sequence).
+
+    >>> global_count = uc.exchange_counts(local_count)   # doctest: +SKIP
+    """
+    state = runtime.state()
+    grp = runtime.resolve_group(group, "exchange_counts")
+    counts = as_counts(local_count, "exchange_counts", "local_count")
+    given = length_multiple(counts, grp.world_size)
+    if given is not None:
+        raise bad_input("exchange_counts", "local_count", f"a length that is a positive multiple of the group size {grp.world_size}", given)
+    received = state.backend.exchange_ints(counts, grp)
+    library = library_of(local_count)
+    if library == "torch":
+        import torch
+
+        return torch.from_numpy(received).to(device=local_count.device, dtype=local_count.dtype)
+    if library == "cupy":
+        import cupy
+
+        return cupy.asarray(received, dtype=local_count.dtype)
+    return received.astype(local_count.dtype, copy=False) if library == "numpy" else received

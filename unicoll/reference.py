@@ -1,0 +1,284 @@
+"""Whole-world numpy reference semantics for unicoll's collectives.
+
+Every function here takes *every* rank's inputs (one entry per rank, rank order)
+and returns *every* rank's outputs, computed with plain numpy on one process.
+Nothing is communicated; these functions define what the real backends must
+produce, and the conformance tests compare each backend against them.
+
+Notation follows section 2 of the design notes (``design.md``): ``W`` ranks, ``E`` experts per
+rank, rows are dimension 0 (trailing dimensions are carried along unchanged),
+count arrays have length ``W*E`` and are indexed by ``i = card*E + expert``.
+
+Example (the worked example of the design notes, W=2, E=2)::
+
+    >>> import numpy as np
+    >>> from unicoll import reference
+    >>> xs = [np.array([0, 1, 2, 3]), np.array([10, 11, 12, 13, 14])]
+    >>> lcs = [[1, 0, 2, 1], [0, 2, 1, 2]]
+    >>> [gc.tolist() for gc in reference.global_counts(lcs)]
+    [[1, 0, 0, 2], [2, 1, 1, 2]]
+    >>> [y.tolist() for y in reference.global_scatter(xs, lcs)]
+    [[0, 10, 11], [1, 2, 12, 3, 13, 14]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+__all__ = [
+    "global_scatter",
+    "global_gather",
+    "global_counts",
+    "alltoall_single",
+    "all_gather",
+    "all_gather_backward",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _as_counts(count: ArrayLike, what: str) -> np.ndarray:
+    """Return ``count`` as a 1-d int64 array of non-negative values, or raise ValueError."""
+    arr = np.asarray(count)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if (arr < 0).any():
+        raise ValueError(f"{what} must be non-negative, got {arr.tolist()}")
+    return arr
+
+
+def _as_arrays(xs: Sequence[ArrayLike], what: str) -> list[np.ndarray]:
+    """Return every rank's array, checking there is at least one rank and that all agree
+    on dtype and trailing shape (as a real collective requires)."""
+    arrays = [np.asarray(x) for x in xs]
+    if not arrays:
+        raise ValueError(f"{what} must hold one array per rank, got an empty sequence")
+    for r, a in enumerate(arrays):
+        if a.ndim == 0:
+            raise ValueError(f"{what}[{r}] must have at least one dimension (rows), got a 0-d array")
+    dtype, trailing = arrays[0].dtype, arrays[0].shape[1:]
+    for r, a in enumerate(arrays[1:], start=1):
+        if a.dtype != dtype:
+            raise ValueError(f"{what}[{r}] has dtype {a.dtype}, rank 0 has {dtype}; all ranks must agree")
+        if a.shape[1:] != trailing:
+            raise ValueError(
+                f"{what}[{r}] has trailing shape {a.shape[1:]}, rank 0 has {trailing}; all ranks must agree"
+            )
+    return arrays
+
+
+def _count_matrix(local_counts: Sequence[ArrayLike], world: int) -> np.ndarray:
+    """Validate every rank's local_count and return them as ``C[src, dst, expert]`` (int64)."""
+    if len(local_counts) != world:
+        raise ValueError(f"expected one local_count per rank ({world}), got {len(local_counts)}")
+    counts = [_as_counts(lc, f"local_counts[{r}]") for r, lc in enumerate(local_counts)]
+    length = counts[0].size
+    for r, c in enumerate(counts):
+        if c.size != length:
+            raise ValueError(
+                f"local_counts[{r}] has length {c.size}, local_counts[0] has {length}; all ranks must agree"
+            )
+    if length == 0 or length % world != 0:
+        raise ValueError(
+            f"local_count length {length} must be a positive multiple of the world size W={world} (W*E)"
+        )
+    return np.stack(counts).reshape(world, world, length // world)
+
+
+def _segments_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
+    total = int(lengths.sum())
+    out_starts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_starts, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _scatter_plan(c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For ``C[src, dst, expert]`` return ``(perm, in_rows, out_rows)``.
+
+    With every rank's input concatenated in rank order, ``concat[perm]`` is every
+    rank's global_scatter output concatenated in rank order; ``in_rows[r]`` and
+    ``out_rows[r]`` are rank r's input and output row counts.
+    """
+    # Chunk (src, dst, e) of the concatenated input starts at the exclusive cumsum of
+    # C in (src, dst, e) order: each rank's rows are ordered by i = dst*E + e.
+    flat = c.ravel()
+    starts = (np.cumsum(flat) - flat).reshape(c.shape)
+    # Output order: destination rank, then expert, then source rank.
+    order = (1, 2, 0)
+    perm = _segments_index(starts.transpose(order).ravel(), c.transpose(order).ravel())
+    return perm, c.sum(axis=(1, 2)), c.sum(axis=(0, 2))
+
+
+def _check_rows(arrays: list[np.ndarray], rows: np.ndarray, what: str, expected: str) -> None:
+    for r, (a, n) in enumerate(zip(arrays, rows)):
+        if a.shape[0] != n:
+            raise ValueError(f"{what}[{r}] has {a.shape[0]} rows but {expected.format(r=r)} is {int(n)}")
+
+
+def _split(concat: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
+    return np.split(concat, np.cumsum(rows)[:-1])
+
+
+# --------------------------------------------------------------------------- operators
+
+
+def global_counts(local_counts: Sequence[ArrayLike]) -> list[np.ndarray]:
+    """Return every rank's ``global_count`` derived from every rank's ``local_count``.
+
+    ``global_count_r[c*E + e] = local_counts[c][r*E + e]``: the number of rows rank r's
+    expert e receives from rank c. ``W = len(local_counts)``; results are int64.
+
+    Example::
+
+        >>> [g.tolist() for g in global_counts([[1, 0, 2, 1], [0, 2, 1, 2]])]
+        [[1, 0, 0, 2], [2, 1, 1, 2]]
+    """
+    world = len(local_counts)
+    if world == 0:
+        raise ValueError("local_counts must hold one count per rank, got an empty sequence")
+    c = _count_matrix(local_counts, world)
+    # global_count on rank r, indexed (src, e), is C[src, r, e].
+    return [np.ascontiguousarray(c[:, r, :]).ravel() for r in range(world)]
+
+
+def global_scatter(xs: Sequence[np.ndarray], local_counts: Sequence[ArrayLike]) -> list[np.ndarray]:
+    """MoE dispatch over the whole world: return every rank's global_scatter output.
+
+    ``xs[r]`` is rank r's input, rows ordered by ``i = card*E + expert`` in chunks of
+    ``local_counts[r][i]`` rows. ``W = len(xs)``, ``E = len(local_counts[0]) // W``.
+    Rank r's output holds the rows sent to it, ordered expert-major, then source
+    rank, each chunk in its original order. dtype and trailing shape are kept.
+
+    Raises ValueError if the count lengths disagree or are not a multiple of W, or if
+    ``sum(local_counts[r]) != len(xs[r])``.
+
+    Example (W=2, E=1)::
+
+        >>> ys = global_scatter([np.array([0, 1, 2]), np.array([10, 11])], [[1, 2], [2, 0]])
+        >>> [y.tolist() for y in ys]
+        [[0, 10, 11], [1, 2]]
+    """
+    arrays = _as_arrays(xs, "xs")
+    c = _count_matrix(local_counts, len(arrays))
+    perm, in_rows, out_rows = _scatter_plan(c)
+    _check_rows(arrays, in_rows, "xs", "sum(local_counts[{r}])")
+    return _split(np.concatenate(arrays, axis=0)[perm], out_rows)
+
+
+def global_gather(xs: Sequence[np.ndarray], local_counts: Sequence[ArrayLike]) -> list[np.ndarray]:
+    """MoE combine over the whole world: the exact inverse of :func:`global_scatter`.
+
+    ``xs[r]`` is laid out like rank r's global_scatter output (expert-major, then
+    source rank, ``sum(global_count_r)`` rows); each chunk goes back to the rank it
+    came from. Rank r's output has ``sum(local_counts[r])`` rows ordered by
+    ``i = card*E + expert``. ``global_gather(global_scatter(xs, lc), lc) == xs``.
+
+    Raises ValueError on inconsistent counts or if ``len(xs[r]) != sum(global_count_r)``.
+
+    Example (W=2, E=1)::
+
+        >>> ys = global_gather([np.array([0, 10, 11]), np.array([1, 2])], [[1, 2], [2, 0]])
+        >>> [y.tolist() for y in ys]
+        [[0, 1, 2], [10, 11]]
+    """
+    arrays = _as_arrays(xs, "xs")
+    c = _count_matrix(local_counts, len(arrays))
+    perm, in_rows, out_rows = _scatter_plan(c)
+    _check_rows(arrays, out_rows, "xs", "the sum of rank {r}'s global_count (derived from local_counts)")
+    concat = np.concatenate(arrays, axis=0)
+    out = np.empty_like(concat)
+    out[perm] = concat
+    return _split(out, in_rows)
+
+
+def alltoall_single(
+    xs: Sequence[np.ndarray], in_split_sizes: Sequence[ArrayLike] | None = None
+) -> list[np.ndarray]:
+    """Uneven all-to-all over rows, for the whole world.
+
+    Rank r sends rows ``[sum(in[:c]), sum(in[:c+1]))`` of ``xs[r]`` to rank c, where
+    ``in = in_split_sizes[r]`` (length W). Rank c's output is the concatenation of what
+    it received, in source-rank order. ``in_split_sizes=None`` means an even split on
+    every rank (each row count must divide by W).
+
+    Raises ValueError on a split-size list of the wrong length, splits that do not sum
+    to the row count, or a row count that cannot be split evenly.
+
+    Example (W=2)::
+
+        >>> ys = alltoall_single([np.array([0, 1, 2]), np.array([10, 11])], [[1, 2], [0, 2]])
+        >>> [y.tolist() for y in ys]
+        [[0], [1, 2, 10, 11]]
+    """
+    arrays = _as_arrays(xs, "xs")
+    world = len(arrays)
+    if in_split_sizes is None:
+        splits: list[ArrayLike] = []
+        for r, a in enumerate(arrays):
+            if a.shape[0] % world != 0:
+                raise ValueError(
+                    f"xs[{r}] has {a.shape[0]} rows, which cannot be split evenly over W={world} ranks; "
+                    "pass in_split_sizes"
+                )
+            splits.append(np.full(world, a.shape[0] // world, dtype=np.int64))
+    else:
+        if len(in_split_sizes) != world:
+            raise ValueError(f"expected one in_split_sizes per rank ({world}), got {len(in_split_sizes)}")
+        splits = []
+        for r, s in enumerate(in_split_sizes):
+            s = _as_counts(s, f"in_split_sizes[{r}]")
+            if s.size != world:
+                raise ValueError(f"in_split_sizes[{r}] has length {s.size}, expected W={world}")
+            splits.append(s)
+        _check_rows(arrays, np.array([s.sum() for s in splits]), "xs", "sum(in_split_sizes[{r}])")
+    # An all-to-all is global_scatter with one expert per rank.
+    return global_scatter(arrays, splits)
+
+
+def all_gather(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Every rank receives all ranks' rows, concatenated along dimension 0 in rank order.
+
+    Ranks may have different row counts (dtype and trailing shape must agree). Returns
+    one independent copy per rank.
+
+    Example (W=2)::
+
+        >>> ys = all_gather([np.array([1, 2]), np.array([3])])
+        >>> [y.tolist() for y in ys]
+        [[1, 2, 3], [1, 2, 3]]
+    """
+    arrays = _as_arrays(xs, "xs")
+    concat = np.concatenate(arrays, axis=0)
+    return [concat.copy() for _ in arrays]
+
+
+def all_gather_backward(grads: Sequence[np.ndarray], rows: Sequence[int]) -> list[np.ndarray]:
+    """Gradient of :func:`all_gather` (a reduce-scatter).
+
+    ``grads[k]`` is rank k's gradient of its all_gather output (``sum(rows)`` rows);
+    ``rows[r]`` is rank r's input row count. Rank r's input gradient is the sum, over
+    every rank k, of the rows of ``grads[k]`` that came from rank r. dtype is kept.
+
+    Example (W=2)::
+
+        >>> gs = all_gather_backward([np.array([1., 2., 3.]), np.array([10., 20., 30.])], [2, 1])
+        >>> [g.tolist() for g in gs]
+        [[11.0, 22.0], [33.0]]
+    """
+    arrays = _as_arrays(grads, "grads")
+    sizes = _as_counts(rows, "rows")
+    if sizes.size != len(arrays):
+        raise ValueError(f"rows has {sizes.size} entries, expected one per rank ({len(arrays)})")
+    total = int(sizes.sum())
+    _check_rows(arrays, np.full(len(arrays), total), "grads", "sum(rows)")
+    summed = np.stack(arrays).sum(axis=0, dtype=arrays[0].dtype)
+    return [part.copy() for part in _split(summed, sizes)]

@@ -1,0 +1,158 @@
+"""The process-wide state: which backend runs, the world group, and the configured timeout.
+
+``init`` reads the rank and world size from ``RANK``/``WORLD_SIZE`` (as torchrun and
+``unicoll run`` set them; a lone process is rank 0 of 1), the backend from its argument or
+``UNICOLL_BACKEND``, and the timeout from its argument or ``UNICOLL_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import registry
+from .backends.base import Backend
+from .errors import NotInitializedError
+from .group import Group
+
+TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass
+class _State:
+    backend: Backend
+    world: Group
+    timeout: float
+
+
+_state: _State | None = None
+_sessions = itertools.count()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"unicoll.init: ${name}: expected an integer, got {raw!r}") from None
+
+
+def _timeout_setting(timeout: float | None) -> float:
+    source = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV_VAR)
+        if raw is None:
+            return DEFAULT_TIMEOUT
+        source = f"${TIMEOUT_ENV_VAR}"
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"unicoll.init: {source}: expected a number of seconds, got {raw!r}") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"unicoll.init: {source}: expected a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def init(backend: str | None = None, *, timeout: float | None = None) -> None:
+    """Join the job: start the backend and the world group.
+
+    ``backend``: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"``, a registered name, ``"auto"``
+    or None (then ``$UNICOLL_BACKEND``, else ``"auto"``). ``timeout``: seconds every
+    operator may take (default ``$UNICOLL_TIMEOUT`` or 300). On the torch backends an
+    already initialized torch.distributed default group is adopted; otherwise the default
+    group is created, so raw torch.distributed calls work beside unicoll.
+
+    >>> import unicoll as uc
+    >>> uc.init("gloo")            # doctest: +SKIP
+    """
+    global _state
+    if _state is not None:
+        raise RuntimeError(f"unicoll.init: already initialized with backend {_state.backend.name!r}; call finalize() first")
+    seconds = _timeout_setting(timeout)
+    name = registry.resolve(backend)
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"unicoll.init: $RANK: expected 0 <= RANK < WORLD_SIZE ({world_size}), got {rank}")
+    started = registry.registered()[name](rank=rank, world_size=world_size, timeout=seconds)
+    world = Group(tuple(range(started.world_size)), None, started.rank, next(_sessions))
+    _state = _State(started, world, seconds)
+
+
+def finalize() -> None:
+    """Leave the job and release the backend; ``init`` may be called again afterwards."""
+    global _state
+    if _state is not None:
+        state, _state = _state, None
+        state.backend.finalize()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`finalize` has not since)."""
+    return _state is not None
+
+
+def state() -> _State:
+    """The running state; NotInitializedError before :func:`init`."""
+    if _state is None:
+        raise NotInitializedError("unicoll is not initialized: call unicoll.init() first")
+    return _state
+
+
+def resolve_group(group: Group | None, op: str) -> Group:
+    """``group`` checked for use now by this rank, or the world group for None."""
+    current = state()
+    if group is None:
+        return current.world
+    if not isinstance(group, Group):
+        raise TypeError(f"{op}: group: expected a unicoll.Group or None, got {type(group).__name__}")
+    if group.session != current.world.session:
+        raise ValueError(f"{op}: group: expected a group made since the last init(), got {group!r} from an earlier one")
+    if not group.is_member:
+        raise ValueError(
+            f"{op}: group: expected a group this rank belongs to, got {group!r} (this is world rank {current.backend.rank})"
+        )
+    return group
+
+
+def get_backend() -> str:
+    """Name of the running backend: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"`` or a registered one."""
+    return state().backend.name
+
+
+def get_rank(group: Group | None = None) -> int:
+    """This process's rank in ``group`` (the world when None)."""
+    return resolve_group(group, "get_rank").rank
+
+
+def get_world_size(group: Group | None = None) -> int:
+    """Number of ranks in ``group`` (the world when None)."""
+    return resolve_group(group, "get_world_size").world_size
+
+
+def new_group(ranks: Sequence[int]) -> Group:
+    """A group of the given world ranks; every rank of the world must call it, members or not.
+
+    >>> pair = uc.new_group([0, 1])   # doctest: +SKIP
+    """
+    current = state()
+    world_size = current.world.world_size
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise TypeError(f"new_group: ranks: expected a sequence of ints, got {type(ranks).__name__}")
+    members = tuple(sorted(ranks))
+    if not members or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in members):
+        raise ValueError(f"new_group: ranks: expected a non-empty list of world ranks in [0, {world_size}), got {list(ranks)}")
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks: expected distinct ranks, got {list(ranks)}")
+    handle = current.backend.new_group(members)
+    return Group(members, handle, current.backend.rank, current.world.session)
+
+
+def barrier(group: Group | None = None) -> None:
+    """Block until every rank of ``group`` reaches the barrier."""
+    resolved = resolve_group(group, "barrier")
+    state().backend.barrier(resolved)

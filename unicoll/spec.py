@@ -1,0 +1,269 @@
+"""Each operator described once: its parameters, its validation rules, its reference and backward.
+
+The front end validates calls from these specs (:mod:`unicoll.validate`), the API page of
+the docs is generated from them (:mod:`unicoll.docgen`), and the conformance tests iterate
+over them together with each backend's capability table.
+
+A rule states what is expected of one parameter. Its check returns None when the call
+meets it, else a description of what was given, and the error reads
+``"<op>: <param>: expected <expected>, got <given>"``. ``{W}`` in ``expected`` is the
+group size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+#: The prepared arguments of one call, by parameter name, plus ``W`` (the group size).
+Call = SimpleNamespace
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: ``kind`` says how the front end reads it (see :mod:`unicoll.validate`)."""
+
+    name: str
+    kind: str
+    annotation: str
+    doc: str
+    default: Any = REQUIRED
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a parameter must satisfy once every parameter has been read."""
+
+    param: str
+    expected: str
+    check: Callable[[Call], str | None]
+    error: type[Exception] = ValueError
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An operator: what it does, its parameters and rules, how its gradient flows."""
+
+    name: str
+    summary: str
+    params: tuple[Param, ...]
+    rules: tuple[Rule, ...]
+    backward: str
+    reference: str
+
+
+def _rows(a: Any) -> int:
+    return int(a.shape[0])
+
+
+def length_multiple(counts: Any, world: int) -> str | None:
+    """None when ``counts`` has a positive length divisible by ``world``, else its length."""
+    n = len(counts)
+    return None if n > 0 and n % world == 0 else f"length {n}"
+
+
+def _same_array_kind(out: Any, x: Any, what: str) -> str | None:
+    """Library, dtype and trailing shape of ``out`` against ``x``; None when they agree."""
+    from .arrays import describe, dtype_name, library_of
+
+    if library_of(out) != library_of(x) or dtype_name(out) != dtype_name(x) or tuple(out.shape[1:]) != tuple(x.shape[1:]):
+        return f"{describe(out)} for {what} {describe(x)}"
+    return None
+
+
+def _stream_rule() -> Rule:
+    return Rule(
+        "use_calc_stream",
+        "False when sync_op=False (the calculation stream is only for synchronous calls)",
+        lambda c: "True with sync_op=False" if c.use_calc_stream and not c.sync_op else None,
+    )
+
+
+def _common_params(use_calc_stream: bool) -> tuple[Param, ...]:
+    return (
+        Param("group", "group", "Group | None", "The ranks taking part; None is the whole world.", None),
+        Param("sync_op", "flag", "bool", "True returns the result; False returns a Task whose wait() returns it.", True),
+        Param(
+            "use_calc_stream",
+            "flag",
+            "bool",
+            "Run on the caller's current stream (only with sync_op=True); no effect on CPU backends.",
+            use_calc_stream,
+        ),
+    )
+
+
+_MOE_COUNTS = (
+    Param(
+        "local_count",
+        "counts",
+        "int array | Sequence[int]",
+        "Length W*E: local_count[c*E+e] rows of x go to expert e of rank c, in that order.",
+    ),
+    Param(
+        "global_count",
+        "counts",
+        "int array | Sequence[int]",
+        "Length W*E: global_count[c*E+e] rows arrive from rank c for this rank's expert e.",
+    ),
+)
+
+_MOE_COUNT_RULES = (
+    Rule("local_count", "a length that is a positive multiple of the group size {W} (W * n_expert)",
+         lambda c: length_multiple(c.local_count, c.W)),
+    Rule("global_count", "the same length as local_count",
+         lambda c: None if len(c.global_count) == len(c.local_count)
+         else f"length {len(c.global_count)} and local_count of length {len(c.local_count)}"),
+)  # fmt: skip
+
+GLOBAL_SCATTER = OpSpec(
+    name="global_scatter",
+    summary=(
+        "MoE dispatch: send each row of x to the expert it is routed to. The output holds "
+        "sum(global_count) rows ordered expert-major, then source rank."
+    ),
+    params=(
+        Param("x", "array", "array", "Rows ordered by destination (rank, expert); rows are dimension 0."),
+        *_MOE_COUNTS,
+        *_common_params(use_calc_stream=True),
+    ),
+    rules=(
+        *_MOE_COUNT_RULES,
+        Rule("local_count", "sum(local_count) equal to the number of rows of x",
+             lambda c: None if int(c.local_count.sum()) == _rows(c.x)
+             else f"sum(local_count)={int(c.local_count.sum())} for x with {_rows(c.x)} rows"),
+        _stream_rule(),
+    ),
+    backward="global_gather of the output gradient with the same counts",
+    reference="global_scatter",
+)  # fmt: skip
+
+GLOBAL_GATHER = OpSpec(
+    name="global_gather",
+    summary=(
+        "MoE combine, the inverse of global_scatter: x is laid out as global_scatter's output; "
+        "the output holds sum(local_count) rows in x's original order."
+    ),
+    params=(
+        Param("x", "array", "array", "Rows ordered expert-major, then source rank (global_scatter's output)."),
+        *_MOE_COUNTS,
+        *_common_params(use_calc_stream=True),
+    ),
+    rules=(
+        *_MOE_COUNT_RULES,
+        Rule("global_count", "sum(global_count) equal to the number of rows of x",
+             lambda c: None if int(c.global_count.sum()) == _rows(c.x)
+             else f"sum(global_count)={int(c.global_count.sum())} for x with {_rows(c.x)} rows"),
+        _stream_rule(),
+    ),
+    backward="global_scatter of the output gradient with the same counts",
+    reference="global_gather",
+)  # fmt: skip
+
+
+def _splits_rules(splits: str, tensor: str) -> tuple[Rule, ...]:
+    """Rules tying optional split sizes to the rows of their array (which may itself be None)."""
+
+    def length(c: Call) -> str | None:
+        s = getattr(c, splits)
+        return None if s is None or len(s) == c.W else f"length {len(s)}"
+
+    def total(c: Call) -> str | None:
+        s, a = getattr(c, splits), getattr(c, tensor)
+        if s is None or a is None or len(s) != c.W or int(s.sum()) == _rows(a):
+            return None
+        return f"sum {int(s.sum())} for {tensor} with {_rows(a)} rows"
+
+    def even(c: Call) -> str | None:
+        s, a = getattr(c, splits), getattr(c, tensor)
+        if s is not None or a is None or _rows(a) % c.W == 0:
+            return None
+        return f"{_rows(a)} rows with {splits}=None"
+
+    return (
+        Rule(splits, "one size per rank of the group ({W} entries)", length),
+        Rule(splits, f"sizes that sum to the number of rows of {tensor}", total),
+        Rule(tensor, f"a number of rows divisible by the group size {{W}} when {splits} is None", even),
+    )
+
+
+ALLTOALL_SINGLE = OpSpec(
+    name="alltoall_single",
+    summary=(
+        "Uneven all-to-all of rows: rank r sends in_split_sizes[c] consecutive rows of in_tensor to rank c "
+        "and receives out_split_sizes[c] rows from each rank c, in rank order."
+    ),
+    params=(
+        Param("out_tensor", "optional_output", "array | None",
+              "Filled in place when given; None allocates the output (receive sizes are exchanged first "
+              "when only in_split_sizes is given)."),
+        Param("in_tensor", "array", "array", "The rows to send."),
+        Param("out_split_sizes", "optional_counts", "int array | Sequence[int] | None",
+              "Rows received from each rank; None means an even split of out_tensor.", None),
+        Param("in_split_sizes", "optional_counts", "int array | Sequence[int] | None",
+              "Rows sent to each rank; None means an even split of in_tensor.", None),
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(
+        *_splits_rules("in_split_sizes", "in_tensor"),
+        *_splits_rules("out_split_sizes", "out_tensor"),
+        Rule("out_tensor", "the library, dtype and trailing shape of in_tensor",
+             lambda c: None if c.out_tensor is None else _same_array_kind(c.out_tensor, c.in_tensor, "in_tensor"),
+             TypeError),
+        _stream_rule(),
+    ),
+    backward="alltoall_single of the output gradient with the split sizes swapped",
+    reference="alltoall_single",
+)  # fmt: skip
+
+
+def _gather_output_kind(c: Call) -> str | None:
+    out, x = c.tensor_or_tensor_list, c.tensor
+    if isinstance(out, list):
+        return next((f"a list holding {m}" for o in out if (m := _same_array_kind(o, x, "tensor"))), None)
+    return None if out is None else _same_array_kind(out, x, "tensor")
+
+
+def _gather_output_rows(c: Call) -> str | None:
+    out, x, world = c.tensor_or_tensor_list, c.tensor, c.W
+    if out is None:
+        return None
+    if isinstance(out, list):
+        if len(out) not in (0, world):
+            return f"a list of length {len(out)}"
+        mine = _rows(out[c.group.rank]) if out else _rows(x)
+        return None if mine == _rows(x) else f"{mine} rows in entry {c.group.rank} (this rank) for tensor with {_rows(x)}"
+    return None if _rows(out) == world * _rows(x) else f"{_rows(out)} rows for {world} ranks of {_rows(x)} rows"
+
+
+ALL_GATHER = OpSpec(
+    name="all_gather",
+    summary=(
+        "Every rank receives every rank's tensor, in rank order. Ranks may hold different numbers of rows "
+        "(with a None or list output)."
+    ),
+    params=(
+        Param("tensor_or_tensor_list", "gather_output", "array | list | None",
+              "None returns all ranks' rows concatenated; an array of W * rows rows is filled in place; "
+              "an empty list gets W arrays appended; a list of W arrays is filled in place."),
+        Param("tensor", "array", "array", "This rank's rows."),
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(
+        Rule("tensor_or_tensor_list", "arrays of the library, dtype and trailing shape of tensor",
+             _gather_output_kind, TypeError),
+        Rule("tensor_or_tensor_list",
+             "an array of {W} * (rows of tensor) rows, an empty list, or a list of {W} arrays whose entry "
+             "for this rank has the rows of tensor", _gather_output_rows),
+        _stream_rule(),
+    ),
+    backward="each rank's gradient is the sum of every rank's output gradient for its rows (a reduce-scatter)",
+    reference="all_gather",
+)  # fmt: skip
+
+#: Every operator, by name, in the order the docs list them.
+OPS: dict[str, OpSpec] = {op.name: op for op in (GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER)}
