@@ -1,0 +1,231 @@
+"""The conformance matrix, shared by the CPU and GPU test modules.
+
+Cases are generated from the operator specs (``unicoll.spec.OPS``) and a backend's capability
+table: every operator it provides x every array library and dtype it moves x sync/async x the
+world group and a sub-group, each with a layout variant of the operator. Every case draws
+random whole-world inputs from its own seed (zero counts, empty ranks, several trailing
+shapes), runs on each rank of a spawned world, and is compared with ``unicoll.reference``.
+"""
+
+from __future__ import annotations
+
+import traceback
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import unicoll as uc
+from unicoll import reference
+from unicoll.backends.base import Capabilities
+from unicoll.spec import OPS
+
+#: Layout variants of each operator (an operator spec without an entry here fails the suite).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "global_scatter": ("one_expert", "experts"),
+    "global_gather": ("one_expert", "experts"),
+    "alltoall_single": ("splits", "exchange", "even", "out"),
+    "all_gather": ("new", "array", "empty_list", "filled_list"),
+}
+
+TRAILING = ((), (3,), (2, 2))
+
+#: dtypes an array library cannot express (numpy has no bfloat16).
+MISSING_DTYPES = {"numpy": {"bfloat16"}, "cupy": {"bfloat16"}, "torch": set()}
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    variant: str
+    library: str
+    dtype: str
+    sync: bool
+    subgroup: bool
+    world_size: int
+
+    @property
+    def id(self) -> str:
+        mode = "sync" if self.sync else "async"
+        where = "subgroup" if self.subgroup else "world"
+        return f"W{self.world_size}-{self.op}-{self.variant}-{self.library}-{self.dtype}-{mode}-{where}"
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(self.id.encode())
+
+
+def subgroup_ranks(world_size: int) -> list[int]:
+    """World ranks of the matrix's sub-group: all but rank 0, so positions differ from ranks."""
+    return list(range(1, world_size)) or [0]
+
+
+def cases(caps: Capabilities, world_size: int) -> list[Case]:
+    """Every case of the matrix for a backend with capability table ``caps``."""
+    return [
+        Case(op, variant, library, dtype, sync, subgroup, world_size)
+        for op in OPS
+        if op in caps.ops
+        for variant in VARIANTS[op]
+        for library in sorted(caps.libraries)
+        for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
+        for sync in (True, False)
+        for subgroup in (False, True)
+    ]
+
+
+# -- inputs and expected outputs -------------------------------------------------------------
+
+
+def _values(rng: np.random.Generator, rows: int, trailing: tuple[int, ...], dtype: str) -> np.ndarray:
+    shape = (rows, *trailing)
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    # small integers are exact in every dtype, bfloat16 included
+    return rng.integers(0, 100, shape).astype("float32" if dtype == "bfloat16" else dtype)
+
+
+def _counts(rng: np.random.Generator, world: int, experts: int) -> np.ndarray:
+    """Per-rank local counts with zeros, and now and then a rank that sends nothing."""
+    counts = rng.integers(0, 4, (world, world * experts)) * (rng.random((world, world * experts)) > 0.3)
+    if world > 1 and rng.random() < 0.25:
+        counts[rng.integers(world)] = 0
+    return counts.astype(np.int64)
+
+
+def world_case(case: Case, world: int) -> dict[str, Any]:
+    """Whole-world inputs (``args``: one dict per group position) and ``expected`` outputs."""
+    rng = np.random.default_rng(case.seed)
+    trailing = TRAILING[rng.integers(len(TRAILING))]
+    if case.op in ("global_scatter", "global_gather"):
+        experts = 1 if case.variant == "one_expert" else int(rng.integers(2, 4))
+        local = _counts(rng, world, experts)
+        glob = reference.global_counts(list(local))
+        sent = local if case.op == "global_scatter" else np.stack(glob)
+        xs = [_values(rng, int(c.sum()), trailing, case.dtype) for c in sent]
+        fn = reference.global_scatter if case.op == "global_scatter" else reference.global_gather
+        expected = fn([x.astype("float32") if case.dtype == "bfloat16" else x for x in xs], list(local))
+        args = [dict(x=xs[r], local_count=local[r], global_count=glob[r]) for r in range(world)]
+        return dict(args=args, expected=expected)
+    if case.op == "alltoall_single":
+        if case.variant == "even":
+            per = int(rng.integers(0, 3))
+            splits = np.full((world, world), per, dtype=np.int64)
+        else:
+            splits = _counts(rng, world, 1)
+        xs = [_values(rng, int(s.sum()), trailing, case.dtype) for s in splits]
+        expected = reference.alltoall_single(xs, list(splits))
+        args = [dict(x=xs[r], in_splits=splits[r], out_splits=splits[:, r]) for r in range(world)]
+        return dict(args=args, expected=expected)
+    rows = [int(rng.integers(0, 4))] * world if case.variant == "array" else rng.integers(0, 4, world).tolist()
+    xs = [_values(rng, n, trailing, case.dtype) for n in rows]
+    return dict(args=[dict(x=x, rows=rows) for x in xs], expected=reference.all_gather(xs))
+
+
+# -- running a case on one rank --------------------------------------------------------------
+
+
+def to_library(a: np.ndarray, library: str, dtype: str, device: str) -> Any:
+    """``a`` as an array of ``library`` (on ``device``) with dtype ``dtype``."""
+    if library == "numpy":
+        return a.copy()
+    if library == "torch":
+        import torch
+
+        return torch.from_numpy(a.copy()).to(device=device, dtype=getattr(torch, dtype))
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """Any library's array as numpy (bfloat16 widened to float32)."""
+    module = type(a).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        return (a.float() if a.dtype == torch.bfloat16 else a).detach().cpu().numpy()
+    if module == "cupy":
+        return a.get()
+    return np.asarray(a)
+
+
+def _empty(like: Any, rows: int) -> Any:
+    from array_api_compat import array_namespace, device
+
+    xp = array_namespace(like)
+    return xp.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
+
+
+def _call(case: Case, a: dict[str, Any], group: uc.Group, lib: Any) -> tuple[Any, Any]:
+    """Run the case's operator; returns (result, the in-place target or None)."""
+    kw = dict(group=group) if case.sync else dict(group=group, sync_op=False, use_calc_stream=False)
+    x = lib(a["x"])
+    if case.op == "global_scatter":
+        return uc.global_scatter(x, a["local_count"], a["global_count"], **kw), None
+    if case.op == "global_gather":
+        return uc.global_gather(x, a["local_count"], a["global_count"], **kw), None
+    if case.op == "alltoall_single":
+        if case.variant == "splits":
+            return uc.alltoall_single(None, x, a["out_splits"], a["in_splits"], **kw), None
+        if case.variant == "exchange":
+            return uc.alltoall_single(None, x, in_split_sizes=a["in_splits"], **kw), None
+        if case.variant == "even":
+            return uc.alltoall_single(None, x, **kw), None
+        out = _empty(x, int(a["out_splits"].sum()))
+        return uc.alltoall_single(out, x, a["out_splits"], a["in_splits"], **kw), out
+    if case.variant == "new":
+        return uc.all_gather(None, x, **kw), None
+    if case.variant == "array":
+        out = _empty(x, int(sum(a["rows"])))
+        return uc.all_gather(out, x, **kw), out
+    target = [] if case.variant == "empty_list" else [_empty(x, n) for n in a["rows"]]
+    return uc.all_gather(target, x, **kw), target
+
+
+def _check(case: Case, a: dict[str, Any], result: Any, target: Any, expected: np.ndarray) -> None:
+    if target is not None:
+        assert result is target, "the in-place form must return its target"
+    if not isinstance(result, list):
+        _check_array(result, expected, case)
+        return
+    assert len(result) == len(a["rows"]), f"a list of {len(result)} arrays for {len(a['rows'])} ranks"
+    offsets = np.cumsum([0, *a["rows"]])
+    for c, got in enumerate(result):
+        _check_array(got, expected[offsets[c] : offsets[c + 1]], case)
+
+
+def _check_array(got: Any, want: np.ndarray, case: Case) -> None:
+    from unicoll.arrays import dtype_name, library_of
+
+    assert library_of(got) == case.library, f"library {library_of(got)}, expected {case.library}"
+    assert dtype_name(got) == case.dtype, f"dtype {dtype_name(got)}, expected {case.dtype}"
+    values = to_numpy(got)
+    assert values.shape == want.shape, f"shape {values.shape}, expected {want.shape}"
+    np.testing.assert_array_equal(values, want)
+
+
+def run_cases(rank: int, all_cases: list[Case], device: str = "cpu") -> dict[str, str | None]:
+    """Run every case on this rank; returns each case's failure text (None when it passed)."""
+    world = uc.get_world_size()
+    sub = uc.new_group(subgroup_ranks(world))
+    outcome: dict[str, str | None] = {}
+    for case in all_cases:
+        group = sub if case.subgroup else None
+        if case.subgroup and not sub.is_member:
+            continue
+        size = sub.world_size if case.subgroup else world
+        position = sub.rank if case.subgroup else rank
+        inputs = world_case(case, size)
+        a = inputs["args"][position]
+        try:
+            result, target = _call(case, a, group, lambda v: to_library(v, case.library, case.dtype, device))
+            if not case.sync:
+                assert isinstance(result, uc.Task), f"sync_op=False returned {type(result).__name__}"
+                result = result.wait()
+            _check(case, a, result, target, inputs["expected"][position])
+            outcome[case.id] = None
+        except Exception:
+            outcome[case.id] = f"rank {rank}:\n{traceback.format_exc()}"
+    return outcome

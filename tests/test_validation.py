@@ -1,0 +1,127 @@
+"""Bad input: a clear TypeError/ValueError naming the parameter, on every rank, before any
+communication (a correct call right after still lines up across ranks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import unicoll as uc
+
+W = 2  # the world the table below is written for
+X = np.arange(8, dtype=np.float32).reshape(4, 2)
+
+# (label, the bad call, exception type, words the message must contain)
+BAD_CALLS = [
+    ("rows != sum(local_count)", lambda: uc.global_scatter(X, [1, 1, 1, 0], [1, 1, 1, 1]),
+     ValueError, ["global_scatter: local_count:", "sum(local_count)=3 for x with 4 rows"]),
+    ("float counts (numpy)", lambda: uc.global_scatter(X, np.array([1.0, 1, 1, 1]), [1, 1, 1, 1]),
+     TypeError, ["local_count:", "int32 or int64", "float64"]),
+    ("float counts (list)", lambda: uc.global_gather(X, [1, 1, 1, 1], [1.0, 1.0, 1.0, 1.0]),
+     TypeError, ["global_count:", "sequence of ints", "float"]),
+    ("float counts (torch)", lambda: uc.global_scatter(X, torch.ones(4), [1, 1, 1, 1]),
+     TypeError, ["local_count:", "float32"]),
+    ("negative counts", lambda: uc.global_scatter(X, [2, 3, -1, 0], [1, 1, 1, 1]),
+     ValueError, ["local_count:", "non-negative", "-1 at index 2"]),
+    ("count length not W*E", lambda: uc.global_scatter(X, [1, 1, 2], [1, 1, 2]),
+     ValueError, ["local_count:", "multiple of the group size 2", "length 3"]),
+    ("count lengths differ", lambda: uc.global_scatter(X, [1, 1, 1, 1], [2, 2]),
+     ValueError, ["global_count:", "same length as local_count", "length 2"]),
+    ("global_count sum != rows", lambda: uc.global_gather(X, [1, 1, 1, 1], [1, 1, 1, 0]),
+     ValueError, ["global_gather: global_count:", "sum(global_count)=3 for x with 4 rows"]),
+    ("in splits do not sum", lambda: uc.alltoall_single(None, X, in_split_sizes=[1, 2]),
+     ValueError, ["alltoall_single: in_split_sizes:", "sum 3 for in_tensor with 4 rows"]),
+    ("splits of wrong length", lambda: uc.alltoall_single(None, X, [4], [4]),
+     ValueError, ["in_split_sizes:", "2 entries", "length 1"]),
+    ("uneven rows, no splits", lambda: uc.alltoall_single(None, X[:3]),
+     ValueError, ["in_tensor:", "divisible by the group size 2", "3 rows"]),
+    ("out_tensor rows", lambda: uc.alltoall_single(np.empty((3, 2), np.float32), X, [2, 2], [2, 2]),
+     ValueError, ["out_split_sizes:", "sum 4 for out_tensor with 3 rows"]),
+    ("out_tensor dtype", lambda: uc.alltoall_single(np.empty((4, 2), np.float64), X),
+     TypeError, ["out_tensor:", "numpy float64 (4, 2)", "in_tensor numpy float32 (4, 2)"]),
+    ("out_tensor trailing shape", lambda: uc.alltoall_single(np.empty((4, 3), np.float32), X),
+     TypeError, ["out_tensor:", "trailing shape"]),
+    ("out_tensor library", lambda: uc.alltoall_single(torch.empty(4, 2), X),
+     TypeError, ["out_tensor:", "library"]),
+    ("out_tensor not contiguous", lambda: uc.alltoall_single(np.empty((4, 4), np.float32)[:, :2], X),
+     ValueError, ["out_tensor:", "C-contiguous"]),
+    ("unsupported dtype", lambda: uc.all_gather(None, X.astype(np.complex64)),
+     TypeError, ["all_gather: tensor:", "one of the dtypes", "complex64"]),
+    ("not an array", lambda: uc.all_gather(None, [1, 2, 3]),
+     TypeError, ["all_gather: tensor:", "numpy or torch array", "list"]),
+    ("0-d array", lambda: uc.all_gather(None, np.float32(1.0).reshape(())),
+     ValueError, ["tensor:", "at least one dimension"]),
+    ("gather into wrong rows", lambda: uc.all_gather(np.empty((5, 2), np.float32), X),
+     ValueError, ["tensor_or_tensor_list:", "5 rows for 2 ranks of 4 rows"]),
+    ("gather list length", lambda: uc.all_gather([np.empty((4, 2), np.float32)], X),
+     ValueError, ["tensor_or_tensor_list:", "a list of length 1"]),
+    ("gather list dtype", lambda: uc.all_gather([np.empty((4, 2), np.int64)] * 2, X),
+     TypeError, ["tensor_or_tensor_list:", "int64"]),
+    ("async on calc stream", lambda: uc.global_scatter(X, [1, 1, 1, 1], [1, 1, 1, 1], sync_op=False),
+     ValueError, ["use_calc_stream:", "False when sync_op=False", "True with sync_op=False"]),
+    ("sync_op not bool", lambda: uc.alltoall_single(None, X, sync_op="yes"),
+     TypeError, ["sync_op:", "True or False", "str"]),
+    ("group of wrong type", lambda: uc.all_gather(None, X, group=[0, 1]),
+     TypeError, ["group:", "unicoll.Group", "list"]),
+]  # fmt: skip
+
+
+def run_bad_calls(rank: int) -> tuple[list[tuple[str, str, str]], list]:
+    """Every bad call on this rank, then one good all-to-all that must still line up."""
+    caught = []
+    for label, call, _, _ in BAD_CALLS:
+        try:
+            call()
+        except Exception as exc:  # recorded, asserted in the parent
+            caught.append((label, type(exc).__name__, str(exc)))
+        else:
+            caught.append((label, "no error", ""))
+    return caught, uc.alltoall_single(None, X + rank).tolist()
+
+
+@pytest.fixture(scope="module")
+def bad_call_outcomes():
+    return uc.testing.spawn(run_bad_calls, W, backend="gloo")
+
+
+@pytest.mark.parametrize("index", range(len(BAD_CALLS)), ids=[b[0] for b in BAD_CALLS])
+def test_bad_call_raises_on_every_rank(index, bad_call_outcomes) -> None:
+    label, _, error, words = BAD_CALLS[index]
+    for rank, (caught, _) in enumerate(bad_call_outcomes):
+        got_label, got_type, message = caught[index]
+        assert got_label == label
+        assert got_type == error.__name__, f"rank {rank}: {got_type}: {message}"
+        for word in words:
+            assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+
+
+def test_no_communication_before_the_error(bad_call_outcomes) -> None:
+    """A bad call sent nothing: the good all-to-all after them pairs up correctly."""
+    expected = [np.concatenate([X[:2] + 0, X[:2] + 1]), np.concatenate([X[2:] + 0, X[2:] + 1])]
+    for rank, (_, good) in enumerate(bad_call_outcomes):
+        np.testing.assert_array_equal(np.array(good), expected[rank])
+
+
+def rank_outside_group(rank: int) -> str:
+    group = uc.new_group([1, 2])
+    if rank != 0:
+        return repr(uc.all_gather(None, X, group=group).shape)
+    with pytest.raises(ValueError, match=r"all_gather: group: expected a group this rank belongs to, got Group\(ranks=\[1, 2\]\)"):
+        uc.all_gather(None, X, group=group)
+    with pytest.raises(ValueError, match="group: expected a group this rank belongs to"):
+        group.rank  # noqa: B018
+    return "raised"
+
+
+def test_group_this_rank_is_not_in() -> None:
+    assert uc.testing.spawn(rank_outside_group, 3, backend="gloo") == ["raised", "(8, 2)", "(8, 2)"]
+
+
+def test_operator_before_init() -> None:
+    assert not uc.is_initialized()
+    for call in (lambda: uc.global_scatter(X, [4], [4]), lambda: uc.get_rank(), lambda: uc.barrier()):
+        with pytest.raises(uc.NotInitializedError, match=r"call unicoll.init\(\) first"):
+            call()
+    with pytest.raises(ValueError):  # also catchable as ValueError, as torch.distributed raises
+        uc.all_gather(None, X)
