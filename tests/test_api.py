@@ -1,0 +1,87 @@
+"""The public API is pinned: an accidental change to a name or a signature fails here."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import unicoll as uc
+from unicoll import docgen
+from unicoll.spec import OPS, REQUIRED
+
+PUBLIC = {
+    "BackendUnavailableError": None,
+    "Group": None,
+    "NotInitializedError": None,
+    "Task": None,
+    "__version__": None,
+    "reference": None,
+    "testing": None,
+    "init": "(backend=None, *, timeout=None)",
+    "finalize": "()",
+    "is_initialized": "()",
+    "get_rank": "(group=None)",
+    "get_world_size": "(group=None)",
+    "get_backend": "()",
+    "new_group": "(ranks)",
+    "barrier": "(group=None)",
+    "register_backend": "(name, factory)",
+    "exchange_counts": "(local_count, group=None)",
+    "global_scatter": "(x, local_count, global_count, group=None, sync_op=True, use_calc_stream=True)",
+    "global_gather": "(x, local_count, global_count, group=None, sync_op=True, use_calc_stream=True)",
+    "alltoall_single": "(out_tensor, in_tensor, out_split_sizes=None, in_split_sizes=None, group=None, "
+    "sync_op=True, use_calc_stream=False)",
+    "all_gather": "(tensor_or_tensor_list, tensor, group=None, sync_op=True, use_calc_stream=False)",
+}
+
+TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None)"}
+TASK = {"wait": "(self, timeout=None)", "is_completed": "(self)"}
+
+
+def bare(fn) -> str:
+    """A signature without annotations: names, kinds and defaults only."""
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
+    return str(inspect.Signature(params))
+
+
+def test_all_lists_exactly_the_public_names() -> None:
+    assert sorted(uc.__all__) == sorted(PUBLIC)
+    for name in uc.__all__:
+        assert hasattr(uc, name), name
+
+
+def test_public_signatures_are_pinned() -> None:
+    for name, expected in PUBLIC.items():
+        if expected is not None:
+            assert bare(getattr(uc, name)) == expected, name
+    for name, expected in TESTING.items():
+        assert bare(getattr(uc.testing, name)) == expected, name
+    for name, expected in TASK.items():
+        assert bare(getattr(uc.Task, name)) == expected, name
+    group = uc.Group((0, 2), handle=None, world_rank=2, session=0)
+    assert (group.ranks, group.rank, group.world_size) == ((0, 2), 1, 2)
+
+
+def test_specs_describe_the_functions() -> None:
+    """Each operator's spec lists exactly the function's parameters and defaults."""
+    for name, op in OPS.items():
+        params = inspect.signature(getattr(uc, name)).parameters
+        assert [p.name for p in op.params] == list(params), name
+        for p in op.params:
+            default = params[p.name].default
+            assert (default is inspect.Parameter.empty) == (p.default is REQUIRED), (name, p.name)
+            if p.default is not REQUIRED:
+                assert default == p.default, (name, p.name)
+
+
+def test_api_page_is_generated_from_the_specs() -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+    assert page.read_text(encoding="utf-8") == docgen.render(), "run: python -m unicoll.docgen docs/api.md"
+
+
+def test_import_loads_no_framework() -> None:
+    code = "import sys, unicoll; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,178 @@
+"""Backend selection, registration, init/finalize and adoption of torch.distributed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import unicoll as uc
+from unicoll import registry
+from unicoll.backends.gloo import GlooFactory
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("UNICOLL_BACKEND", "UNICOLL_TIMEOUT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    uc.finalize()
+
+
+def test_selection_order(monkeypatch) -> None:
+    assert registry.resolve(None) == registry.resolve("auto")
+    monkeypatch.setenv("UNICOLL_BACKEND", "gloo")
+    assert registry.resolve(None) == "gloo"
+    monkeypatch.setenv("UNICOLL_BACKEND", "no-such")
+    assert registry.resolve("gloo") == "gloo"  # explicit beats the environment
+    with pytest.raises(uc.BackendUnavailableError, match=r"\$UNICOLL_BACKEND: unknown backend 'no-such'.*usable here: gloo"):
+        registry.resolve(None)
+
+
+def test_unknown_backend_lists_the_valid_ones() -> None:
+    with pytest.raises(uc.BackendUnavailableError) as info:
+        uc.init("mpi")
+    message = str(info.value)
+    assert "init(backend=...): unknown backend 'mpi'" in message
+    for name in ("cupy-nccl", "gloo", "torch-nccl"):
+        assert name in message
+    assert not uc.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("name", ["torch-nccl", "cupy-nccl"])
+def test_gpu_backend_without_cuda_fails_at_init(name, monkeypatch) -> None:
+    monkeypatch.setenv("UNICOLL_BACKEND", name)
+    with pytest.raises(uc.BackendUnavailableError, match=f"backend '{name}' is not usable here: .*usable here: gloo"):
+        uc.init()
+
+
+def test_auto_picks_gloo_without_cuda() -> None:
+    expected = "torch-nccl" if torch.cuda.is_available() else "gloo"
+    assert registry.resolve("auto") == expected
+
+
+def test_registered_backend_is_selectable() -> None:
+    registry.register_backend("gloo-twin", GlooFactory())
+    try:
+        uc.init("gloo-twin")
+        assert uc.get_backend() == "gloo"  # the running transport names itself
+        assert uc.alltoall_single(None, np.ones((2, 1))).shape == (2, 1)
+    finally:
+        uc.finalize()
+        registry._factories.pop("gloo-twin")
+
+
+def test_register_backend_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="name: expected a non-empty string other than 'auto'"):
+        registry.register_backend("auto", GlooFactory())
+    with pytest.raises(TypeError, match=r"factory: expected an object with .capabilities"):
+        registry.register_backend("x", object())
+
+
+def test_entry_point_backend_is_listed(tmp_path) -> None:
+    """A package that declares a factory in the ``unicoll.backends`` group shows up in ``unicoll info``."""
+    (tmp_path / "extra_backend.py").write_text("from unicoll.backends.gloo import GlooFactory\nfactory = GlooFactory()\n")
+    info = tmp_path / "extra_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[unicoll.backends]\nextra = extra_backend:factory\n")
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "unicoll", "info"], capture_output=True, text=True, env=env, check=True)
+    assert "extra" in out.stdout and "usable" in out.stdout
+
+
+def test_info_reports_every_backend() -> None:
+    out = subprocess.run([sys.executable, "-m", "unicoll", "info"], capture_output=True, text=True, check=True).stdout
+    assert "gloo         usable" in out
+    for name in ("torch-nccl", "cupy-nccl"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        if not torch.cuda.is_available():
+            assert "not usable: " in line
+    assert "auto picks: " in out
+
+
+def test_init_finalize_init() -> None:
+    uc.init("gloo", timeout=30)
+    assert uc.is_initialized() and uc.get_backend() == "gloo"
+    assert (uc.get_rank(), uc.get_world_size()) == (0, 1)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        uc.init("gloo")
+    stale = uc.new_group([0])
+    uc.finalize()
+    assert not uc.is_initialized() and not dist.is_initialized()
+    uc.init("gloo")
+    with pytest.raises(ValueError, match="group: expected a group made since the last init()"):
+        uc.all_gather(None, np.ones(1), group=stale)
+    uc.barrier()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [({"timeout": -1}, r"timeout: expected a positive number of seconds, got -1"),
+     ({"env": "soon"}, r"\$UNICOLL_TIMEOUT: expected a number of seconds, got 'soon'"),
+     ({"env": "0"}, r"\$UNICOLL_TIMEOUT: expected a positive number of seconds, got 0.0")],
+)  # fmt: skip
+def test_bad_timeout(setting, message, monkeypatch) -> None:
+    if "env" in setting:
+        monkeypatch.setenv("UNICOLL_TIMEOUT", setting["env"])
+    with pytest.raises(ValueError, match=message):
+        uc.init("gloo", timeout=setting.get("timeout"))
+
+
+def test_bad_rank_environment(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"\$RANK: expected 0 <= RANK < WORLD_SIZE \(2\), got 2"):
+        uc.init("gloo")
+
+
+def test_adopts_an_existing_default_group() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        uc.init("gloo")
+        assert uc.all_gather(None, np.arange(3)).tolist() == [0, 1, 2]
+        uc.finalize()
+        assert dist.is_initialized(), "finalize must leave a group it did not create"
+    finally:
+        dist.destroy_process_group()
+
+
+def mixes_with_raw_torch(rank: int) -> list[float]:
+    """unicoll created the default group, so raw torch.distributed calls work beside it."""
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return [t.item(), *uc.all_gather(None, t).tolist()]
+
+
+def test_raw_torch_distributed_beside_unicoll() -> None:
+    assert uc.testing.spawn(mixes_with_raw_torch, 2, backend="gloo") == [[3.0, 3.0, 3.0]] * 2
+
+
+def test_ranks_and_groups_in_a_world() -> None:
+    assert uc.testing.spawn(_group_facts, 3, backend="gloo") == [
+        (0, 3, None, None),
+        (1, 3, 0, 2),
+        (2, 3, 1, 2),
+    ]
+
+
+def _group_facts(rank: int):
+    group = uc.new_group([2, 1])
+    assert group.ranks == (1, 2)
+    if not group.is_member:
+        return (uc.get_rank(), uc.get_world_size(), None, None)
+    uc.barrier(group)
+    return (uc.get_rank(), uc.get_world_size(), uc.get_rank(group), uc.get_world_size(group))
+
+
+def test_new_group_rejects_bad_ranks() -> None:
+    uc.init("gloo")
+    for ranks, message in (([], "non-empty list of world ranks in \\[0, 1\\)"), ([3], "got \\[3\\]"), ("0", "sequence of ints")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            uc.new_group(ranks)
