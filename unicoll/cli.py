@@ -1,0 +1,80 @@
+"""The ``unicoll`` command: ``unicoll run`` starts a local world, ``unicoll info`` reports.
+
+``unicoll run -n 4 train.py --lr 1e-3`` runs ``train.py`` as 4 ranks on this machine (see
+:mod:`unicoll.launcher`); ``unicoll run -n 4 -m package.module`` runs a module instead.
+``unicoll info`` prints the backends available here. Nothing heavy is imported before a
+subcommand needs it, so the command starts at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from . import launcher
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``unicoll`` command line (``argv`` defaults to ``sys.argv[1:]``); return its code."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Build the argument parser with its ``run`` and ``info`` subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="unicoll",
+        description="Mixture-of-Experts collectives for numpy, torch and cupy arrays.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        help="run a Python script or module as N ranks on this machine",
+        description="Run `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) as N ranks on "
+        "this machine, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT set. Output lines are prefixed with [rank K]; the first rank to fail "
+        "stops the others and its exit code is returned.",
+    )
+    run.add_argument("-n", "--nprocs", type=_positive_int, required=True, help="number of ranks")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    run.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address")
+    run.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    run.add_argument("script", metavar="SCRIPT", help="the script (or module) every rank runs")
+    run.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
+    )
+    run.set_defaults(handler=_run)
+
+    info = commands.add_parser("info", help="show the backends available on this machine")
+    info.set_defaults(handler=_info)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``unicoll run``: start the world and return the code of its first failing rank, or 0."""
+    target = ["-m", args.script] if args.module else [args.script]
+    return launcher.run(
+        args.nprocs,
+        [*target, *args.args],
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+
+
+def _info(args: argparse.Namespace) -> int:
+    """``unicoll info``: print what :func:`unicoll.registry.format_info` reports."""
+    from .registry import format_info
+
+    print(format_info())
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    """Parse a command-line integer that must be at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)

@@ -1,0 +1,238 @@
+"""Run a function on every rank of a small world of fresh processes, for tests.
+
+:func:`spawn` starts one process per rank (multiprocessing's "spawn" start method), places it
+in the world through the environment, calls ``unicoll.init``, runs the function and sends its
+return value back. The first rank to fail stops the world and its traceback is raised here as
+:class:`SpawnError`, so a failing test shows the remote error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, NamedTuple
+
+from .launcher import free_port, world_env
+
+_GRACE_S = 5.0
+"""How long a process has to exit (after finishing, or after SIGTERM) before it is killed."""
+
+
+class SpawnError(RuntimeError):
+    """A rank of :func:`spawn` raised or died; ``rank`` says which one.
+
+    ``remote_traceback`` is the rank's formatted traceback, or None when the process died
+    without reporting one (then ``exitcode`` is its exit code).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        remote_traceback: str | None = None,
+        exitcode: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+
+
+class SpawnTimeout(SpawnError):
+    """:func:`spawn` ran past its timeout; ``ranks`` lists the ranks that had not finished."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int]) -> None:
+        super().__init__(message, rank=ranks[0])
+        self.ranks = list(ranks)
+
+
+class _Report(NamedTuple):
+    """What a rank sends back: its return value, or the traceback and time of its failure."""
+
+    ok: bool
+    value: Any
+    failed_at: float
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return the results by rank.
+
+    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port) and ``env``, then calls
+    ``unicoll.init(backend)``, runs ``fn`` and finally ``unicoll.finalize()``. The variables are
+    set when the process starts running, after it has imported ``fn``'s module and unicoll,
+    and before ``unicoll.init``. ``fn``, ``args`` and the results must be picklable; ``fn``
+    must be defined at module level.
+
+    Raises :class:`SpawnError` for the first rank (in time) that raised or died, after
+    stopping the others, and :class:`SpawnTimeout` when ranks are still running after
+    ``timeout`` seconds (every process is killed).
+    """
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size: expected a positive integer, got {world_size}")
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs: list[BaseProcess] = []
+    conns: list[Connection] = []
+    try:
+        for rank in range(world_size):
+            receiver, sender = ctx.Pipe(duplex=False)
+            conns.append(receiver)
+            child_env = {**(env or {}), **world_env(rank, world_size, "127.0.0.1", port)}
+            proc = ctx.Process(
+                target=_child_main,
+                args=(sender, rank, child_env, backend, fn, args),
+                name=f"unicoll-rank{rank}",
+            )
+            with sender:
+                proc.start()
+            procs.append(proc)
+        results = _collect(procs, conns, timeout)
+        _join(procs, time.monotonic() + _GRACE_S)
+        return results
+    finally:
+        _stop(procs)
+        for conn in conns:
+            conn.close()
+
+
+def _child_main(
+    conn: Connection,
+    rank: int,
+    env: dict[str, str],
+    backend: str | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    """Entry point of a rank: join the world, run ``fn``, send back its result or its error."""
+    try:
+        os.environ.update(env)
+        result = _run_in_world(conn, fn, rank, args, backend)
+        # Plain pickle, not the Connection's ForkingPickler: torch registers reducers there
+        # that share tensors through this process, which exits right after sending.
+        payload = pickle.dumps(_Report(True, result, 0.0))
+    except BaseException:
+        if not conn.closed:
+            _send_failure(conn)
+        sys.exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send_bytes(payload)
+    # Skip the interpreter's teardown, which takes about a second with torch loaded; the
+    # world is finalized and everything the rank printed is flushed.
+    os._exit(0)
+
+
+def _run_in_world(
+    conn: Connection, fn: Callable[..., Any], rank: int, args: tuple[Any, ...], backend: str | None
+) -> Any:
+    """Call ``fn(rank, *args)`` between ``unicoll.init(backend)`` and ``unicoll.finalize()``.
+
+    A failure of ``fn`` is sent before ``finalize`` runs: finalize may wait for peers that are
+    themselves waiting for this rank, and the parent stops them all once it knows.
+    """
+    import unicoll
+
+    unicoll.init(backend)
+    try:
+        return fn(rank, *args)
+    except BaseException:
+        _send_failure(conn)
+        raise
+    finally:
+        unicoll.finalize()
+
+
+def _send_failure(conn: Connection) -> None:
+    """Send the exception being handled, with the time it is reported, and close ``conn``."""
+    report = _Report(False, traceback.format_exc(), time.time())
+    conn.send_bytes(pickle.dumps(report))
+    conn.close()
+
+
+def _collect(
+    procs: Sequence[BaseProcess], conns: Sequence[Connection], timeout: float
+) -> list[Any]:
+    """Receive every rank's result; raise for the first rank to fail, or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    while len(results) < len(procs):
+        pending = [rank for rank in range(len(procs)) if rank not in results]
+        remaining = deadline - time.monotonic()
+        waitables = [conns[r] for r in pending] + [procs[r].sentinel for r in pending]
+        ready = set(wait(waitables, timeout=max(0.0, remaining)))
+        if not ready:
+            raise SpawnTimeout(
+                f"spawn: ranks {pending} had not finished after {timeout} s; killed every rank",
+                ranks=pending,
+            )
+        failures: list[tuple[float, SpawnError]] = []
+        for rank in pending:
+            if conns[rank] in ready or procs[rank].sentinel in ready:
+                report = _receive(conns[rank], procs[rank])
+                if report.ok:
+                    results[rank] = report.value
+                else:
+                    failures.append((report.failed_at, _rank_error(rank, report, procs[rank])))
+        if failures:
+            raise min(failures, key=lambda failure: failure[0])[1]
+    return [results[rank] for rank in range(len(procs))]
+
+
+def _receive(conn: Connection, proc: BaseProcess) -> _Report:
+    """Read the report of ``proc``; when it exited without one, wait for its exit code."""
+    try:
+        if conn.poll():
+            return pickle.loads(conn.recv_bytes())
+    except EOFError:
+        pass
+    proc.join(_GRACE_S)
+    return _Report(False, None, time.time())
+
+
+def _rank_error(rank: int, report: _Report, proc: BaseProcess) -> SpawnError:
+    """Build the exception for a failed rank from its traceback or its exit code."""
+    if report.value is not None:
+        return SpawnError(
+            f"spawn: rank {rank} raised:\n{report.value}", rank=rank, remote_traceback=report.value
+        )
+    return SpawnError(
+        f"spawn: rank {rank} exited with code {proc.exitcode} without reporting a result"
+        " (see its output above)",
+        rank=rank,
+        exitcode=proc.exitcode,
+    )
+
+
+def _join(procs: Sequence[BaseProcess], deadline: float) -> None:
+    """Wait until every process has exited or ``deadline`` (a ``time.monotonic`` value)."""
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+
+
+def _stop(procs: Sequence[BaseProcess]) -> None:
+    """Stop every process still running (SIGTERM, then SIGKILL after the grace time), reap all."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    _join(procs, time.monotonic() + _GRACE_S)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        proc.close()
