@@ -20,7 +20,7 @@ from .backends.base import Backend, Pending
 from .counts import Counts, as_counts
 from .group import Group
 from .errors import bad_input
-from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, length_multiple
+from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, OpSpec, length_multiple
 from .task import Task
 from .validate import prepare
 
@@ -48,6 +48,17 @@ def _functional(backend: Backend, x: Any, backward: Callable[[Any], Any]) -> Cal
     return lambda result: backend.from_native(result, library)
 
 
+def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
+    """global_scatter or global_gather (``spec``); the other one, ``inverse``, is its backward."""
+    call = prepare(spec, arguments)
+    backend = runtime.state().backend
+    lc, gc, grp = call.local_count, call.global_count, call.group
+    forward, backward = getattr(backend, spec.name), getattr(backend, inverse)
+    pending = forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op)
+    finish = _functional(backend, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
+    return _complete(spec.name, pending, finish, call.sync_op)
+
+
 def _even(rows: int, world: int) -> np.ndarray:
     return np.full(world, rows // world, dtype=np.int64)
 
@@ -69,12 +80,7 @@ def global_scatter(
     >>> uc.global_scatter(x, [1, 0, 2, 1], [1, 0, 0, 2])   # doctest: +SKIP
     array([ 0, 10, 11])
     """
-    call = prepare(GLOBAL_SCATTER, locals())
-    backend = runtime.state().backend
-    lc, gc, grp = call.local_count, call.global_count, call.group
-    pending = backend.global_scatter(backend.to_native(x), lc, gc, grp, not sync_op)
-    backward = lambda g: backend.global_gather(g, lc, gc, grp, False).finish()  # noqa: E731
-    return _complete("global_scatter", pending, _functional(backend, x, backward), sync_op)
+    return _moe(GLOBAL_SCATTER, locals(), inverse="global_gather")
 
 
 def global_gather(
@@ -90,12 +96,7 @@ def global_gather(
     ``x`` is laid out as global_scatter's output; the result holds ``sum(local_count)``
     rows in the original order, so ``global_gather(global_scatter(x, lc, gc), lc, gc) == x``.
     """
-    call = prepare(GLOBAL_GATHER, locals())
-    backend = runtime.state().backend
-    lc, gc, grp = call.local_count, call.global_count, call.group
-    pending = backend.global_gather(backend.to_native(x), lc, gc, grp, not sync_op)
-    backward = lambda g: backend.global_scatter(g, lc, gc, grp, False).finish()  # noqa: E731
-    return _complete("global_gather", pending, _functional(backend, x, backward), sync_op)
+    return _moe(GLOBAL_GATHER, locals(), inverse="global_scatter")
 
 
 def alltoall_single(

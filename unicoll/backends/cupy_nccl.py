@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from ..arrays import DTYPES
 from ..errors import BackendUnavailableError
+from ..spec import OPS
 from .base import Backend, Capabilities
 
 CAPABILITIES = Capabilities(
-    ops=frozenset({"global_scatter", "global_gather", "alltoall_single", "all_gather"}),
+    ops=frozenset(OPS),
     dtypes=frozenset(DTYPES) - {"bfloat16"},
     devices=frozenset({"cuda"}),
     libraries=frozenset({"cupy"}),

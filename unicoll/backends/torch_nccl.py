@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 
 from ..arrays import DTYPES
+from ..spec import OPS
 from .base import Backend, Capabilities
 
 CAPABILITIES = Capabilities(
-    ops=frozenset({"global_scatter", "global_gather", "alltoall_single", "all_gather"}),
+    ops=frozenset(OPS),
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cuda"}),
     libraries=frozenset({"torch"}),
