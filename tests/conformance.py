@@ -158,10 +158,10 @@ def _empty(like: Any, rows: int) -> Any:
     return xp.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
 
 
-def _call(case: Case, a: dict[str, Any], group: uc.Group, lib: Any) -> tuple[Any, Any]:
+def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[Any, Any]:
     """Run the case's operator; returns (result, the in-place target or None)."""
     kw = dict(group=group) if case.sync else dict(group=group, sync_op=False, use_calc_stream=False)
-    x = lib(a["x"])
+    x = to_library(a["x"], case.library, case.dtype, device)
     if case.op == "global_scatter":
         return uc.global_scatter(x, a["local_count"], a["global_count"], **kw), None
     if case.op == "global_gather":
@@ -220,7 +220,7 @@ def run_cases(rank: int, all_cases: list[Case], device: str = "cpu") -> dict[str
         inputs = world_case(case, size)
         a = inputs["args"][position]
         try:
-            result, target = _call(case, a, group, lambda v: to_library(v, case.library, case.dtype, device))
+            result, target = _call(case, a, group, device)
             if not case.sync:
                 assert isinstance(result, uc.Task), f"sync_op=False returned {type(result).__name__}"
                 result = result.wait()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -30,7 +29,9 @@ def test_selection_order(monkeypatch) -> None:
     assert registry.resolve(None) == "gloo"
     monkeypatch.setenv("UNICOLL_BACKEND", "no-such")
     assert registry.resolve("gloo") == "gloo"  # explicit beats the environment
-    with pytest.raises(uc.BackendUnavailableError, match=r"\$UNICOLL_BACKEND: unknown backend 'no-such'.*usable here: gloo"):
+    with pytest.raises(
+        uc.BackendUnavailableError, match=r"\$UNICOLL_BACKEND: unknown backend 'no-such'.*usable here: gloo"
+    ):
         registry.resolve(None)
 
 
@@ -77,7 +78,9 @@ def test_register_backend_rejects_bad_arguments() -> None:
 
 def test_entry_point_backend_is_listed(tmp_path) -> None:
     """A package that declares a factory in the ``unicoll.backends`` group shows up in ``unicoll info``."""
-    (tmp_path / "extra_backend.py").write_text("from unicoll.backends.gloo import GlooFactory\nfactory = GlooFactory()\n")
+    (tmp_path / "extra_backend.py").write_text(
+        "from unicoll.backends.gloo import GlooFactory\nfactory = GlooFactory()\n"
+    )
     info = tmp_path / "extra_backend-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-backend\nVersion: 1.0\n")
@@ -173,6 +176,10 @@ def _group_facts(rank: int):
 
 def test_new_group_rejects_bad_ranks() -> None:
     uc.init("gloo")
-    for ranks, message in (([], "non-empty list of world ranks in \\[0, 1\\)"), ([3], "got \\[3\\]"), ("0", "sequence of ints")):
+    for ranks, message in (
+        ([], "non-empty list of world ranks in \\[0, 1\\)"),
+        ([3], "got \\[3\\]"),
+        ("0", "sequence of ints"),
+    ):
         with pytest.raises((ValueError, TypeError), match=message):
             uc.new_group(ranks)

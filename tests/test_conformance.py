@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 import unicoll as uc
-from unicoll.backends.gloo import CAPABILITIES
-
 from conformance import cases, run_cases
+from unicoll.backends.gloo import CAPABILITIES
 
 WORLD_SIZES = (1, 2, 3, 4)
 MATRIX = {w: cases(CAPABILITIES, w) for w in WORLD_SIZES}
@@ -26,9 +25,7 @@ def outcomes() -> dict[int, list[dict[str, str | None]]]:
     return get
 
 
-@pytest.mark.parametrize(
-    "case", [c for w in WORLD_SIZES for c in MATRIX[w]], ids=lambda c: c.id
-)
+@pytest.mark.parametrize("case", [c for w in WORLD_SIZES for c in MATRIX[w]], ids=lambda c: c.id)
 def test_conformance(case, outcomes) -> None:
     per_rank = outcomes(case.world_size)
     failures = [o[case.id] for o in per_rank if o.get(case.id)]

@@ -113,9 +113,7 @@ def test_failing_rank_stops_the_others_quickly(tmp_path, capfd):
     assert elapsed < 15
     out, err = capfd.readouterr()
     assert "[rank 1] rank 1 gives up" in out.splitlines()
-    assert (
-        "unicoll run: rank 1 failed with exit code 3; stopped the other ranks" in err.splitlines()
-    )
+    assert "unicoll run: rank 1 failed with exit code 3; stopped the other ranks" in err.splitlines()
     if pid_file.exists():  # rank 0 got that far before it was stopped: it must be gone now
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid_file.read_text()), 0)

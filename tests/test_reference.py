@@ -39,9 +39,7 @@ def test_worked_example_numpy_counts_and_columns():
     ys = reference.global_scatter(xs, lcs)
     assert [y.shape for y in ys] == [(3, 3), (6, 3)]
     np.testing.assert_array_equal(ys[0], np.stack([xs[0][0], xs[1][0], xs[1][1]]))
-    np.testing.assert_array_equal(
-        ys[1], np.stack([xs[0][1], xs[0][2], xs[1][2], xs[0][3], xs[1][3], xs[1][4]])
-    )
+    np.testing.assert_array_equal(ys[1], np.stack([xs[0][1], xs[0][2], xs[1][2], xs[0][3], xs[1][3], xs[1][4]]))
 
 
 def test_docstring_examples():

@@ -107,7 +107,9 @@ def rank_outside_group(rank: int) -> str:
     group = uc.new_group([1, 2])
     if rank != 0:
         return repr(uc.all_gather(None, X, group=group).shape)
-    with pytest.raises(ValueError, match=r"all_gather: group: expected a group this rank belongs to, got Group\(ranks=\[1, 2\]\)"):
+    with pytest.raises(
+        ValueError, match=r"all_gather: group: expected a group this rank belongs to, got Group\(ranks=\[1, 2\]\)"
+    ):
         uc.all_gather(None, X, group=group)
     with pytest.raises(ValueError, match="group: expected a group this rank belongs to"):
         group.rank  # noqa: B018
@@ -120,8 +122,14 @@ def test_group_this_rank_is_not_in() -> None:
 
 def test_operator_before_init() -> None:
     assert not uc.is_initialized()
-    for call in (lambda: uc.global_scatter(X, [4], [4]), lambda: uc.get_rank(), lambda: uc.barrier()):
-        with pytest.raises(uc.NotInitializedError, match=r"call unicoll.init\(\) first"):
+    for name, call in (
+        ("global_scatter", lambda: uc.global_scatter(X, [4], [4])),
+        ("get_rank", lambda: uc.get_rank()),
+        ("barrier", lambda: uc.barrier()),
+    ):
+        with pytest.raises(
+            uc.NotInitializedError, match=rf"^{name}: unicoll is not initialized: call unicoll.init\(\) first"
+        ):
             call()
     with pytest.raises(ValueError):  # also catchable as ValueError, as torch.distributed raises
         uc.all_gather(None, X)

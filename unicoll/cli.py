@@ -44,9 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address")
     run.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     run.add_argument("script", metavar="SCRIPT", help="the script (or module) every rank runs")
-    run.add_argument(
-        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT"
-    )
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
     run.set_defaults(handler=_run)
 
     info = commands.add_parser("info", help="show the backends available on this machine")

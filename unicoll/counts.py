@@ -11,7 +11,7 @@ from .arrays import describe, device_kind, dtype_name, library_of
 from .errors import bad_input
 
 #: What a count or split argument may be: an int array of any supported library or a sequence.
-Counts = Union[Sequence[int], Any]
+Counts = Union[Sequence[int], Any]  # noqa: UP007 (a runtime alias, kept valid on Python 3.10)
 
 _INT_DTYPES = ("int32", "int64")
 

@@ -63,7 +63,9 @@ def render_capabilities() -> list[str]:
         caps = factory.capabilities
         ops = ", ".join(op for op in OPS if op in caps.ops)
         dtypes = ", ".join(d for d in DTYPES if d in caps.dtypes)
-        lines.append(f"| `{name}` | {ops} | {', '.join(sorted(caps.libraries))} | {', '.join(sorted(caps.devices))} | {dtypes} |")
+        lines.append(
+            f"| `{name}` | {ops} | {', '.join(sorted(caps.libraries))} | {', '.join(sorted(caps.devices))} | {dtypes} |"
+        )
     return [*lines, ""]
 
 

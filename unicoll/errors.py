@@ -15,9 +15,7 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend is unknown or cannot run on this machine."""
 
 
-def bad_input(
-    op: str, param: str, expected: str, given: object, error: type[Exception] = ValueError
-) -> Exception:
+def bad_input(op: str, param: str, expected: str, given: object, error: type[Exception] = ValueError) -> Exception:
     """Build the exception for a bad argument: ``"<op>: <param>: expected <...>, got <...>"``.
 
     >>> str(bad_input("all_gather", "tensor", "an array", 3, TypeError))

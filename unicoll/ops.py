@@ -18,23 +18,18 @@ from . import runtime
 from .arrays import library_of
 from .backends.base import Backend, Pending
 from .counts import Counts, as_counts
-from .group import Group
 from .errors import bad_input
-from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, OpSpec, length_multiple
+from .group import Group
+from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec, length_multiple
 from .task import Task
 from .validate import prepare
 
 
-def _complete(
-    op: str,
-    pending: Pending,
-    finish: Callable[[Any], Any],
-    sync_op: bool,
-) -> Any:
-    """Run ``finish(native_result)`` now (sync) or at ``Task.wait()`` (async)."""
-    if sync_op:
+def _complete(op: str, call: Call, pending: Pending, finish: Callable[[Any], Any]) -> Any:
+    """Run ``finish(native_result)`` now (``sync_op=True``) or at ``Task.wait()``."""
+    if call.sync_op:
         return finish(pending.finish())
-    return Task(pending.works, lambda: finish(pending.finish()), runtime.state().timeout, op)
+    return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op)
 
 
 def _functional(backend: Backend, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -51,12 +46,12 @@ def _functional(backend: Backend, x: Any, backward: Callable[[Any], Any]) -> Cal
 def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
     """global_scatter or global_gather (``spec``); the other one, ``inverse``, is its backward."""
     call = prepare(spec, arguments)
-    backend = runtime.state().backend
+    backend = call.backend
     lc, gc, grp = call.local_count, call.global_count, call.group
     forward, backward = getattr(backend, spec.name), getattr(backend, inverse)
     pending = forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op)
     finish = _functional(backend, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
-    return _complete(spec.name, pending, finish, call.sync_op)
+    return _complete(spec.name, call, pending, finish)
 
 
 def _even(rows: int, world: int) -> np.ndarray:
@@ -118,7 +113,7 @@ def alltoall_single(
     >>> y = uc.alltoall_single(None, x, in_split_sizes=[1, 3])   # doctest: +SKIP
     """
     call = prepare(ALLTOALL_SINGLE, locals())
-    backend = runtime.state().backend
+    backend = call.backend
     grp, world = call.group, call.W
     in_splits = call.in_split_sizes if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
     if call.out_split_sizes is not None:
@@ -132,9 +127,9 @@ def alltoall_single(
     out_native = None if out_tensor is None else backend.to_native(out_tensor)
     pending = backend.alltoall_single(out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op)
     if out_tensor is not None:
-        return _complete("alltoall_single", pending, lambda _: out_tensor, sync_op)
+        return _complete("alltoall_single", call, pending, lambda _: out_tensor)
     backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
-    return _complete("alltoall_single", pending, _functional(backend, in_tensor, backward), sync_op)
+    return _complete("alltoall_single", call, pending, _functional(backend, in_tensor, backward))
 
 
 def all_gather(
@@ -155,7 +150,7 @@ def all_gather(
     >>> uc.all_gather(parts, x)        # doctest: +SKIP
     """
     call = prepare(ALL_GATHER, locals())
-    backend = runtime.state().backend
+    backend = call.backend
     grp, target = call.group, tensor_or_tensor_list
     rows_here = int(tensor.shape[0])
     if isinstance(target, list) and target:
@@ -172,10 +167,10 @@ def all_gather(
             received = backend.alltoall_single(None, g, np.full(len(rows), rows_here), np.array(rows), grp, False)
             return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
 
-        return _complete("all_gather", pending, _functional(backend, tensor, backward), sync_op)
+        return _complete("all_gather", call, pending, _functional(backend, tensor, backward))
     if not isinstance(target, list):
-        return _complete("all_gather", pending, lambda _: target, sync_op)
-    return _complete("all_gather", pending, lambda result: _fill_list(backend, target, result, rows, tensor), sync_op)
+        return _complete("all_gather", call, pending, lambda _: target)
+    return _complete("all_gather", call, pending, lambda result: _fill_list(backend, target, result, rows, tensor))
 
 
 def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
@@ -199,12 +194,17 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
 
     >>> global_count = uc.exchange_counts(local_count)   # doctest: +SKIP
     """
-    state = runtime.state()
+    state = runtime.state("exchange_counts")
     grp = runtime.resolve_group(group, "exchange_counts")
     counts = as_counts(local_count, "exchange_counts", "local_count")
     given = length_multiple(counts, grp.world_size)
     if given is not None:
-        raise bad_input("exchange_counts", "local_count", f"a length that is a positive multiple of the group size {grp.world_size}", given)
+        raise bad_input(
+            "exchange_counts",
+            "local_count",
+            f"a length that is a positive multiple of the group size {grp.world_size}",
+            given,
+        )
     received = state.backend.exchange_ints(counts, grp)
     library = library_of(local_count)
     if library == "torch":

@@ -88,9 +88,7 @@ def _count_matrix(local_counts: Sequence[ArrayLike], world: int) -> np.ndarray:
                 f"local_counts[{r}] has length {c.size}, local_counts[0] has {length}; all ranks must agree"
             )
     if length == 0 or length % world != 0:
-        raise ValueError(
-            f"local_count length {length} must be a positive multiple of the world size W={world} (W*E)"
-        )
+        raise ValueError(f"local_count length {length} must be a positive multiple of the world size W={world} (W*E)")
     return np.stack(counts).reshape(world, world, length // world)
 
 
@@ -200,9 +198,7 @@ def global_gather(xs: Sequence[np.ndarray], local_counts: Sequence[ArrayLike]) -
     return _split(out, in_rows)
 
 
-def alltoall_single(
-    xs: Sequence[np.ndarray], in_split_sizes: Sequence[ArrayLike] | None = None
-) -> list[np.ndarray]:
+def alltoall_single(xs: Sequence[np.ndarray], in_split_sizes: Sequence[ArrayLike] | None = None) -> list[np.ndarray]:
     """Uneven all-to-all over rows, for the whole world.
 
     Rank r sends rows ``[sum(in[:c]), sum(in[:c+1]))`` of ``xs[r]`` to rank c, where

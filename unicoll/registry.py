@@ -68,7 +68,8 @@ def resolve(requested: str | None) -> str:
     reason = factories[name].probe()
     if reason is not None:
         raise BackendUnavailableError(
-            f"{source}: backend {name!r} is not usable here: {reason}; usable here: {', '.join(usable_names()) or 'none'}"
+            f"{source}: backend {name!r} is not usable here: {reason}; "
+            f"usable here: {', '.join(usable_names()) or 'none'}"
         )
     return name
 
@@ -89,7 +90,9 @@ def format_info() -> str:
             return "not installed"
 
     lines = [f"unicoll {version_of('unicoll')}"]
-    lines += [f"  {package}: {version_of(package)}" for package in ("numpy", "array-api-compat", "torch", "cupy-cuda12x")]
+    lines += [
+        f"  {package}: {version_of(package)}" for package in ("numpy", "array-api-compat", "torch", "cupy-cuda12x")
+    ]
     lines.append("backends:")
     for name, factory in registered().items():
         reason = factory.probe()

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 from collections.abc import Sequence
@@ -72,7 +73,9 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> None:
     """
     global _state
     if _state is not None:
-        raise RuntimeError(f"unicoll.init: already initialized with backend {_state.backend.name!r}; call finalize() first")
+        raise RuntimeError(
+            f"unicoll.init: already initialized with backend {_state.backend.name!r}; call finalize() first"
+        )
     seconds = _timeout_setting(timeout)
     name = registry.resolve(backend)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
@@ -81,11 +84,13 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> None:
     started = registry.registered()[name](rank=rank, world_size=world_size, timeout=seconds)
     world = Group(tuple(range(started.world_size)), None, started.rank, next(_sessions))
     _state = _State(started, world, seconds)
+    atexit.register(finalize)  # a process that exits without finalize() still shuts down cleanly
 
 
 def finalize() -> None:
     """Leave the job and release the backend; ``init`` may be called again afterwards."""
     global _state
+    atexit.unregister(finalize)
     if _state is not None:
         state, _state = _state, None
         state.backend.finalize()
@@ -96,16 +101,16 @@ def is_initialized() -> bool:
     return _state is not None
 
 
-def state() -> _State:
-    """The running state; NotInitializedError before :func:`init`."""
+def state(op: str) -> _State:
+    """The running state; NotInitializedError naming ``op`` before :func:`init`."""
     if _state is None:
-        raise NotInitializedError("unicoll is not initialized: call unicoll.init() first")
+        raise NotInitializedError(f"{op}: unicoll is not initialized: call unicoll.init() first")
     return _state
 
 
 def resolve_group(group: Group | None, op: str) -> Group:
     """``group`` checked for use now by this rank, or the world group for None."""
-    current = state()
+    current = state(op)
     if group is None:
         return current.world
     if not isinstance(group, Group):
@@ -114,14 +119,15 @@ def resolve_group(group: Group | None, op: str) -> Group:
         raise ValueError(f"{op}: group: expected a group made since the last init(), got {group!r} from an earlier one")
     if not group.is_member:
         raise ValueError(
-            f"{op}: group: expected a group this rank belongs to, got {group!r} (this is world rank {current.backend.rank})"
+            f"{op}: group: expected a group this rank belongs to, "
+            f"got {group!r} (this is world rank {current.backend.rank})"
         )
     return group
 
 
 def get_backend() -> str:
     """Name of the running backend: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"`` or a registered one."""
-    return state().backend.name
+    return state("get_backend").backend.name
 
 
 def get_rank(group: Group | None = None) -> int:
@@ -139,13 +145,15 @@ def new_group(ranks: Sequence[int]) -> Group:
 
     >>> pair = uc.new_group([0, 1])   # doctest: +SKIP
     """
-    current = state()
+    current = state("new_group")
     world_size = current.world.world_size
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
         raise TypeError(f"new_group: ranks: expected a sequence of ints, got {type(ranks).__name__}")
     members = tuple(sorted(ranks))
     if not members or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in members):
-        raise ValueError(f"new_group: ranks: expected a non-empty list of world ranks in [0, {world_size}), got {list(ranks)}")
+        raise ValueError(
+            f"new_group: ranks: expected a non-empty list of world ranks in [0, {world_size}), got {list(ranks)}"
+        )
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {list(ranks)}")
     handle = current.backend.new_group(members)
@@ -155,4 +163,4 @@ def new_group(ranks: Sequence[int]) -> Group:
 def barrier(group: Group | None = None) -> None:
     """Block until every rank of ``group`` reaches the barrier."""
     resolved = resolve_group(group, "barrier")
-    state().backend.barrier(resolved)
+    state("barrier").backend.barrier(resolved)

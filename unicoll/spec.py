@@ -70,7 +70,11 @@ def _same_array_kind(out: Any, x: Any, what: str) -> str | None:
     """Library, dtype and trailing shape of ``out`` against ``x``; None when they agree."""
     from .arrays import describe, dtype_name, library_of
 
-    if library_of(out) != library_of(x) or dtype_name(out) != dtype_name(x) or tuple(out.shape[1:]) != tuple(x.shape[1:]):
+    if (
+        library_of(out) != library_of(x)
+        or dtype_name(out) != dtype_name(x)
+        or tuple(out.shape[1:]) != tuple(x.shape[1:])
+    ):
         return f"{describe(out)} for {what} {describe(x)}"
     return None
 
@@ -86,7 +90,9 @@ def _stream_rule() -> Rule:
 def _common_params(use_calc_stream: bool) -> tuple[Param, ...]:
     return (
         Param("group", "group", "Group | None", "The ranks taking part; None is the whole world.", None),
-        Param("sync_op", "flag", "bool", "True returns the result; False returns a Task whose wait() returns it.", True),
+        Param(
+            "sync_op", "flag", "bool", "True returns the result; False returns a Task whose wait() returns it.", True
+        ),
         Param(
             "use_calc_stream",
             "flag",
@@ -236,7 +242,9 @@ def _gather_output_rows(c: Call) -> str | None:
         if len(out) not in (0, world):
             return f"a list of length {len(out)}"
         mine = _rows(out[c.group.rank]) if out else _rows(x)
-        return None if mine == _rows(x) else f"{mine} rows in entry {c.group.rank} (this rank) for tensor with {_rows(x)}"
+        return (
+            None if mine == _rows(x) else f"{mine} rows in entry {c.group.rank} (this rank) for tensor with {_rows(x)}"
+        )
     return None if _rows(out) == world * _rows(x) else f"{_rows(out)} rows for {world} ranks of {_rows(x)} rows"
 
 

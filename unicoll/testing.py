@@ -165,9 +165,7 @@ def _send_failure(conn: Connection) -> None:
     conn.close()
 
 
-def _collect(
-    procs: Sequence[BaseProcess], conns: Sequence[Connection], timeout: float
-) -> list[Any]:
+def _collect(procs: Sequence[BaseProcess], conns: Sequence[Connection], timeout: float) -> list[Any]:
     """Receive every rank's result; raise for the first rank to fail, or after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
@@ -208,12 +206,9 @@ def _receive(conn: Connection, proc: BaseProcess) -> _Report:
 def _rank_error(rank: int, report: _Report, proc: BaseProcess) -> SpawnError:
     """Build the exception for a failed rank from its traceback or its exit code."""
     if report.value is not None:
-        return SpawnError(
-            f"spawn: rank {rank} raised:\n{report.value}", rank=rank, remote_traceback=report.value
-        )
+        return SpawnError(f"spawn: rank {rank} raised:\n{report.value}", rank=rank, remote_traceback=report.value)
     return SpawnError(
-        f"spawn: rank {rank} exited with code {proc.exitcode} without reporting a result"
-        " (see its output above)",
+        f"spawn: rank {rank} exited with code {proc.exitcode} without reporting a result (see its output above)",
         rank=rank,
         exitcode=proc.exitcode,
     )

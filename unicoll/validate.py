@@ -27,7 +27,9 @@ def _array(op: str, param: str, x: Any, caps: Capabilities, backend: str) -> Any
     if dtype_name(x) not in caps.dtypes:
         raise bad_input(op, param, f"one of the dtypes {', '.join(sorted(caps.dtypes))}", describe(x), TypeError)
     if device_kind(x) not in caps.devices:
-        raise bad_input(op, param, f"an array on {' or '.join(sorted(caps.devices))} (backend {backend!r})", describe(x))
+        raise bad_input(
+            op, param, f"an array on {' or '.join(sorted(caps.devices))} (backend {backend!r})", describe(x)
+        )
     return x
 
 
@@ -59,16 +61,17 @@ def _read(kind: str, op: str, param: str, value: Any, caps: Capabilities, backen
 
 
 def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
-    """Read and check ``arguments`` (by parameter name) for ``spec``; returns the call.
+    """Read and check ``arguments`` (by parameter name) for ``spec``; returns the call, which
+    also carries the running ``backend``, the ``group`` resolved, its size ``W`` and ``timeout``.
 
     Raises NotInitializedError before ``init``, TypeError/ValueError for a bad argument.
     """
-    state = runtime.state()
+    state = runtime.state(spec.name)
     group = runtime.resolve_group(arguments["group"], spec.name)
     backend = state.backend
     if spec.name not in backend.capabilities.ops:
         raise NotImplementedError(f"{spec.name}: backend {backend.name!r} does not provide this operator")
-    call = Call(W=group.world_size, group=group)
+    call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout)
     for param in spec.params:
         if param.kind != "group":
             value = _read(param.kind, spec.name, param.name, arguments[param.name], backend.capabilities, backend.name)

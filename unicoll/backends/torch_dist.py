@@ -59,19 +59,19 @@ def _from_torch(t: torch.Tensor, library: str) -> Any:
     return cupy.from_dlpack(t)
 
 
-def env_rendezvous(rank: int, world_size: int) -> dist.Store:
-    """The store every rank meets at: a TCPStore on ``MASTER_ADDR:MASTER_PORT`` that rank 0
-    hosts, or an in-process store for a world of one."""
+def _init_default_group(pg_backend: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Create torch's default group: in-process for a world of one, else through ``env://``
+    (``MASTER_ADDR``/``MASTER_PORT``, as torchrun and ``unicoll run`` set them)."""
     if world_size == 1:
-        return dist.HashStore()
-    try:
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except KeyError as missing:
+        dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
         raise RuntimeError(
-            f"unicoll.init: environment variable {missing.args[0]} is not set; with WORLD_SIZE={world_size} "
+            f"unicoll.init: environment variable {missing[0]} is not set; with WORLD_SIZE={world_size} "
             "every rank needs MASTER_ADDR and MASTER_PORT (`unicoll run` and torchrun set them)"
-        ) from None
-    return dist.TCPStore(addr, port, world_size, rank == 0, timedelta(seconds=60))
+        )
+    dist.init_process_group(pg_backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
 
 
 class TorchDistBackend(Backend):
@@ -85,8 +85,7 @@ class TorchDistBackend(Backend):
         self._timeout = timedelta(seconds=timeout)
         self._owns_default_group = not dist.is_initialized()
         if self._owns_default_group:
-            store = env_rendezvous(rank, world_size)
-            dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout)
+            _init_default_group(pg_backend, rank, world_size, self._timeout)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if dist.get_backend() == pg_backend:

@@ -35,6 +35,12 @@ class TorchNcclFactory:
             return f"no CUDA device is visible to torch {torch.__version__}"
         if not dist.is_available() or not dist.is_nccl_available():
             return "this torch build has no NCCL support"
+        local_ranks, devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+        if local_ranks > devices:
+            return (
+                f"{local_ranks} ranks on this machine ($LOCAL_WORLD_SIZE) but {devices} CUDA device(s); "
+                "NCCL needs one per rank"
+            )
         return None
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
