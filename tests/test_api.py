@@ -13,13 +13,17 @@ from unicoll.spec import OPS, REQUIRED
 
 PUBLIC = {
     "BackendUnavailableError": None,
+    "CollectiveTimeoutError": None,
+    "CommunicationError": None,
+    "CrossRankMismatchError": None,
+    "PeerLostError": None,
     "Group": None,
     "NotInitializedError": None,
     "Task": None,
     "__version__": None,
     "reference": None,
     "testing": None,
-    "init": "(backend=None, *, timeout=None)",
+    "init": "(backend=None, *, timeout=None, check=None)",
     "finalize": "()",
     "is_initialized": "()",
     "get_rank": "(group=None)",

@@ -14,7 +14,14 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from . import backends, reference, testing
-from .errors import BackendUnavailableError, NotInitializedError
+from .errors import (
+    BackendUnavailableError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    CrossRankMismatchError,
+    NotInitializedError,
+    PeerLostError,
+)
 from .group import Group
 from .ops import all_gather, alltoall_single, exchange_counts, global_gather, global_scatter
 from .registry import register_backend
@@ -39,8 +46,12 @@ del backends, version, PackageNotFoundError
 
 __all__ = [
     "BackendUnavailableError",
+    "CollectiveTimeoutError",
+    "CommunicationError",
+    "CrossRankMismatchError",
     "Group",
     "NotInitializedError",
+    "PeerLostError",
     "Task",
     "__version__",
     "all_gather",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class NotInitializedError(RuntimeError, ValueError):
     """An operator or query was called before :func:`unicoll.init` (or after ``finalize``).
@@ -22,3 +25,62 @@ def bad_input(op: str, param: str, expected: str, given: object, error: type[Exc
     'all_gather: tensor: expected an array, got 3'
     """
     return error(f"{op}: {param}: expected {expected}, got {given}")
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed in the transport; the message names the operator and the group."""
+
+
+class PeerLostError(CommunicationError):
+    """A rank of the group is gone (its process died or closed its connections)."""
+
+
+class CollectiveTimeoutError(CommunicationError, TimeoutError):
+    """A collective did not complete within the configured timeout."""
+
+
+class CrossRankMismatchError(ValueError):
+    """Check mode found arguments that disagree between ranks (raised on every rank)."""
+
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+_TIMED_OUT = ("timed out", "timeout")
+
+
+def transport_error(exc: Exception, op: str, group: object, timeout: float) -> CommunicationError:
+    """The unicoll error for an exception the transport raised while running ``op`` on ``group``."""
+    text = str(exc)
+    first_line = text.splitlines()[0] if text else type(exc).__name__
+    lowered = text.lower()
+    if any(marker in lowered for marker in _PEER_LOST):
+        return PeerLostError(
+            f"{op} on {group}: a peer is gone (its process exited or closed the connection): {first_line}"
+        )
+    if any(marker in lowered for marker in _TIMED_OUT):
+        return CollectiveTimeoutError(
+            f"{op} on {group}: did not complete within the timeout of {timeout:g} s "
+            f"(init(timeout=...) or $UNICOLL_TIMEOUT); a peer may not have called it: {first_line}"
+        )
+    return CommunicationError(f"{op} on {group}: the transport failed: {first_line}")
+
+
+@contextmanager
+def translated(op: str, group: object, timeout: float) -> Iterator[None]:
+    """Turn a transport failure inside the block into the matching :class:`CommunicationError`.
+
+    Exceptions that are not transport failures (bugs, bad input) pass through unchanged.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CommunicationError) or not is_transport_failure(exc):
+            raise
+        raise transport_error(exc, op, group, timeout) from exc
+
+
+def is_transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the transport: torch.distributed's errors, or gloo's messages."""
+    if any(cls.__name__ == "DistError" for cls in type(exc).__mro__):
+        return True
+    text = str(exc).lower()
+    return "gloo" in text or any(marker in text for marker in _PEER_LOST + _TIMED_OUT)

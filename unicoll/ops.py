@@ -1,8 +1,9 @@
 """The four operators: validate from the spec, run on the backend, hand back the caller's kind.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
-this rank before anything is sent, the backend issues the transfer on its native arrays,
-and :func:`_complete` returns the result (``sync_op=True``) or a :class:`~unicoll.Task`,
+this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
+backend issues the transfer on its native arrays,
+and :func:`_run` returns the result (``sync_op=True``) or a :class:`~unicoll.Task`,
 converting back to the caller's array library and, for torch tensors that require grad,
 linking the result into autograd.
 """
@@ -17,30 +18,41 @@ import numpy as np
 from . import runtime
 from .arrays import library_of
 from .backends.base import Backend, Pending
+from .check import verify
 from .counts import Counts, as_counts
-from .errors import bad_input
+from .errors import bad_input, translated
 from .group import Group
 from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec, length_multiple
 from .task import Task
 from .validate import prepare
 
 
-def _complete(op: str, call: Call, pending: Pending, finish: Callable[[Any], Any]) -> Any:
-    """Run ``finish(native_result)`` now (``sync_op=True``) or at ``Task.wait()``."""
-    if call.sync_op:
-        return finish(pending.finish())
-    return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op)
+def _run(op: str, call: Call, issue: Callable[[], Pending], finish: Callable[[Any], Any]) -> Any:
+    """Issue the transfers, then run ``finish(native_result)`` now (``sync_op=True``) or at
+    ``Task.wait()``; transport failures become :class:`~unicoll.CommunicationError` naming
+    ``op`` and the group."""
+    with translated(op, call.group, call.timeout):
+        pending = issue()
+        if call.sync_op:
+            return finish(pending.finish())
+    return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op, call.group)
 
 
-def _functional(backend: Backend, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """How to finish an operator that allocated its output: back to x's library, with autograd."""
+def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """How to finish an operator that allocated its output: back to x's library, with autograd
+    whose backward collective reports failures like the forward one."""
     library = library_of(x)
     if library == "torch":
         from .autograd import attach, needs_grad
 
         if needs_grad(x):
-            return lambda result: attach(x, result, backward)
-    return lambda result: backend.from_native(result, library)
+
+            def guarded_backward(grad: Any) -> Any:
+                with translated(f"{op} (backward)", call.group, call.timeout):
+                    return backward(grad)
+
+            return lambda result: attach(x, result, guarded_backward)
+    return lambda result: call.backend.from_native(result, library)
 
 
 def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
@@ -49,9 +61,14 @@ def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
     backend = call.backend
     lc, gc, grp = call.local_count, call.global_count, call.group
     forward, backward = getattr(backend, spec.name), getattr(backend, inverse)
-    pending = forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op)
-    finish = _functional(backend, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
-    return _complete(spec.name, call, pending, finish)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(spec.name, call)
+        return forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op)
+
+    finish = _functional(spec.name, call, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
+    return _run(spec.name, call, issue, finish)
 
 
 def _even(rows: int, world: int) -> np.ndarray:
@@ -123,13 +140,23 @@ def alltoall_single(
     elif call.in_split_sizes is None:
         out_splits = in_splits
     else:
-        out_splits = backend.exchange_ints(in_splits, grp)
-    out_native = None if out_tensor is None else backend.to_native(out_tensor)
-    pending = backend.alltoall_single(out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op)
+        out_splits = None  # exchanged when the call is issued
+
+    def issue() -> Pending:
+        nonlocal out_splits
+        if call.check:
+            verify("alltoall_single", call, in_splits=in_splits, out_splits=out_splits)
+        if out_splits is None:
+            out_splits = backend.exchange_ints(in_splits, grp)
+        out_native = None if out_tensor is None else backend.to_native(out_tensor)
+        return backend.alltoall_single(
+            out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op
+        )
+
     if out_tensor is not None:
-        return _complete("alltoall_single", call, pending, lambda _: out_tensor)
+        return _run("alltoall_single", call, issue, lambda _: out_tensor)
     backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
-    return _complete("alltoall_single", call, pending, _functional(backend, in_tensor, backward))
+    return _run("alltoall_single", call, issue, _functional("alltoall_single", call, in_tensor, backward))
 
 
 def all_gather(
@@ -156,21 +183,29 @@ def all_gather(
     if isinstance(target, list) and target:
         rows = [int(t.shape[0]) for t in target]
     elif target is None or isinstance(target, list):
-        rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
+        rows = None  # exchanged when the call is issued
     else:
         rows = [rows_here] * call.W
-    out_native = backend.to_native(target) if target is not None and not isinstance(target, list) else None
-    pending = backend.all_gather(out_native, backend.to_native(tensor), rows, grp, not sync_op)
+
+    def issue() -> Pending:
+        nonlocal rows
+        if call.check:
+            verify("all_gather", call, rows=rows)
+        if rows is None:
+            rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
+        out_native = backend.to_native(target) if target is not None and not isinstance(target, list) else None
+        return backend.all_gather(out_native, backend.to_native(tensor), rows, grp, not sync_op)
+
     if target is None:
 
         def backward(g: Any) -> Any:
             received = backend.alltoall_single(None, g, np.full(len(rows), rows_here), np.array(rows), grp, False)
             return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
 
-        return _complete("all_gather", call, pending, _functional(backend, tensor, backward))
+        return _run("all_gather", call, issue, _functional("all_gather", call, tensor, backward))
     if not isinstance(target, list):
-        return _complete("all_gather", call, pending, lambda _: target)
-    return _complete("all_gather", call, pending, lambda result: _fill_list(backend, target, result, rows, tensor))
+        return _run("all_gather", call, issue, lambda _: target)
+    return _run("all_gather", call, issue, lambda result: _fill_list(backend, target, result, rows, tensor))
 
 
 def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
@@ -205,7 +240,8 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
             f"a length that is a positive multiple of the group size {grp.world_size}",
             given,
         )
-    received = state.backend.exchange_ints(counts, grp)
+    with translated("exchange_counts", grp, state.timeout):
+        received = state.backend.exchange_ints(counts, grp)
     library = library_of(local_count)
     if library == "torch":
         import torch

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from . import registry
 from .backends.base import Backend
-from .errors import NotInitializedError
+from .errors import NotInitializedError, translated
 from .group import Group
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
+CHECK_ENV_VAR = "UNICOLL_CHECK"
 DEFAULT_TIMEOUT = 300.0
 
 
@@ -27,6 +28,7 @@ class _State:
     backend: Backend
     world: Group
     timeout: float
+    check: bool
 
 
 _state: _State | None = None
@@ -59,12 +61,24 @@ def _timeout_setting(timeout: float | None) -> float:
     return float(timeout)
 
 
-def init(backend: str | None = None, *, timeout: float | None = None) -> None:
+def _check_setting(check: bool | None) -> bool:
+    if check is not None:
+        if not isinstance(check, bool):
+            raise TypeError(f"unicoll.init: check: expected True, False or None, got {check!r}")
+        return check
+    raw = os.environ.get(CHECK_ENV_VAR, "0").strip().lower()
+    if raw not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"unicoll.init: ${CHECK_ENV_VAR}: expected 0 or 1, got {raw!r}")
+    return raw in ("1", "true")
+
+
+def init(backend: str | None = None, *, timeout: float | None = None, check: bool | None = None) -> None:
     """Join the job: start the backend and the world group.
 
     ``backend``: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"``, a registered name, ``"auto"``
     or None (then ``$UNICOLL_BACKEND``, else ``"auto"``). ``timeout``: seconds every
-    operator may take (default ``$UNICOLL_TIMEOUT`` or 300). On the torch backends an
+    operator may take (default ``$UNICOLL_TIMEOUT`` or 300). ``check``: compare the ranks'
+    arguments before every operator (default ``$UNICOLL_CHECK``, off). On the torch backends an
     already initialized torch.distributed default group is adopted; otherwise the default
     group is created, so raw torch.distributed calls work beside unicoll.
 
@@ -77,13 +91,14 @@ def init(backend: str | None = None, *, timeout: float | None = None) -> None:
             f"unicoll.init: already initialized with backend {_state.backend.name!r}; call finalize() first"
         )
     seconds = _timeout_setting(timeout)
+    checking = _check_setting(check)
     name = registry.resolve(backend)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if not 0 <= rank < world_size:
         raise ValueError(f"unicoll.init: $RANK: expected 0 <= RANK < WORLD_SIZE ({world_size}), got {rank}")
     started = registry.registered()[name](rank=rank, world_size=world_size, timeout=seconds)
     world = Group(tuple(range(started.world_size)), None, started.rank, next(_sessions))
-    _state = _State(started, world, seconds)
+    _state = _State(started, world, seconds, checking)
     atexit.register(finalize)  # a process that exits without finalize() still shuts down cleanly
 
 
@@ -163,4 +178,6 @@ def new_group(ranks: Sequence[int]) -> Group:
 def barrier(group: Group | None = None) -> None:
     """Block until every rank of ``group`` reaches the barrier."""
     resolved = resolve_group(group, "barrier")
-    state("barrier").backend.barrier(resolved)
+    current = state("barrier")
+    with translated("barrier", resolved, current.timeout):
+        current.backend.barrier(resolved)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .backends.base import Work
+from .errors import translated
+from .group import Group
 
 _PENDING = object()
 
@@ -17,11 +19,14 @@ class Task:
     >>> y = task.wait()                                      # doctest: +SKIP
     """
 
-    def __init__(self, works: tuple[Work, ...], finish: Callable[[], Any], timeout: float, op: str) -> None:
+    def __init__(
+        self, works: tuple[Work, ...], finish: Callable[[], Any], timeout: float, op: str, group: Group
+    ) -> None:
         self._works = works
         self._finish = finish
         self._timeout = timeout
         self._op = op
+        self._group = group
         self._result: Any = _PENDING
 
     def is_completed(self) -> bool:
@@ -30,11 +35,16 @@ class Task:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the operator completes (at most ``timeout`` seconds, default the one
-        given to ``init``) and return its result: the output array or the filled list."""
+        given to ``init``) and return its result: the output array or the filled list.
+
+        Raises :class:`~unicoll.CollectiveTimeoutError` past the timeout and
+        :class:`~unicoll.PeerLostError` when a rank of the group is gone.
+        """
         if self._result is _PENDING:
             seconds = self._timeout if timeout is None else timeout
-            for work in self._works:
-                work.wait(seconds)
+            with translated(self._op, self._group, seconds):
+                for work in self._works:
+                    work.wait(seconds)
             self._result = self._finish()
         return self._result
 

@@ -71,7 +71,7 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     backend = state.backend
     if spec.name not in backend.capabilities.ops:
         raise NotImplementedError(f"{spec.name}: backend {backend.name!r} does not provide this operator")
-    call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout)
+    call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout, check=state.check)
     for param in spec.params:
         if param.kind != "group":
             value = _read(param.kind, spec.name, param.name, arguments[param.name], backend.capabilities, backend.name)

@@ -7,7 +7,9 @@ on the way out.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -59,19 +61,38 @@ def _from_torch(t: torch.Tensor, library: str) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _init_default_group(pg_backend: str, rank: int, world_size: int, timeout: timedelta) -> None:
-    """Create torch's default group: in-process for a world of one, else through ``env://``
-    (``MASTER_ADDR``/``MASTER_PORT``, as torchrun and ``unicoll run`` set them)."""
-    if world_size == 1:
-        dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _rendezvous(rank: int, world_size: int, timeout: timedelta) -> tuple[dist.Store, str]:
+    """The store every rank meets at, and the address the ranks listen on.
+
+    Rank 0 hosts a TCPStore on a socket it binds to ``MASTER_ADDR:MASTER_PORT`` itself, so a
+    loopback address (the launcher's default) is never reachable from another machine.
+    """
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         raise RuntimeError(
             f"unicoll.init: environment variable {missing[0]} is not set; with WORLD_SIZE={world_size} "
             "every rank needs MASTER_ADDR and MASTER_PORT (`unicoll run` and torchrun set them)"
         )
-    dist.init_process_group(pg_backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listen_fd = socket.create_server((addr, port)).detach() if rank == 0 else None
+    return dist.TCPStore(addr, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd), addr
+
+
+def _gloo_options(addr: str) -> Any:
+    """Gloo options that keep its connections on loopback when the rendezvous is on loopback
+    (unless ``GLOO_SOCKET_IFNAME`` says otherwise); None leaves gloo's own choice."""
+    if not _is_loopback(addr) or "GLOO_SOCKET_IFNAME" in os.environ:
+        return None
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return options
 
 
 class TorchDistBackend(Backend):
@@ -84,15 +105,36 @@ class TorchDistBackend(Backend):
         self.capabilities = capabilities
         self._timeout = timedelta(seconds=timeout)
         self._owns_default_group = not dist.is_initialized()
+        self._options = None
         if self._owns_default_group:
-            _init_default_group(pg_backend, rank, world_size, self._timeout)
+            self._start_default_group(pg_backend, rank, world_size)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if dist.get_backend() == pg_backend:
             self._world = dist.group.WORLD
         else:  # an adopted default group of another transport: keep our own group beside it
-            self._world = dist.new_group(list(range(self.world_size)), backend=pg_backend, timeout=self._timeout)
+            self._world = self._new_pg(range(self.world_size), pg_backend)
         self._pg_backend = pg_backend
+
+    def _start_default_group(self, pg_backend: str, rank: int, world_size: int) -> None:
+        """Create torch's default group: in-process for a world of one, through torchrun's
+        agent store under torchrun, else through our own loopback-by-default rendezvous."""
+        if world_size == 1:
+            store = dist.HashStore()
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(
+                pg_backend, init_method="env://", rank=rank, world_size=world_size, timeout=self._timeout
+            )
+            return
+        else:
+            store, addr = _rendezvous(rank, world_size, self._timeout)
+            self._options = _gloo_options(addr) if pg_backend == "gloo" else None
+        dist.init_process_group(
+            pg_backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout, pg_options=self._options
+        )
+
+    def _new_pg(self, ranks: Sequence[int], pg_backend: str) -> Any:
+        return dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout, pg_options=self._options)
 
     def _pg(self, group: Group) -> Any:
         return self._world if group.handle is None else group.handle
@@ -104,7 +146,7 @@ class TorchDistBackend(Backend):
         return _from_torch(t, library)
 
     def new_group(self, ranks: Sequence[int]) -> Any:
-        return dist.new_group(list(ranks), backend=self._pg_backend, timeout=self._timeout)
+        return self._new_pg(ranks, self._pg_backend)
 
     def destroy_group(self, handle: Any) -> None:
         if dist.is_initialized():
