@@ -1,0 +1,164 @@
+"""Check mode across ranks, async ordering, no leaks, loopback-only sockets, no unpickling."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import unicoll as uc
+from unicoll import reference
+
+X = np.arange(12, dtype=np.float32).reshape(6, 2)
+
+# (label, what rank 0 calls, what the other ranks call, the message every rank must see)
+MISMATCHES = [
+    ("dtype", lambda: uc.all_gather(None, X), lambda: uc.all_gather(None, X.astype(np.float64)),
+     "all_gather: ranks disagree (check mode): rank 0 sends float32 rows but rank 1 sends float64"),
+    ("trailing shape", lambda: uc.all_gather(None, X), lambda: uc.all_gather(None, X.reshape(6, 2, 1)),
+     "rank 0's rows have trailing shape (2,) but rank 1's have (2, 1)"),
+    ("operator", lambda: uc.all_gather(None, X), lambda: uc.alltoall_single(None, X),
+     "rank 0 calls all_gather but rank 1 calls alltoall_single"),
+    ("experts per rank", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.global_scatter(X, [1, 2, 1, 2], [1, 2, 1, 2]),
+     "global_scatter: ranks disagree (check mode): rank 0 passes 4 counts or sizes but rank 1 passes 8"),
+    ("split sizes", lambda: uc.alltoall_single(None, X, [2, 4], [1, 5]), lambda: uc.alltoall_single(None, X, [5, 1], [4, 2]),
+     "alltoall_single: ranks disagree (check mode): rank 0 expects 2 row(s) from rank 0, but rank 0 sends 1"),
+    ("gather rows", lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((5, 2), np.float32)], X),
+     lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((6, 2), np.float32)], X),
+     "all_gather: ranks disagree (check mode): rank 0 expects 5 row(s) from rank 1, but rank 1 sends 6"),
+    ("gather back", lambda: uc.global_gather(X, [2, 1, 1, 2], [3, 0, 2, 1]), lambda: uc.global_gather(X, [3, 0, 2, 1], [2, 1, 1, 2]),
+     "global_gather: ranks disagree (check mode): rank 0 expects 2 row(s) back from rank 0 for expert 0, but rank 0 returns 3"),
+]  # fmt: skip
+
+
+def mismatches(rank: int) -> list[str]:
+    seen = []
+    for _, mine, others, _ in MISMATCHES:
+        with pytest.raises(uc.CrossRankMismatchError) as info:
+            (mine if rank == 0 else others)()
+        seen.append(str(info.value))
+        assert uc.all_gather(None, X).shape == (12, 2)  # the world is still in step
+    return seen
+
+
+def test_check_mode_names_the_disagreement_on_every_rank() -> None:
+    for seen in uc.testing.spawn(mismatches, 2, backend="gloo", env={"UNICOLL_CHECK": "1"}):
+        for (label, _, _, message), got in zip(MISMATCHES, seen):
+            assert message in got, (label, got)
+
+
+def test_check_mode_agrees_with_the_whole_matrix() -> None:
+    """No false alarms: the conformance matrix of 3 ranks passes with check mode on."""
+    from conformance import cases, run_cases
+    from unicoll.backends.gloo import CAPABILITIES
+
+    matrix = cases(CAPABILITIES, 3)
+    for outcome in uc.testing.spawn(run_cases, 3, matrix, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=240):
+        failures = [f for f in outcome.values() if f]
+        assert not failures, failures[0]
+
+
+def async_in_any_order(rank: int) -> str:
+    world = uc.get_world_size()
+    rng = np.random.default_rng(0)
+    local = rng.integers(0, 4, (world, world * 2))
+    xs = [rng.standard_normal((int(n), 3)) for n in local.sum(1)]
+    glob = reference.global_counts(list(local))
+    tasks = {
+        "scatter": uc.global_scatter(xs[rank], local[rank], glob[rank], sync_op=False, use_calc_stream=False),
+        "alltoall": uc.alltoall_single(None, torch.arange(4.0 * world) + rank, sync_op=False),
+        "gather": uc.global_gather(
+            reference.global_scatter(xs, list(local))[rank],
+            local[rank],
+            glob[rank],
+            sync_op=False,
+            use_calc_stream=False,
+        ),
+        "all_gather": uc.all_gather(np.empty(world, np.int64), np.array([rank]), sync_op=False),
+    }
+    expected = {
+        "scatter": reference.global_scatter(xs, list(local))[rank],
+        "alltoall": reference.alltoall_single([np.arange(4.0 * world) + r for r in range(world)])[rank],
+        "gather": xs[rank],
+        "all_gather": np.arange(world),
+    }
+    for name in ("all_gather", "gather", "scatter", "alltoall"):  # not the order issued
+        result = tasks[name].wait()
+        assert tasks[name].is_completed()
+        np.testing.assert_array_equal(np.asarray(result), expected[name], err_msg=name)
+        assert tasks[name].wait() is result  # waiting again returns the same result
+    return "ok"
+
+
+def test_async_operators_waited_in_any_order() -> None:
+    assert uc.testing.spawn(async_in_any_order, 3, backend="gloo") == ["ok"] * 3
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def memory_over_a_loop(rank: int) -> int:
+    x = torch.randn(4096, 64)
+    counts = np.full(4, 1024)
+    for _ in range(10):
+        uc.global_gather(uc.global_scatter(x, counts, counts), counts, counts)
+    before = _rss_bytes()
+    for _ in range(50):
+        uc.global_gather(uc.global_scatter(x, counts, counts), counts, counts)
+        uc.all_gather(None, x[:10])
+        uc.alltoall_single(None, x, sync_op=False).wait()
+    return _rss_bytes() - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+def test_fifty_operators_do_not_grow_memory() -> None:
+    for growth in uc.testing.spawn(memory_over_a_loop, 2, backend="gloo"):
+        assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over 150 operators"
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses of this process's listening TCP sockets, read from /proc."""
+    inodes = {
+        Path(f"/proc/self/fd/{fd}").readlink().name[8:-1]
+        for fd in (p.name for p in Path("/proc/self/fd").iterdir())
+        if Path(f"/proc/self/fd/{fd}").exists() and str(Path(f"/proc/self/fd/{fd}").readlink()).startswith("socket:")
+    }
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append(socket.inet_ntop(family, packed))
+    return found
+
+
+def sockets_and_pickles(rank: int) -> list[str]:
+    def refuse(*args, **kwargs):
+        raise AssertionError("unicoll unpickled data")
+
+    import torch.distributed.distributed_c10d as c10d
+
+    for module, name in ((pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (c10d, "_unpickler")):
+        if hasattr(module, name):
+            setattr(module, name, refuse)
+    uc.global_scatter(X, [3, 3], [3, 3])
+    uc.all_gather([], X)
+    uc.alltoall_single(None, X, in_split_sizes=[2, 4])
+    uc.exchange_counts([1, 2])
+    uc.barrier(uc.new_group([0, 1]))
+    return _listening_addresses()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")
+def test_loopback_only_and_no_unpickling() -> None:
+    per_rank = uc.testing.spawn(sockets_and_pickles, 2, backend="gloo", env={"UNICOLL_CHECK": "1"})
+    assert per_rank[0], "rank 0 hosts the rendezvous store, so it listens somewhere"
+    for addresses in per_rank:
+        assert all(a in ("127.0.0.1", "::1") for a in addresses), addresses
