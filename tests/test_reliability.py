@@ -23,6 +23,8 @@ MISMATCHES = [
      "rank 0's rows have trailing shape (2,) but rank 1's have (2, 1)"),
     ("operator", lambda: uc.all_gather(None, X), lambda: uc.alltoall_single(None, X),
      "rank 0 calls all_gather but rank 1 calls alltoall_single"),
+    ("MoE against another operator", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.all_gather(None, X),
+     "rank 0 calls global_scatter but rank 1 calls all_gather"),
     ("experts per rank", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.global_scatter(X, [1, 2, 1, 2], [1, 2, 1, 2]),
      "global_scatter: ranks disagree (check mode): rank 0 passes 4 counts or sizes but rank 1 passes 8"),
     ("split sizes", lambda: uc.alltoall_single(None, X, [2, 4], [1, 5]), lambda: uc.alltoall_single(None, X, [5, 1], [4, 2]),

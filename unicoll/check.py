@@ -5,7 +5,8 @@ integer description of each rank's call (operator, dtype, trailing shape, counts
 sizes) and every rank runs the same comparison on the same data, so a mismatch raises the
 same :class:`~unicoll.errors.CrossRankMismatchError` on every rank instead of a hang or
 garbage. Rank numbers in the messages are positions in the group. The cost is one small
-all-gather (two for global_scatter/global_gather, whose count length depends on E).
+all-gather (two for global_scatter/global_gather, whose count length depends on E, so the
+lengths are compared before the counts travel).
 """
 
 from __future__ import annotations
@@ -51,16 +52,27 @@ def _compare_headers(op: str, headers: np.ndarray) -> None:
             raise _fail(op, f"rank 0 passes {first[-1]} counts or sizes but rank {c} passes {h[-1]}")
 
 
-def _gather(backend: Backend, call: Call, x: object, op: str, payload: np.ndarray) -> np.ndarray:
-    """Every rank's payload, after checking that the headers agree; shape ``(W, len(payload))``."""
-    headers = backend.gather_ints(_header(op, x, payload.size), call.group)
-    _compare_headers(op, headers)
-    return backend.gather_ints(payload, call.group) if payload.size else np.zeros((call.W, 0), np.int64)
+def _gather(backend: Backend, call: Call, x: object, op: str, payload: np.ndarray, inline: bool) -> np.ndarray:
+    """Every rank's payload, after checking that the headers agree; shape ``(W, len(payload))``.
+
+    The first exchange has the same size for every operator (a header and ``2 * W`` slots),
+    so ranks that call different operators still pair up and learn it. An ``inline`` payload
+    (at most ``2 * W`` values) travels in those slots; any other (the MoE counts, whose length
+    depends on E) follows in a second exchange once the ranks agree on its length.
+    """
+    slots = np.full(2 * call.W, _UNKNOWN, np.int64)
+    if inline:
+        slots[: payload.size] = payload
+    first = backend.gather_ints(np.concatenate([_header(op, x, payload.size), slots]), call.group)
+    _compare_headers(op, first[:, :_HEADER])
+    if inline:
+        return first[:, _HEADER : _HEADER + payload.size]
+    return backend.gather_ints(payload, call.group)
 
 
 def _moe(backend: Backend, call: Call, op: str) -> None:
     world = call.W
-    both = _gather(backend, call, call.x, op, np.concatenate([call.local_count, call.global_count]))
+    both = _gather(backend, call, call.x, op, np.concatenate([call.local_count, call.global_count]), inline=False)
     local, glob = both[:, : both.shape[1] // 2], both[:, both.shape[1] // 2 :]
     experts = local.shape[1] // world
     for r in range(world):  # rank r receives (scatter) or returns (gather) rows of rank c
@@ -84,7 +96,7 @@ def _moe(backend: Backend, call: Call, op: str) -> None:
 def _alltoall(backend: Backend, call: Call, in_splits: np.ndarray, out_splits: np.ndarray | None) -> None:
     world = call.W
     out = np.full(world, _UNKNOWN, np.int64) if out_splits is None else out_splits
-    sizes = _gather(backend, call, call.in_tensor, "alltoall_single", np.concatenate([in_splits, out]))
+    sizes = _gather(backend, call, call.in_tensor, "alltoall_single", np.concatenate([in_splits, out]), inline=True)
     sent, received = sizes[:, :world], sizes[:, world:]
     for r in range(world):
         for c in range(world):
@@ -98,7 +110,7 @@ def _alltoall(backend: Backend, call: Call, in_splits: np.ndarray, out_splits: n
 def _all_gather(backend: Backend, call: Call, expected_rows: list[int] | None) -> None:
     world, rows = call.W, int(call.tensor.shape[0])
     expected = np.full(world, _UNKNOWN, np.int64) if expected_rows is None else np.array(expected_rows, np.int64)
-    sizes = _gather(backend, call, call.tensor, "all_gather", np.concatenate([[rows], expected]))
+    sizes = _gather(backend, call, call.tensor, "all_gather", np.concatenate([[rows], expected]), inline=True)
     sends, expects = sizes[:, 0], sizes[:, 1:]
     for r in range(world):
         for c in range(world):
