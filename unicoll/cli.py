@@ -1,4 +1,5 @@
-"""The ``unicoll`` command: ``unicoll run`` starts a local world, ``unicoll info`` reports.
+"""The ``unicoll`` command: ``unicoll run`` starts a local world, ``unicoll info`` reports,
+``unicoll bench`` times the operators (see :mod:`unicoll.bench`).
 
 ``unicoll run -n 4 train.py --lr 1e-3`` runs ``train.py`` as 4 ranks on this machine (see
 :mod:`unicoll.launcher`); ``unicoll run -n 4 -m package.module`` runs a module instead.
@@ -24,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """Build the argument parser with its ``run`` and ``info`` subcommands."""
+    """Build the argument parser with its ``run``, ``info`` and ``bench`` subcommands."""
     parser = argparse.ArgumentParser(
         prog="unicoll",
         description="Mixture-of-Experts collectives for numpy, torch and cupy arrays.",
@@ -49,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="show the backends available on this machine")
     info.set_defaults(handler=_info)
+
+    from . import bench  # imports nothing heavy; torch loads in the ranks it starts
+
+    timings = commands.add_parser(
+        "bench",
+        help="time the operators against raw torch.distributed, nccl-tests style",
+        description="Start N ranks and time each operator at sizes doubling from --min-bytes to "
+        "--max-bytes, beside the raw torch.distributed call that does the same work, then the "
+        "front end's own cost on one rank. Prints a table like nccl-tests'.",
+    )
+    bench.add_arguments(timings)
+    timings.set_defaults(handler=bench.run)
     return parser
 
 

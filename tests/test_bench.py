@@ -1,0 +1,94 @@
+"""Tests of ``unicoll bench``: a tiny sweep through the command line, and its pieces.
+
+Timings are never asserted: only the shape of the output and the correctness column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from unicoll import bench, bench_report, cli, layout
+
+SIZES = [1024, 2048, 4096]
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """Run the tiny sweep of the docs once: its stdout and the JSON it writes."""
+    out = tmp_path_factory.mktemp("bench") / "out.json"
+    argv = ["bench", "-n", "2", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "3", "--warmup", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "unicoll", *argv, "--backend", "gloo", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_json_holds_every_figure(tiny_sweep: tuple[str, dict]) -> None:
+    _, result = tiny_sweep
+    assert result["backend"] == "gloo" and result["world_size"] == 2
+    assert result["config"]["ops"] == list(bench.OPS)
+    assert [(row["op"], row["size_bytes"]) for row in result["rows"]] == [(op, s) for op in bench.OPS for s in SIZES]
+    for row in result["rows"]:
+        assert row["correct"] is True
+        assert row["dtype"] == "float32" and row["count"] * 4 == row["size_bytes"]
+        for key in ("time_us", "algbw_gbps", "busbw_gbps", "raw_time_us", "raw_algbw_gbps", "raw_busbw_gbps"):
+            assert row[key] > 0
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] / 2)
+        assert row["ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
+    frontend = result["frontend"]["ops"]
+    assert set(frontend) == set(bench.OPS)
+    for figures in frontend.values():
+        assert figures["overhead_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
+
+
+def test_table_is_printed_like_nccl_tests(tiny_sweep: tuple[str, dict]) -> None:
+    stdout, result = tiny_sweep
+    lines = stdout.splitlines()
+    header = next(line for line in lines if "count" in line and line.startswith("#"))
+    for column in ("size", "count", "type", "op", "time", "algbw", "busbw", "correct", "raw time", "ratio"):
+        assert column in header
+    data = [line.split() for line in lines if line and not line.startswith("#") and line.split()[0].isdigit()]
+    assert len(data) == len(result["rows"])
+    assert all(fields[7] == "yes" for fields in data)
+    assert "front end" in stdout
+
+
+def test_plot_is_drawn(tiny_sweep: tuple[str, dict], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    bench_report.plot(tiny_sweep[1], tmp_path / "busbw.png")
+    assert (tmp_path / "busbw.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("text", "size"), [("4096", 4096), ("1K", 1024), ("64M", 64 << 20), ("2GiB", 2 << 30)])
+def test_sizes_parse_in_binary_units(text: str, size: int) -> None:
+    assert bench.parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "K", "1.5M", "-1K", "0", "1X"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a size"):
+        bench.parse_bytes(text)
+
+
+def test_min_above_max_fails_before_starting_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "-n", "2", "--min-bytes", "8K", "--max-bytes", "4K"]) == 2
+    assert "--min-bytes 8192 is above --max-bytes 4096" in capsys.readouterr().err
+
+
+def test_hand_written_reorder_matches_unicoll_layout() -> None:
+    rng = np.random.default_rng(0)
+    for world, experts in [(1, 3), (2, 1), (2, 2), (3, 4)]:
+        counts = rng.integers(0, 4, world * experts)
+        expected = layout.rank_major_to_expert_major(counts.reshape(world, experts))
+        np.testing.assert_array_equal(bench._expert_major_order(counts, world), expected)

@@ -1,0 +1,517 @@
+"""``unicoll bench``: nccl-tests-style timings of unicoll's operators beside raw torch.distributed.
+
+:func:`run` (the command) starts N ranks with :func:`unicoll.launcher.run`, each running
+``python -m unicoll.bench sweep CONFIG RESULT PROGRESS``. For every operator and message size
+each rank builds one :class:`_Case` (the same buffers for unicoll's call and the raw
+torch.distributed call that does the same work), checks both results against
+:mod:`unicoll.reference` once, then times them interleaved: every iteration runs both, in
+alternating order, each after a barrier, so drift affects both alike. A rank's figure is the
+median of its iterations; the table shows the slowest rank's. A second, one-rank world
+(``python -m unicoll.bench frontend CONFIG RESULT``) measures the front end on its own: the
+median time of a tiny unicoll call minus that of the raw transfer it issues.
+
+Sizes are bytes per rank as nccl-tests counts them: the send (= receive) buffer of
+alltoall_single, the *output* buffer of all_gather (each rank contributes size / N), and the
+tokens a rank dispatches (global_scatter's input, global_gather's output) for the MoE operators.
+Data are rows of ``hidden`` elements of random bits; the results are compared bit for bit.
+
+Only torch.distributed backends (``gloo``, ``torch-nccl``) can be benchmarked: the baseline is
+torch.distributed itself. Nothing heavy is imported until a rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import launcher
+
+OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather")
+DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_BLOCK_BYTES, _MAX_BLOCK = 1 << 20, 16
+"""A timed block is ``_BLOCK_BYTES // size`` calls, between 1 and ``_MAX_BLOCK``."""
+_FRONTEND_BYTES = 256
+"""Payload of the front-end measurement: small enough that the transfer costs next to nothing."""
+_FRONTEND_ITERS, _FRONTEND_WARMUP = 2000, 200
+
+
+@dataclass(frozen=True)
+class Config:
+    """What to measure; the command line's options, passed to every rank as JSON."""
+
+    backend: str | None
+    ops: tuple[str, ...]
+    min_bytes: int
+    max_bytes: int
+    dtype: str
+    experts: int
+    hidden: int
+    iters: int
+    warmup: int
+    seed: int
+
+    def sizes(self) -> list[int]:
+        """The message sizes of the sweep: ``min_bytes`` doubling up to ``max_bytes``."""
+        sizes, size = [], self.min_bytes
+        while size <= self.max_bytes:
+            sizes.append(size)
+            size *= 2
+        return sizes
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def parse_bytes(text: str) -> int:
+    """``"4096"``, ``"1K"``, ``"64M"``, ``"1G"`` (binary units, optional ``B``/``iB``) -> bytes."""
+    spec = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = spec[-1:] if spec[-1:] in _UNITS else ""
+    number = spec[: len(spec) - len(unit)]
+    if not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 1K or 64M, got {text!r}")
+    return int(number) * _UNITS[unit]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``unicoll bench`` to ``parser``."""
+
+    def at_least(low: int) -> Callable[[str], int]:
+        def parse(text: str) -> int:
+            if not text.isdigit() or int(text) < low:
+                raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+            return int(text)
+
+        return parse
+
+    parser.add_argument("-n", "--nprocs", type=at_least(1), required=True, help="number of ranks")
+    parser.add_argument("--backend", help="unicoll backend (default: $UNICOLL_BACKEND, else auto)")
+    parser.add_argument("--op", action="append", choices=OPS, help="operator to measure (repeatable; default: all)")
+    parser.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1K"), help="smallest size (1K)")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"), help="largest size (64M)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="element type (float32)")
+    parser.add_argument("--experts", type=at_least(1), default=4, help="experts per rank, MoE operators (4)")
+    parser.add_argument("--hidden", type=at_least(1), default=256, help="elements per row, at most (256)")
+    parser.add_argument("--iters", type=at_least(1), default=20, help="timed iterations per size (20)")
+    parser.add_argument("--warmup", type=at_least(0), default=5, help="untimed iterations per size (5)")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the data and the counts (0)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw busbw against size (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``unicoll bench``: run the sweep and the front-end measurement, print, write, plot."""
+    if args.min_bytes > args.max_bytes:
+        print(f"unicoll bench: --min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}", file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("unicoll bench: --plot needs matplotlib: pip install 'unicoll[bench]'", file=sys.stderr)
+            return 2
+    config = Config(
+        backend=args.backend,
+        ops=tuple(dict.fromkeys(args.op or OPS)),
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        dtype=args.dtype,
+        experts=args.experts,
+        hidden=args.hidden,
+        iters=args.iters,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+    encoded = json.dumps(asdict(config))
+    with tempfile.TemporaryDirectory(prefix="unicoll-bench-") as tmp:
+        sweep, frontend, progress = (os.path.join(tmp, name) for name in ("sweep.json", "frontend.json", "progress"))
+        total = len(config.ops) * len(config.sizes())
+        with _progress_bar(progress, total):
+            code = launcher.run(args.nprocs, ["-m", __name__, "sweep", encoded, sweep, progress])
+        if code == 0:
+            code = launcher.run(1, ["-m", __name__, "frontend", encoded, frontend])
+        if code != 0:
+            return code
+        result = json.loads(Path(sweep).read_text())
+        result["frontend"] = json.loads(Path(frontend).read_text())
+    from . import bench_report
+
+    print(bench_report.format_table(result))
+    print(bench_report.format_frontend(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot is not None:
+        bench_report.plot(result, args.plot)
+    return 0 if all(row["correct"] for row in result["rows"]) else 1
+
+
+@contextmanager
+def _progress_bar(path: str, total: int) -> Iterator[None]:
+    """Show a tqdm bar on stderr (if tqdm is installed and stderr is a terminal) that follows
+    the ``done op size`` line rank 0 keeps in ``path``, while the block runs."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_follow_progress, args=(path, total, stop), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _follow_progress(path: str, total: int, stop: threading.Event) -> None:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    with tqdm(total=total, desc="unicoll bench", unit="size", file=sys.stderr, disable=None) as bar:
+        while True:
+            stopping = stop.wait(0.2)
+            try:
+                done, op, size = Path(path).read_text().split()
+            except (OSError, ValueError):
+                done = None
+            if done is not None:
+                bar.set_postfix_str(f"{op} {size} B", refresh=False)
+                bar.update(int(done) - bar.n)
+            if stopping:
+                return
+
+
+# -- on every rank ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Case:
+    """One operator at one size on this rank: the same buffers driven by unicoll and by raw
+    torch.distributed. Each callable returns its result; ``out`` is an in-place output that
+    is cleared before the correctness check, so a call that writes nothing cannot pass."""
+
+    op: str
+    nbytes: int
+    count: int
+    unicoll: Callable[[], Any]
+    raw: Callable[[], Any]
+    expected: Callable[[], np.ndarray]
+    out: Any = None
+
+
+class _World:
+    """This rank's view of the run: where tensors live and how every rank's data is made."""
+
+    def __init__(self, config: Config) -> None:
+        import torch
+        import torch.distributed as dist
+
+        import unicoll as uc
+
+        uc.init(config.backend)
+        if not dist.is_initialized():
+            raise SystemExit(
+                f"unicoll bench: backend {uc.get_backend()!r} does not run on torch.distributed, "
+                "the baseline this tool compares with; use gloo or torch-nccl"
+            )
+        self.config, self.rank, self.world = config, uc.get_rank(), uc.get_world_size()
+        self.cuda = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.dtype = getattr(torch, config.dtype)
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+
+    def sync(self) -> None:
+        """Wait for the device (CUDA), so a timer sees the whole operation."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def shape(self, nbytes: int) -> tuple[int, int]:
+        """``(rows, hidden)`` for about ``nbytes`` per rank: rows of at most ``config.hidden``
+        elements, narrower at small sizes so each rank still holds about W*E rows."""
+        count = max(1, nbytes // self.itemsize)
+        hidden = max(1, min(self.config.hidden, count // (self.world * self.config.experts)))
+        return count // hidden, hidden
+
+    def bits(self, rank: int, tag: str, nbytes: int, rows: int, hidden: int) -> np.ndarray:
+        """Rank ``rank``'s data for (``tag``, ``nbytes``): random bytes of shape
+        ``(rows, hidden * itemsize)``, the same on every rank that asks."""
+        rng = np.random.default_rng([self.config.seed, rank, nbytes, OPS.index(tag)])
+        return rng.integers(0, 256, (rows, hidden * self.itemsize), dtype=np.uint8)
+
+    def tensor(self, bits: np.ndarray) -> Any:
+        """``bits`` as a tensor of the benchmark's dtype on the benchmark's device."""
+        import torch
+
+        return torch.from_numpy(bits).view(self.dtype).to(self.device)
+
+    def local_counts(self, nbytes: int, rows: int) -> list[np.ndarray]:
+        """Every rank's seeded ``local_count`` (W*E entries, ``rows`` in all, close to even)."""
+        slots = self.world * self.config.experts
+        return [
+            np.random.default_rng([self.config.seed, rank, nbytes]).multinomial(rows, np.full(slots, 1 / slots))
+            for rank in range(self.world)
+        ]
+
+
+def _same_bits(result: Any, expected: np.ndarray) -> bool:
+    import torch
+
+    got = result.detach().cpu().contiguous().view(torch.uint8).numpy()
+    return got.shape == expected.shape and bool(np.array_equal(got, expected))
+
+
+def _alltoall_single(w: _World, nbytes: int, reorder: bool) -> _Case:
+    import torch.distributed as dist
+
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    rows -= rows % w.world
+    x = w.tensor(w.bits(w.rank, "alltoall_single", nbytes, rows, hidden))
+    out = x.new_empty(x.shape)
+
+    def raw() -> Any:
+        dist.all_to_all_single(out, x)
+        return out
+
+    def expected() -> np.ndarray:
+        every = [w.bits(r, "alltoall_single", nbytes, rows, hidden) for r in range(w.world)]
+        return uc.reference.alltoall_single(every)[w.rank]
+
+    return _Case(
+        "alltoall_single", x.numel() * w.itemsize, x.numel(), lambda: uc.alltoall_single(out, x), raw, expected, out
+    )
+
+
+def _all_gather(w: _World, nbytes: int, reorder: bool) -> _Case:
+    import torch.distributed as dist
+
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    rows = max(1, rows // w.world)  # nbytes is the gathered output; each rank sends 1/W of it
+    x = w.tensor(w.bits(w.rank, "all_gather", nbytes, rows, hidden))
+    out = x.new_empty((w.world * rows, hidden))
+
+    def raw() -> Any:
+        dist.all_gather_single(out, x)
+        return out
+
+    def expected() -> np.ndarray:
+        return uc.reference.all_gather([w.bits(r, "all_gather", nbytes, rows, hidden) for r in range(w.world)])[0]
+
+    return _Case("all_gather", out.numel() * w.itemsize, out.numel(), lambda: uc.all_gather(out, x), raw, expected, out)
+
+
+def _expert_major_order(global_count: np.ndarray, world: int) -> np.ndarray:
+    """The reorder a user writes by hand: rows arrive rank-major (source rank, then expert);
+    sort them stably by (expert, source rank)."""
+    counts = global_count.reshape(world, -1)
+    experts = np.arange(counts.shape[1])
+    keys = np.repeat((experts[None, :] * world + np.arange(world)[:, None]).ravel(), counts.ravel())
+    return np.argsort(keys, kind="stable")
+
+
+def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
+    """global_scatter or global_gather. The raw baseline is one all_to_all_single on per-rank
+    sums plus an index_select into (or out of) expert-major order; its split sizes and index
+    are computed once, outside the timing, as the counts stay fixed. ``reorder=False`` leaves
+    the index_select out (the front-end measurement, where only the transfer is compared)."""
+    import torch
+    import torch.distributed as dist
+
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    lcs = w.local_counts(nbytes, rows)
+    gcs = uc.reference.global_counts(lcs)
+    lc, gc = lcs[w.rank], gcs[w.rank]
+    send = lc.reshape(w.world, -1).sum(1).tolist()
+    recv = gc.reshape(w.world, -1).sum(1).tolist()
+    order = _expert_major_order(gc, w.world)
+    if op == "global_gather":  # the inverse permutation: expert-major back to rank-major
+        order = np.argsort(order)
+    index = torch.from_numpy(order).to(w.device)
+    scatter = op == "global_scatter"
+    in_rows = [rows] * w.world if scatter else [int(g.sum()) for g in gcs]
+    x = w.tensor(w.bits(w.rank, op, nbytes, in_rows[w.rank], hidden))
+
+    def raw_scatter() -> Any:
+        buffer = x.new_empty((sum(recv), hidden))
+        dist.all_to_all_single(buffer, x, recv, send)
+        return buffer.index_select(0, index) if reorder else buffer
+
+    def raw_gather() -> Any:
+        y = x.index_select(0, index) if reorder else x
+        out = x.new_empty((sum(send), hidden))
+        dist.all_to_all_single(out, y, send, recv)
+        return out
+
+    def expected() -> np.ndarray:
+        every = [w.bits(r, op, nbytes, in_rows[r], hidden) for r in range(w.world)]
+        reference = uc.reference.global_scatter if scatter else uc.reference.global_gather
+        return reference(every, lcs)[w.rank]
+
+    call = getattr(uc, op)
+    count = rows * hidden
+    return _Case(
+        op, count * w.itemsize, count, lambda: call(x, lc, gc), raw_scatter if scatter else raw_gather, expected
+    )
+
+
+_CASES: dict[str, Callable[[_World, int, bool], _Case]] = {
+    "alltoall_single": _alltoall_single,
+    "all_gather": _all_gather,
+    "global_scatter": partial(_moe, "global_scatter"),
+    "global_gather": partial(_moe, "global_gather"),
+}
+
+
+def _check(w: _World, case: _Case) -> bool:
+    """Whether unicoll's result matches the reference; the baseline must match too (else the
+    comparison would be meaningless, and that is a bug here)."""
+    expected = case.expected()
+    results = []
+    for call in (case.unicoll, case.raw):
+        if case.out is not None:
+            case.out.zero_()
+        results.append(_same_bits(call(), expected))
+    if not results[1]:
+        raise AssertionError(
+            f"unicoll bench: the raw baseline of {case.op} at {case.nbytes} B is wrong on rank {w.rank}"
+        )
+    return results[0]
+
+
+def _time(
+    w: _World, case: _Case, iters: int, warmup: int, block: int, barrier: Callable[[], None]
+) -> tuple[float, float]:
+    """This rank's median time per call in µs, of unicoll's call and of the raw call.
+
+    Each of the ``iters`` samples is a block of ``block`` back-to-back calls after a barrier
+    (so the barrier's exit skew is paid once per block, as in nccl-tests); the two variants
+    alternate block by block, in swapped order every other iteration.
+    """
+    for _ in range(warmup):
+        case.unicoll()
+        case.raw()
+    samples: dict[Callable[[], Any], list[float]] = {case.unicoll: [], case.raw: []}
+    for i in range(iters):
+        for call in (case.unicoll, case.raw) if i % 2 == 0 else (case.raw, case.unicoll):
+            barrier()
+            w.sync()
+            start = time.perf_counter_ns()
+            for _ in range(block):
+                call()
+            w.sync()
+            samples[call].append((time.perf_counter_ns() - start) / block)
+    return statistics.median(samples[case.unicoll]) / 1e3, statistics.median(samples[case.raw]) / 1e3
+
+
+def _bandwidths(nbytes: int, us: float, world: int) -> tuple[float, float]:
+    """algbw and busbw in GB/s. nccl-tests (doc/PERFORMANCE.md): algbw = S / t with S the size
+    column (for all_gather the whole output, sendcount * N elements); busbw = algbw * (N-1)/N for
+    AllGather and AlltoAll alike, which we also use for the MoE operators (all-to-alls)."""
+    algbw = nbytes / (us * 1e3)
+    return algbw, algbw * (world - 1) / world
+
+
+def _sweep(config: Config, result_path: str, progress_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    w = _World(config)
+    rows, steps, done = [], [(op, size) for op in config.ops for size in config.sizes()], 0
+    for op, size in steps:
+        case = _CASES[op](w, size, True)
+        correct = _check(w, case)
+        block = min(_MAX_BLOCK, max(1, _BLOCK_BYTES // size))
+        uc_us, raw_us = _time(w, case, config.iters, config.warmup, block, dist.barrier)
+        slowest = torch.tensor([uc_us, raw_us, 0.0 if correct else 1.0], dtype=torch.float64, device=w.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        uc_us, raw_us, wrong = slowest.tolist()
+        algbw, busbw = _bandwidths(case.nbytes, uc_us, w.world)
+        raw_algbw, raw_busbw = _bandwidths(case.nbytes, raw_us, w.world)
+        rows.append(
+            {
+                "op": op,
+                "size_bytes": case.nbytes,
+                "count": case.count,
+                "dtype": config.dtype,
+                "time_us": uc_us,
+                "algbw_gbps": algbw,
+                "busbw_gbps": busbw,
+                "correct": wrong == 0.0,
+                "raw_time_us": raw_us,
+                "raw_algbw_gbps": raw_algbw,
+                "raw_busbw_gbps": raw_busbw,
+                "ratio": uc_us / raw_us,
+                "calls_per_sample": block,
+            }
+        )
+        done += 1
+        if w.rank == 0:
+            _write(progress_path, f"{done} {op} {case.nbytes}")
+    if w.rank == 0:
+        _write(result_path, json.dumps({**_environment(w), "config": asdict(config), "rows": rows}))
+
+
+def _frontend(config: Config, result_path: str) -> None:
+    """On a world of one: each operator's median time minus that of the raw transfer alone."""
+    w = _World(config)
+    figures = {}
+    for op in config.ops:
+        case = _CASES[op](w, _FRONTEND_BYTES, False)
+        uc_us, raw_us = _time(w, case, _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, lambda: None)
+        figures[op] = {"unicoll_us": uc_us, "raw_us": raw_us, "overhead_us": uc_us - raw_us}
+    _write(result_path, json.dumps({"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}))
+
+
+def _environment(w: _World) -> dict[str, Any]:
+    import torch
+
+    import unicoll as uc
+
+    return {
+        "unicoll": uc.__version__,
+        "torch": torch.__version__,
+        "backend": uc.get_backend(),
+        "world_size": w.world,
+        "device": str(w.device),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _write(path: str, text: str) -> None:
+    """Replace ``path`` atomically, so a reader never sees half a file."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _worker(argv: Sequence[str]) -> None:
+    """``python -m unicoll.bench sweep CONFIG RESULT PROGRESS`` or ``... frontend CONFIG RESULT``."""
+    mode, encoded, *paths = argv
+    fields = json.loads(encoded)
+    config = Config(**{**fields, "ops": tuple(fields["ops"])})
+    if mode == "sweep":
+        _sweep(config, *paths)
+    else:
+        _frontend(config, *paths)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

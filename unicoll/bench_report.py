@@ -1,0 +1,86 @@
+"""What ``unicoll bench`` shows: the nccl-tests-style table, the front-end figures, the plot.
+
+Every function takes the result dictionary that ``unicoll bench --json`` writes: the run's
+environment and config, ``rows`` (one per operator and size) and ``frontend``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_COLUMNS = (
+    # (header, unit, width, row key, format)
+    ("size", "(B)", 11, "size_bytes", "d"),
+    ("count", "(elements)", 12, "count", "d"),
+    ("type", "", 8, "dtype", "s"),
+    ("op", "", 15, "op", "s"),
+    ("time", "(us)", 10, "time_us", ".1f"),
+    ("algbw", "(GB/s)", 7, "algbw_gbps", ".3f"),
+    ("busbw", "(GB/s)", 7, "busbw_gbps", ".3f"),
+    ("correct", "", 7, "correct", "s"),
+    ("raw time", "(us)", 10, "raw_time_us", ".1f"),
+    ("raw busbw", "(GB/s)", 9, "raw_busbw_gbps", ".3f"),
+    ("ratio", "uc/raw", 6, "ratio", ".3f"),
+)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The sweep as nccl-tests prints it: a ``#`` header, then one line per operator and size."""
+    config = result["config"]
+    lines = [
+        f"# unicoll {result['unicoll']} bench: backend {result['backend']}, {result['world_size']} ranks on "
+        f"{result['device']} ({result['cpus']} CPUs), torch {result['torch']}",
+        f"# {config['iters']} timed iterations after {config['warmup']} warm-up, unicoll and raw interleaved; "
+        f"time = median, slowest rank; MoE operators: {config['experts']} experts per rank",
+        "#",
+        "#" + "  ".join(f"{name:>{width}}" for name, _, width, _, _ in _COLUMNS)[1:],
+        "#" + "  ".join(f"{unit:>{width}}" for _, unit, width, _, _ in _COLUMNS)[1:],
+    ]
+    for row in result["rows"]:
+        cells = []
+        for _, _, width, key, spec in _COLUMNS:
+            value = row[key]
+            text = ("yes" if value else "NO") if isinstance(value, bool) else format(value, spec)
+            cells.append(f"{text:>{width}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def format_frontend(result: dict[str, Any]) -> str:
+    """The front-end overhead per operator: a unicoll call minus the raw transfer, one rank."""
+    frontend = result["frontend"]
+    lines = [
+        f"# front end (validation, dispatch, wrapping): one rank, {frontend['bytes']} B, "
+        f"median of {frontend['iters']} calls",
+        f"# {'op':>15}  {'unicoll (us)':>12}  {'raw (us)':>9}  {'overhead (us)':>13}",
+    ]
+    for op, f in frontend["ops"].items():
+        lines.append(f"  {op:>15}  {f['unicoll_us']:12.2f}  {f['raw_us']:9.2f}  {f['overhead_us']:13.2f}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Draw busbw against size (log-2 axis), unicoll and raw, one panel per operator, to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(row["op"] for row in result["rows"]))
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.8), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rows = [row for row in result["rows"] if row["op"] == op]
+        sizes = [row["size_bytes"] for row in rows]
+        ax.plot(sizes, [row["busbw_gbps"] for row in rows], "o-", label="unicoll")
+        ax.plot(sizes, [row["raw_busbw_gbps"] for row in rows], "s--", label="raw torch.distributed")
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("size per rank (B)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"unicoll bench: {result['backend']}, {result['world_size']} ranks, {result['config']['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
