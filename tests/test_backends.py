@@ -140,8 +140,11 @@ def test_adopts_an_existing_default_group() -> None:
     try:
         uc.init("gloo")
         assert uc.all_gather(None, np.arange(3)).tolist() == [0, 1, 2]
+        ours = uc.new_group([0]).handle
+        assert ours in dist.distributed_c10d._world.pg_map
         uc.finalize()
         assert dist.is_initialized(), "finalize must leave a group it did not create"
+        assert ours not in dist.distributed_c10d._world.pg_map, "finalize must release the groups it made"
     finally:
         dist.destroy_process_group()
 

@@ -90,10 +90,6 @@ class Backend(ABC):
         """A transport handle for the sorted world ``ranks`` (called on every rank)."""
 
     @abstractmethod
-    def destroy_group(self, handle: Any) -> None:
-        """Release a handle returned by :meth:`new_group`."""
-
-    @abstractmethod
     def barrier(self, group: Group) -> None:
         """Block until every rank of ``group`` has reached this call."""
 
@@ -119,7 +115,7 @@ class Backend(ABC):
 
     @abstractmethod
     def finalize(self) -> None:
-        """Release every resource the backend holds."""
+        """Release every resource the backend holds, the groups it made included."""
 
     # -- operators, composed from the primitives --------------------------------------------
 

@@ -106,6 +106,7 @@ class TorchDistBackend(Backend):
         self._timeout = timedelta(seconds=timeout)
         self._owns_default_group = not dist.is_initialized()
         self._options = None
+        self._groups: list[Any] = []  # every process group this backend created
         if self._owns_default_group:
             self._start_default_group(pg_backend, rank, world_size)
         self.rank = dist.get_rank()
@@ -134,7 +135,9 @@ class TorchDistBackend(Backend):
         )
 
     def _new_pg(self, ranks: Sequence[int], pg_backend: str) -> Any:
-        return dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout, pg_options=self._options)
+        handle = dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout, pg_options=self._options)
+        self._groups.append(handle)
+        return handle
 
     def _pg(self, group: Group) -> Any:
         return self._world if group.handle is None else group.handle
@@ -147,10 +150,6 @@ class TorchDistBackend(Backend):
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         return self._new_pg(ranks, self._pg_backend)
-
-    def destroy_group(self, handle: Any) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group(handle)
 
     def barrier(self, group: Group) -> None:
         dist.barrier(group=self._pg(group))
@@ -183,6 +182,8 @@ class TorchDistBackend(Backend):
         if not dist.is_initialized():
             return
         if self._owns_default_group:
-            dist.destroy_process_group()
-        elif self._world is not dist.group.WORLD:
-            dist.destroy_process_group(self._world)
+            dist.destroy_process_group()  # every group with it
+            return
+        for handle in self._groups:  # an adopted default group stays; ours go
+            if handle is not dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(handle)
