@@ -48,15 +48,19 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def format_frontend(result: dict[str, Any]) -> str:
-    """The front-end overhead per operator: a unicoll call minus the raw transfer, one rank."""
+    """The front end's cost per operator (transport stubbed out), and the whole call beside
+    the raw transfer, both on one rank."""
     frontend = result["frontend"]
     lines = [
-        f"# front end (validation, dispatch, wrapping): one rank, {frontend['bytes']} B, "
-        f"median of {frontend['iters']} calls",
-        f"# {'op':>15}  {'unicoll (us)':>12}  {'raw (us)':>9}  {'overhead (us)':>13}",
+        f"# one rank, {frontend['bytes']} B, median of {frontend['iters']} calls: front end = validation, "
+        "dispatch, conversion and wrapping (transport stubbed out); call = the whole call, beside the raw transfer",
+        f"# {'op':>15}  {'front end (us)':>14}  {'call (us)':>9}  {'raw (us)':>9}  {'difference (us)':>15}",
     ]
     for op, f in frontend["ops"].items():
-        lines.append(f"  {op:>15}  {f['unicoll_us']:12.2f}  {f['raw_us']:9.2f}  {f['overhead_us']:13.2f}")
+        lines.append(
+            f"  {op:>15}  {f['frontend_us']:14.2f}  {f['unicoll_us']:9.2f}  {f['raw_us']:9.2f}  "
+            f"{f['difference_us']:15.2f}"
+        )
     return "\n".join(lines)
 
 
