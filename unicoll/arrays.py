@@ -20,29 +20,51 @@ DTYPES: tuple[str, ...] = (
 LIBRARIES: tuple[str, ...] = ("numpy", "torch", "cupy")
 
 
+_library_by_type: dict[type, str | None] = {}
+_dtype_names: dict[Any, str] = {}
+
+
 def library_of(x: Any) -> str | None:
-    """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, else None."""
+    """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, else None.
+
+    The answer is cached per type: the front end asks on every call.
+    """
+    kind = type(x)
+    try:
+        return _library_by_type[kind]
+    except KeyError:
+        pass
     if aac.is_numpy_array(x):
-        return "numpy"
-    if aac.is_torch_array(x):
-        return "torch"
-    if aac.is_cupy_array(x):
-        return "cupy"
-    return None
+        library = "numpy"
+    elif aac.is_torch_array(x):
+        library = "torch"
+    elif aac.is_cupy_array(x):
+        library = "cupy"
+    else:
+        library = None
+    _library_by_type[kind] = library
+    return library
 
 
 def dtype_name(x: Any) -> str:
     """Canonical dtype name of a numpy, torch or cupy array, e.g. ``"float32"``, ``"bfloat16"``."""
     dtype = x.dtype
+    try:
+        return _dtype_names[dtype]
+    except KeyError:
+        pass
     name = getattr(dtype, "name", None)  # numpy and cupy dtypes have .name; torch dtypes do not
-    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
+    name = name if isinstance(name, str) else str(dtype).removeprefix("torch.")
+    _dtype_names[dtype] = name
+    return name
 
 
 def device_kind(x: Any) -> str:
     """``"cpu"`` or ``"cuda"``: where the array's memory lives."""
-    if aac.is_numpy_array(x):
+    library = library_of(x)
+    if library == "numpy":
         return "cpu"
-    if aac.is_cupy_array(x):
+    if library == "cupy":
         return "cuda"
     return x.device.type
 

@@ -93,9 +93,9 @@ def _moe(backend: Backend, call: Call, op: str) -> None:
                 raise _fail(op, message)
 
 
-def _alltoall(backend: Backend, call: Call, in_splits: np.ndarray, out_splits: np.ndarray | None) -> None:
+def _alltoall(backend: Backend, call: Call, in_splits: list[int], out_splits: list[int] | None) -> None:
     world = call.W
-    out = np.full(world, _UNKNOWN, np.int64) if out_splits is None else out_splits
+    out = np.full(world, _UNKNOWN, np.int64) if out_splits is None else np.array(out_splits, np.int64)
     sizes = _gather(backend, call, call.in_tensor, "alltoall_single", np.concatenate([in_splits, out]), inline=True)
     sent, received = sizes[:, :world], sizes[:, world:]
     for r in range(world):

@@ -73,9 +73,15 @@ def translated(op: str, group: object, timeout: float) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        if isinstance(exc, CommunicationError) or not is_transport_failure(exc):
-            raise
-        raise transport_error(exc, op, group, timeout) from exc
+        raise reported(exc, op, group, timeout) from exc
+
+
+def reported(exc: RuntimeError, op: str, group: object, timeout: float) -> Exception:
+    """What to raise for ``exc``: its :class:`CommunicationError` when it is a transport
+    failure, else ``exc`` itself (bugs and bad input pass through unchanged)."""
+    if isinstance(exc, CommunicationError) or not is_transport_failure(exc):
+        return exc
+    return transport_error(exc, op, group, timeout)
 
 
 def is_transport_failure(exc: BaseException) -> bool:

@@ -20,7 +20,7 @@ from .arrays import library_of
 from .backends.base import Backend, Pending
 from .check import verify
 from .counts import Counts, as_counts
-from .errors import bad_input, translated
+from .errors import bad_input, reported, translated
 from .group import Group
 from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec, length_multiple
 from .task import Task
@@ -31,10 +31,15 @@ def _run(op: str, call: Call, issue: Callable[[], Pending], finish: Callable[[An
     """Issue the transfers, then run ``finish(native_result)`` now (``sync_op=True``) or at
     ``Task.wait()``; transport failures become :class:`~unicoll.CommunicationError` naming
     ``op`` and the group."""
-    with translated(op, call.group, call.timeout):
+    try:  # not the translated() context manager: this is every call's hot path
         pending = issue()
         if call.sync_op:
             return finish(pending.finish())
+    except RuntimeError as exc:
+        error = reported(exc, op, call.group, call.timeout)
+        if error is exc:
+            raise
+        raise error from exc
     return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op, call.group)
 
 
@@ -71,8 +76,8 @@ def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
     return _run(spec.name, call, issue, finish)
 
 
-def _even(rows: int, world: int) -> np.ndarray:
-    return np.full(world, rows // world, dtype=np.int64)
+def _even(rows: int, world: int) -> list[int]:
+    return [rows // world] * world
 
 
 def global_scatter(
@@ -132,9 +137,9 @@ def alltoall_single(
     call = prepare(ALLTOALL_SINGLE, locals())
     backend = call.backend
     grp, world = call.group, call.W
-    in_splits = call.in_split_sizes if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
+    in_splits = call.in_split_sizes.tolist() if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
     if call.out_split_sizes is not None:
-        out_splits = call.out_split_sizes
+        out_splits = call.out_split_sizes.tolist()
     elif out_tensor is not None:
         out_splits = _even(out_tensor.shape[0], world)
     elif call.in_split_sizes is None:
@@ -147,7 +152,7 @@ def alltoall_single(
         if call.check:
             verify("alltoall_single", call, in_splits=in_splits, out_splits=out_splits)
         if out_splits is None:
-            out_splits = backend.exchange_ints(in_splits, grp)
+            out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
         out_native = None if out_tensor is None else backend.to_native(out_tensor)
         return backend.alltoall_single(
             out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op
@@ -199,7 +204,7 @@ def all_gather(
     if target is None:
 
         def backward(g: Any) -> Any:
-            received = backend.alltoall_single(None, g, np.full(len(rows), rows_here), np.array(rows), grp, False)
+            received = backend.alltoall_single(None, g, [rows_here] * len(rows), rows, grp, False)
             return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
 
         return _run("all_gather", call, issue, _functional("all_gather", call, tensor, backward))

@@ -150,15 +150,15 @@ class Backend(ABC):
         self,
         out: Any | None,
         x: Any,
-        out_splits: np.ndarray,
-        in_splits: np.ndarray,
+        out_splits: list[int],
+        in_splits: list[int],
         group: Group,
         async_op: bool,
     ) -> Pending:
         """Uneven all-to-all of rows with resolved split sizes; allocates ``out`` when None."""
         if out is None:
-            out = _empty_rows(x, int(out_splits.sum()))
-        work = self.alltoallv(out, x, out_splits.tolist(), in_splits.tolist(), group, async_op)
+            out = _empty_rows(x, sum(out_splits))
+        work = self.alltoallv(out, x, out_splits, in_splits, group, async_op)
         return _issued(work, lambda: out)
 
     def all_gather(self, out: Any | None, x: Any, rows: Sequence[int], group: Group, async_op: bool) -> Pending:

@@ -43,7 +43,7 @@ def _work(work: Any) -> Work | None:
 
 def _to_torch(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
-        return x.detach().contiguous()
+        return (x.detach() if x.requires_grad else x).contiguous()
     if isinstance(x, np.ndarray):
         if not (x.flags.c_contiguous and x.flags.writeable):
             x = np.array(x, order="C")
