@@ -164,3 +164,16 @@ def test_loopback_only_and_no_unpickling() -> None:
     assert per_rank[0], "rank 0 hosts the rendezvous store, so it listens somewhere"
     for addresses in per_rank:
         assert all(a in ("127.0.0.1", "::1") for a in addresses), addresses
+
+
+def init_again(rank: int) -> list[float]:
+    """A world can leave and join again: finalize() then init() on every rank."""
+    first = uc.all_gather(None, np.array([rank], np.float32)).tolist()
+    uc.finalize()
+    assert not uc.is_initialized()
+    uc.init("gloo")
+    return first + uc.all_gather(None, np.array([rank + 10], np.float32)).tolist()
+
+
+def test_init_after_finalize_in_a_world() -> None:
+    assert uc.testing.spawn(init_again, 2, backend="gloo") == [[0.0, 1.0, 10.0, 11.0]] * 2
