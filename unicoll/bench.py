@@ -227,6 +227,8 @@ class _World:
             )
         self.config, self.rank, self.world = config, uc.get_rank(), uc.get_world_size()
         self.cuda = dist.get_backend() == "nccl"
+        if not self.cuda:  # share the cores, as torchrun does: N ranks of 2 threads on 2 cores stall
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = getattr(torch, config.dtype)
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -517,6 +519,7 @@ def _environment(w: _World) -> dict[str, Any]:
         "world_size": w.world,
         "device": str(w.device),
         "cpus": os.cpu_count(),
+        "threads_per_rank": torch.get_num_threads(),
     }
 
 

@@ -30,9 +30,10 @@ def format_table(result: dict[str, Any]) -> str:
     config = result["config"]
     lines = [
         f"# unicoll {result['unicoll']} bench: backend {result['backend']}, {result['world_size']} ranks on "
-        f"{result['device']} ({result['cpus']} CPUs), torch {result['torch']}",
+        f"{result['device']} ({result['cpus']} CPUs, torch threads per rank: {result['threads_per_rank']}), "
+        f"torch {result['torch']}",
         f"# {config['iters']} timed iterations after {config['warmup']} warm-up, unicoll and raw interleaved; "
-        f"time = median, slowest rank; MoE operators: {config['experts']} experts per rank",
+        f"time = median, slowest rank; experts per rank (MoE operators): {config['experts']}",
         "#",
         "#" + "  ".join(f"{name:>{width}}" for name, _, width, _, _ in _COLUMNS)[1:],
         "#" + "  ".join(f"{unit:>{width}}" for _, unit, width, _, _ in _COLUMNS)[1:],
