@@ -189,3 +189,15 @@ def test_cli_rejects_a_bad_process_count(capsys):
         cli.main(["run", "-n", "0", "script.py"])
     assert exit_info.value.code == 2
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_each_rank_gets_its_share_of_the_cores(tmp_path, capfd, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "threads.py"
+    script.write_text("import os\nprint('threads', os.environ['OMP_NUM_THREADS'])\n")
+    assert launcher.run(2, [str(script)]) == 0
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert capfd.readouterr().out.count(f"threads {share}") == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert launcher.run(1, [str(script)]) == 0
+    assert "threads 7" in capfd.readouterr().out

@@ -60,6 +60,13 @@ def world_env(rank: int, world_size: int, master_addr: str, master_port: int) ->
     }
 
 
+def thread_share(nprocs: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` giving each of ``nprocs`` ranks its share of this machine's cores, as
+    torchrun does; a value already in the environment wins. Without it every rank starts one
+    OpenMP thread per core, and N ranks oversubscribe the machine and stall one another."""
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nprocs))}
+
+
 def run(
     nprocs: int,
     argv: Sequence[str],
@@ -73,6 +80,7 @@ def run(
     ``argv`` is what follows ``python`` on a command line: ``["train.py", "--lr", "1e-3"]`` or
     ``["-m", "package.module", ...]``. ``env`` adds variables to every rank's environment; the
     rank variables always win. ``master_port=None`` picks a free port on ``master_addr``.
+    Each rank gets ``OMP_NUM_THREADS`` from :func:`thread_share` unless it is already set.
 
     Returns 0 when every rank exits 0. As soon as one rank exits otherwise, the others are
     stopped (SIGTERM, then SIGKILL after a few seconds), a line naming the rank goes to stderr,
@@ -90,7 +98,7 @@ def run(
         with _sigterm_raises_system_exit():
             for rank in range(nprocs):
                 world = world_env(rank, nprocs, master_addr, port)
-                procs.append(_start_rank(argv, {**os.environ, **(env or {}), **world}))
+                procs.append(_start_rank(argv, {**thread_share(nprocs), **os.environ, **(env or {}), **world}))
                 readers += _forward_output(procs[-1], rank)
             failure = _wait_first_failure(procs)
     finally:
