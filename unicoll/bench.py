@@ -6,9 +6,10 @@ each rank builds one :class:`_Case` (the same buffers for unicoll's call and the
 torch.distributed call that does the same work), checks both results against
 :mod:`unicoll.reference` once, then times them interleaved: every iteration runs both, in
 alternating order, each after a barrier, so drift affects both alike. A rank's figure is the
-median of its iterations; the table shows the slowest rank's. A second, one-rank world
-(``python -m unicoll.bench frontend CONFIG RESULT``) measures the front end on its own: the
-median time of a tiny unicoll call minus that of the raw transfer it issues.
+median of its samples (blocks of back-to-back calls); the table shows the slowest rank's. A
+second, one-rank world (``python -m unicoll.bench frontend CONFIG RESULT``) measures the front
+end on its own: a tiny unicoll call with the backend's transfer primitives stubbed out, and the
+whole call beside the raw transfer it issues. docs/performance.md explains the figures.
 
 Sizes are bytes per rank as nccl-tests counts them: the send (= receive) buffer of
 alltoall_single, the *output* buffer of all_gather (each rank contributes size / N), and the
@@ -374,7 +375,7 @@ def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
     )
 
 
-_CASES: dict[str, Callable[[_World, int, bool], _Case]] = {
+_CASES: dict[str, Callable[[_World, int, bool], _Case]] = {  # (world, nbytes, reorder) -> case
     "alltoall_single": _alltoall_single,
     "all_gather": _all_gather,
     "global_scatter": partial(_moe, "global_scatter"),
