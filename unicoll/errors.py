@@ -85,8 +85,8 @@ def reported(exc: RuntimeError, op: str, group: object, timeout: float) -> Excep
 
 
 def is_transport_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the transport: torch.distributed's errors, or gloo's messages."""
-    if any(cls.__name__ == "DistError" for cls in type(exc).__mro__):
+    """Whether ``exc`` came from the transport: torch.distributed's and cupy's NCCL errors, or gloo's messages."""
+    if any(cls.__name__ in ("DistError", "NcclError") for cls in type(exc).__mro__):
         return True
     text = str(exc).lower()
     return "gloo" in text or any(marker in text for marker in _PEER_LOST + _TIMED_OUT)

@@ -70,7 +70,7 @@ def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
     def issue() -> Pending:
         if call.check:
             verify(spec.name, call)
-        return forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op)
+        return forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op, call.use_calc_stream)
 
     finish = _functional(spec.name, call, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
     return _run(spec.name, call, issue, finish)
@@ -155,7 +155,7 @@ def alltoall_single(
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
         out_native = None if out_tensor is None else backend.to_native(out_tensor)
         return backend.alltoall_single(
-            out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op
+            out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op, use_calc_stream
         )
 
     if out_tensor is not None:
@@ -199,7 +199,7 @@ def all_gather(
         if rows is None:
             rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
         out_native = backend.to_native(target) if target is not None and not isinstance(target, list) else None
-        return backend.all_gather(out_native, backend.to_native(tensor), rows, grp, not sync_op)
+        return backend.all_gather(out_native, backend.to_native(tensor), rows, grp, not sync_op, use_calc_stream)
 
     if target is None:
 

@@ -95,15 +95,27 @@ class Backend(ABC):
 
     @abstractmethod
     def alltoallv(
-        self, out: Any, x: Any, out_splits: list[int], in_splits: list[int], group: Group, async_op: bool
+        self,
+        out: Any,
+        x: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
     ) -> Work | None:
         """Send ``in_splits[c]`` consecutive rows of ``x`` to rank c, receive ``out_splits[c]``
-        rows from each rank c into ``out`` in rank order. Returns the work when ``async_op``."""
+        rows from each rank c into ``out`` in rank order. Returns the work when ``async_op``.
+
+        ``calc_stream`` (only with ``async_op=False``) asks a device backend to run on the
+        caller's current stream; otherwise it runs on a communication stream ordered after the
+        caller's, and the caller's stream waits for it (at once, or at the work's ``wait()``).
+        CPU backends ignore it."""
 
     @abstractmethod
-    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool) -> Work | None:
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         """Fill ``out`` (``W * rows`` rows) with every rank's ``x`` in rank order; every rank
-        passes the same shape."""
+        passes the same shape. ``calc_stream`` as for :meth:`alltoallv`."""
 
     @abstractmethod
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
@@ -120,21 +132,34 @@ class Backend(ABC):
     # -- operators, composed from the primitives --------------------------------------------
 
     def global_scatter(
-        self, x: Any, local_count: np.ndarray, global_count: np.ndarray, group: Group, async_op: bool
+        self,
+        x: Any,
+        local_count: np.ndarray,
+        global_count: np.ndarray,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
     ) -> Pending:
-        """MoE dispatch; see design.md. Counts are validated host int64 arrays of length W*E."""
+        """MoE dispatch; see design.md. Counts are validated host int64 arrays of length W*E.
+        ``calc_stream`` on every operator: see :meth:`alltoallv`."""
         world = group.world_size
         received = global_count.reshape(world, -1)
         send = local_count.reshape(world, -1).sum(axis=1)
         buffer = _empty_rows(x, int(received.sum()))
-        work = self.alltoallv(buffer, x, received.sum(axis=1).tolist(), send.tolist(), group, async_op)
+        work = self.alltoallv(buffer, x, received.sum(axis=1).tolist(), send.tolist(), group, async_op, calc_stream)
         if world == 1 or received.shape[1] == 1:  # rank-major is already expert-major
             return _issued(work, lambda: buffer)
         order = layout.rank_major_to_expert_major(received)
         return _issued(work, lambda: _take_rows(buffer, order))
 
     def global_gather(
-        self, x: Any, local_count: np.ndarray, global_count: np.ndarray, group: Group, async_op: bool
+        self,
+        x: Any,
+        local_count: np.ndarray,
+        global_count: np.ndarray,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
     ) -> Pending:
         """MoE combine, the inverse of :meth:`global_scatter` with the same counts."""
         world = group.world_size
@@ -143,7 +168,7 @@ class Backend(ABC):
             x = _take_rows(x, layout.expert_major_to_rank_major(held))
         back = local_count.reshape(world, -1).sum(axis=1)
         out = _empty_rows(x, int(back.sum()))
-        work = self.alltoallv(out, x, back.tolist(), held.sum(axis=1).tolist(), group, async_op)
+        work = self.alltoallv(out, x, back.tolist(), held.sum(axis=1).tolist(), group, async_op, calc_stream)
         return _issued(work, lambda: out)
 
     def alltoall_single(
@@ -154,14 +179,23 @@ class Backend(ABC):
         in_splits: list[int],
         group: Group,
         async_op: bool,
+        calc_stream: bool = False,
     ) -> Pending:
         """Uneven all-to-all of rows with resolved split sizes; allocates ``out`` when None."""
         if out is None:
             out = _empty_rows(x, sum(out_splits))
-        work = self.alltoallv(out, x, out_splits, in_splits, group, async_op)
+        work = self.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
         return _issued(work, lambda: out)
 
-    def all_gather(self, out: Any | None, x: Any, rows: Sequence[int], group: Group, async_op: bool) -> Pending:
+    def all_gather(
+        self,
+        out: Any | None,
+        x: Any,
+        rows: Sequence[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
         """Every rank's ``x`` (``rows[c]`` rows on rank c) concatenated in rank order.
 
         Equal row counts go straight into ``out``; unequal ones travel padded to the largest
@@ -171,12 +205,12 @@ class Backend(ABC):
             out = _empty_rows(x, int(sum(rows)))
         widest = max(rows)
         if all(r == widest for r in rows):
-            return _issued(self.all_gather_even(out, x, group, async_op), lambda: out)
+            return _issued(self.all_gather_even(out, x, group, async_op, calc_stream), lambda: out)
         xp = array_namespace(x)
         padded = xp.zeros((widest, *x.shape[1:]), dtype=x.dtype, device=device(x))
         padded[: x.shape[0], ...] = x
         buffer = _empty_rows(x, widest * len(rows))
-        work = self.all_gather_even(buffer, padded, group, async_op)
+        work = self.all_gather_even(buffer, padded, group, async_op, calc_stream)
         keep = np.concatenate([np.arange(c * widest, c * widest + r, dtype=np.int64) for c, r in enumerate(rows)])
 
         def finish() -> Any:

@@ -7,10 +7,8 @@ on the way out.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Capabilities, Work
+from .rendezvous import is_loopback, listen, master_address
 
 if TYPE_CHECKING:
     from ..group import Group
@@ -37,6 +36,41 @@ class _TorchWork:
         return self._work.is_completed()
 
 
+class _StreamWork:
+    """An NCCL work whose ``wait`` makes the current stream wait for it, without blocking the host.
+
+    torch's ``Work.wait(timeout)`` blocks the host when given a timeout, so none is passed:
+    the watchdog enforces the one given to ``init``.
+    """
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self, timeout: float) -> Any:
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def issue_on_stream(launch: Callable[[bool], Any], async_op: bool, calc_stream: bool) -> Work | None:
+    """Run ``launch(async_op)`` (a torch.distributed call) on the stream the call asks for.
+
+    ``calc_stream`` with a synchronous call: torch's synchronous form, on the current stream.
+    Otherwise torch's asynchronous form, on the group's NCCL stream; a synchronous call makes
+    the current stream wait for it at once, an asynchronous one returns the work for
+    ``Task.wait()``. See :mod:`unicoll.backends.torch_nccl`.
+    """
+    if calc_stream and not async_op:
+        launch(False)
+        return None
+    work = launch(True)
+    if async_op:
+        return _StreamWork(work)
+    work.wait()
+    return None
+
+
 def _work(work: Any) -> Work | None:
     return None if work is None else _TorchWork(work)
 
@@ -48,7 +82,7 @@ def _to_torch(x: Any) -> torch.Tensor:
         if not (x.flags.c_contiguous and x.flags.writeable):
             x = np.array(x, order="C")
         return torch.from_numpy(x)
-    return torch.from_dlpack(x)
+    return torch.from_dlpack(x).contiguous()  # a cupy array: zero-copy when it is contiguous
 
 
 def _from_torch(t: torch.Tensor, library: str) -> Any:
@@ -61,34 +95,21 @@ def _from_torch(t: torch.Tensor, library: str) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def _rendezvous(rank: int, world_size: int, timeout: timedelta) -> tuple[dist.Store, str]:
     """The store every rank meets at, and the address the ranks listen on.
 
     Rank 0 hosts a TCPStore on a socket it binds to ``MASTER_ADDR:MASTER_PORT`` itself, so a
     loopback address (the launcher's default) is never reachable from another machine.
     """
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"unicoll.init: environment variable {missing[0]} is not set; with WORLD_SIZE={world_size} "
-            "every rank needs MASTER_ADDR and MASTER_PORT (`unicoll run` and torchrun set them)"
-        )
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    listen_fd = socket.create_server((addr, port)).detach() if rank == 0 else None
+    addr, port = master_address(world_size)
+    listen_fd = listen(addr, port).detach() if rank == 0 else None
     return dist.TCPStore(addr, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd), addr
 
 
 def _gloo_options(addr: str) -> Any:
     """Gloo options that keep its connections on loopback when the rendezvous is on loopback
     (unless ``GLOO_SOCKET_IFNAME`` says otherwise); None leaves gloo's own choice."""
-    if not _is_loopback(addr) or "GLOO_SOCKET_IFNAME" in os.environ:
+    if not is_loopback(addr) or "GLOO_SOCKET_IFNAME" in os.environ:
         return None
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -155,11 +176,19 @@ class TorchDistBackend(Backend):
         dist.barrier(group=self._pg(group))
 
     def alltoallv(
-        self, out: Any, x: Any, out_splits: list[int], in_splits: list[int], group: Group, async_op: bool
+        self,
+        out: Any,
+        x: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
     ) -> Work | None:
+        """On CPU there are no streams: ``calc_stream`` has no effect (see torch_nccl for CUDA)."""
         return _work(dist.all_to_all_single(out, x, out_splits, in_splits, group=self._pg(group), async_op=async_op))
 
-    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool) -> Work | None:
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         return _work(dist.all_gather_single(out, x, group=self._pg(group), async_op=async_op))
 
     def _host_ints(self, values: np.ndarray) -> torch.Tensor:
@@ -187,3 +216,26 @@ class TorchDistBackend(Backend):
         for handle in self._groups:  # an adopted default group stays; ours go
             if handle is not dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(handle)
+
+
+class TorchNcclBackend(TorchDistBackend):
+    """torch.distributed over NCCL, with each call's stream choice applied (:func:`issue_on_stream`)."""
+
+    def alltoallv(
+        self,
+        out: Any,
+        x: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Work | None:
+        pg = self._pg(group)
+        return issue_on_stream(
+            lambda a: dist.all_to_all_single(out, x, out_splits, in_splits, group=pg, async_op=a), async_op, calc_stream
+        )
+
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        pg = self._pg(group)
+        return issue_on_stream(lambda a: dist.all_gather_single(out, x, group=pg, async_op=a), async_op, calc_stream)

@@ -1,7 +1,19 @@
-"""The ``torch-nccl`` backend: torch.distributed over NCCL, torch CUDA tensors.
+"""The ``torch-nccl`` backend: torch.distributed over NCCL, for CUDA torch tensors and cupy arrays.
 
-This release moves CUDA tensors on the default stream semantics of torch.distributed;
-the stream options and cupy arrays on this backend are completed by the GPU-backends work.
+The transport is :class:`unicoll.backends.torch_dist.TorchNcclBackend`. Streams (design.md,
+"Group and stream options"):
+
+- ``use_calc_stream=True`` issues the collective with ``async_op=False``, which torch (2.7 and
+  later) launches on the caller's current CUDA stream: no event, no extra stream.
+- otherwise it is issued with ``async_op=True``, on the process group's NCCL stream, which
+  torch orders after the current stream. With ``sync_op=True`` the current stream then waits
+  for it at once; with ``sync_op=False`` it waits in ``Task.wait()``. Neither blocks the host.
+
+cupy arrays travel zero-copy through DLPack, whose stream handshake orders them against
+torch's current stream, and come back as cupy arrays. CPU arrays are rejected by the
+capability table (``devices={"cuda"}``) with an error naming the backend: nothing is copied
+to the device behind the caller's back. The timeout given to ``init`` is enforced by torch's
+NCCL watchdog, which aborts a collective that runs past it.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cuda"}),
-    libraries=frozenset({"torch"}),
+    libraries=frozenset({"torch", "cupy"}),
 )
 
 
@@ -46,7 +58,7 @@ class TorchNcclFactory:
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
         import torch
 
-        from .torch_dist import TorchDistBackend
+        from .torch_dist import TorchNcclBackend
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        return TorchDistBackend("torch-nccl", "nccl", CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)
+        return TorchNcclBackend("torch-nccl", "nccl", CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)
