@@ -44,12 +44,14 @@ class Case:
     sync: bool
     subgroup: bool
     world_size: int
+    stream: str | None = None  # "calc" or "comm" for use_calc_stream=True/False; None: the default
 
     @property
     def id(self) -> str:
         mode = "sync" if self.sync else "async"
         where = "subgroup" if self.subgroup else "world"
-        return f"W{self.world_size}-{self.op}-{self.variant}-{self.library}-{self.dtype}-{mode}-{where}"
+        stream = f"-{self.stream}" if self.stream else ""
+        return f"W{self.world_size}-{self.op}-{self.variant}-{self.library}-{self.dtype}-{mode}{stream}-{where}"
 
     @property
     def seed(self) -> int:
@@ -61,16 +63,18 @@ def subgroup_ranks(world_size: int) -> list[int]:
     return list(range(1, world_size)) or [0]
 
 
-def cases(caps: Capabilities, world_size: int) -> list[Case]:
-    """Every case of the matrix for a backend with capability table ``caps``."""
+def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] = (None,)) -> list[Case]:
+    """Every case of the matrix for a backend with capability table ``caps``; synchronous
+    calls once per entry of ``streams`` (asynchronous ones always use the communication stream)."""
     return [
-        Case(op, variant, library, dtype, sync, subgroup, world_size)
+        Case(op, variant, library, dtype, sync, subgroup, world_size, stream)
         for op in OPS
         if op in caps.ops
         for variant in VARIANTS[op]
         for library in sorted(caps.libraries)
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
         for sync in (True, False)
+        for stream in (streams if sync else (None,))
         for subgroup in (False, True)
     ]
 
@@ -161,6 +165,8 @@ def _empty(like: Any, rows: int) -> Any:
 def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[Any, Any]:
     """Run the case's operator; returns (result, the in-place target or None)."""
     kw = dict(group=group) if case.sync else dict(group=group, sync_op=False, use_calc_stream=False)
+    if case.stream is not None:
+        kw["use_calc_stream"] = case.stream == "calc"
     x = to_library(a["x"], case.library, case.dtype, device)
     if case.op == "global_scatter":
         return uc.global_scatter(x, a["local_count"], a["global_count"], **kw), None

@@ -51,12 +51,13 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
         from .autograd import attach, needs_grad
 
         if needs_grad(x):
+            backend = call.backend
 
             def guarded_backward(grad: Any) -> Any:
                 with translated(f"{op} (backward)", call.group, call.timeout):
-                    return backward(grad)
+                    return backend.from_native(backward(backend.to_native(grad)), "torch")
 
-            return lambda result: attach(x, result, guarded_backward)
+            return lambda result: attach(x, backend.from_native(result, "torch"), guarded_backward)
     return lambda result: call.backend.from_native(result, library)
 
 

@@ -1,13 +1,19 @@
-"""The ``cupy-nccl`` backend entry: CuPy's NCCL bindings for cupy arrays.
+"""The ``cupy-nccl`` backend entry: CuPy's NCCL bindings, for cupy arrays (and CUDA torch tensors).
 
-Registered so that ``unicoll info`` and backend selection report it; the transport itself
-is not part of this release, and the entry says so instead of starting.
+What it can move and whether it can run here; the transport itself is
+:class:`unicoll.backends.cupy_transport.CupyNcclBackend`, imported only when it starts, so
+this module imports neither cupy nor torch.
+
+bfloat16 is not in the table: cupy has no bfloat16 dtype, so a torch bfloat16 tensor has no
+cupy view to move. Every other dtype, bool included, moves as raw bytes.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 from ..arrays import DTYPES
-from ..errors import BackendUnavailableError
 from ..spec import OPS
 from .base import Backend, Capabilities
 
@@ -15,28 +21,49 @@ CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES) - {"bfloat16"},
     devices=frozenset({"cuda"}),
-    libraries=frozenset({"cupy"}),
+    libraries=frozenset({"cupy", "torch"}),
 )
+
+#: The first cupy release whose NCCL unique id is a bytes object (earlier ones used a tuple).
+MIN_CUPY = 14
 
 
 class CupyNcclFactory:
-    """Registered as ``cupy-nccl``: reports what is missing on this machine."""
+    """Registered as ``cupy-nccl``: needs cupy 14+, a CUDA device per local rank and NCCL."""
 
     capabilities = CAPABILITIES
 
     def probe(self) -> str | None:
         try:
             import cupy
-            from cupy.cuda import nccl  # noqa: F401
         except Exception as exc:  # ImportError, or a CUDA library that fails to load
-            return f"cupy with NCCL is not importable ({type(exc).__name__}: {exc})"
+            return f"cupy is not importable ({type(exc).__name__}: {exc})"
+        major = int(cupy.__version__.split(".")[0])
+        if major < MIN_CUPY:
+            return f"cupy {cupy.__version__} is too old: cupy-nccl needs cupy {MIN_CUPY} or later"
         try:
             devices = cupy.cuda.runtime.getDeviceCount()
         except Exception as exc:  # cupy raises CUDARuntimeError without a driver
             return f"no CUDA device is usable ({type(exc).__name__}: {exc})"
         if devices == 0:
             return "no CUDA device is visible"
-        return "the cupy-nccl transport is not included in this release of unicoll"
+        with warnings.catch_warnings():  # cupy warns at import when libnccl cannot be loaded
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl
+        if not nccl.available:
+            return "cupy cannot load the NCCL library (pip install nvidia-nccl-cu12)"
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_ranks > devices:
+            return (
+                f"{local_ranks} ranks on this machine ($LOCAL_WORLD_SIZE) but {devices} CUDA device(s); "
+                "NCCL needs one per rank"
+            )
+        return None
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
-        raise BackendUnavailableError(f"backend 'cupy-nccl' is not usable here: {self.probe()}")
+        import cupy
+
+        from .cupy_transport import CupyNcclBackend
+
+        cupy.cuda.Device(int(os.environ.get("LOCAL_RANK", "0"))).use()
+        return CupyNcclBackend(CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,289 @@
+"""The ``cupy-nccl`` transport: CuPy's NCCL bindings, without torch.
+
+- **Rendezvous.** The ranks meet at a :class:`~unicoll.backends.store.StoreServer` that rank 0
+  serves on ``MASTER_ADDR:MASTER_PORT``; each communicator's NCCL unique id travels through
+  it. Every group, the world and each ``new_group``, is its own NCCL communicator with its
+  own communication stream.
+- **Bytes.** Arrays move as raw bytes (``ncclInt8`` counts), so every dtype of the same size
+  moves alike, bool included. The uneven all-to-all is the grouped send/recv that
+  :func:`~unicoll.backends.schedule.alltoallv_schedule` lists (zero sizes skipped on both
+  sides, this rank's own rows copied on the device).
+- **Streams.** ``calc_stream`` runs on cupy's current stream. Otherwise the group's stream
+  waits for the current one, runs the transfer, and the current stream waits for it: at once
+  for a synchronous call, in ``Task.wait()`` for an asynchronous one; the host never blocks.
+  The arrays of an asynchronous call are held until then, so the memory pool cannot hand
+  their memory to other work while NCCL still uses it.
+- **Host waits.** Where the host needs a result (the integer exchanges, ``barrier``,
+  ``finalize``) it polls a CUDA event, checks NCCL for asynchronous errors (a peer gone),
+  and gives up after the ``init`` timeout, aborting that communicator.
+- **Torch tensors** cross in and out through DLPack, zero-copy, ordered against cupy's current
+  stream by the DLPack stream handshake.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import cupy
+import numpy as np
+from cupy.cuda import nccl
+
+from .base import Backend, Capabilities, Work
+from .rendezvous import master_address
+from .schedule import Transfer, alltoallv_schedule
+from .store import StoreClient, StoreServer
+
+if TYPE_CHECKING:
+    from ..group import Group
+
+
+class _Communicator:
+    """One NCCL communicator (a group's members), with the stream its transfers run on."""
+
+    def __init__(self, size: int, unique_id: bytes, rank: int) -> None:
+        self.nccl = nccl.NcclCommunicator(size, unique_id, rank)
+        self.size = size
+        self.rank = rank
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.failure: str | None = None  # why it was aborted
+
+
+class _EventWork:
+    """A transfer on a communication stream. ``wait`` makes the caller's current stream wait for
+    it without blocking the host, and releases the arrays the transfer uses."""
+
+    def __init__(self, done: cupy.cuda.Event, arrays: tuple[Any, ...]) -> None:
+        self._done = done
+        self._arrays = arrays
+
+    def wait(self, timeout: float) -> None:
+        cupy.cuda.get_current_stream().wait_event(self._done)
+        self._arrays = ()
+
+    def is_completed(self) -> bool:
+        return self._done.done
+
+
+def _abort(comm: _Communicator, reason: str) -> None:
+    """Abort ``comm`` (its kernels in flight exit) and remember why; it is not used again."""
+    comm.failure = reason
+    comm.nccl.abort()
+
+
+def _row_bytes(x: cupy.ndarray) -> int:
+    return x.itemsize * math.prod(x.shape[1:])
+
+
+def _run_plan(comm: _Communicator, plan: list[Transfer], x: cupy.ndarray, out: cupy.ndarray, stream: Any) -> None:
+    """Issue ``plan`` on ``stream``: this rank's own rows as a device copy, the rest as one
+    NCCL group of sends and receives."""
+    src, dst = x.data.ptr, out.data.ptr
+    peers = []
+    for t in plan:
+        if t.peer == comm.rank:
+            cupy.cuda.runtime.memcpyAsync(
+                dst + t.recv_offset,
+                src + t.send_offset,
+                t.send_bytes,
+                cupy.cuda.runtime.memcpyDeviceToDevice,
+                stream.ptr,
+            )
+        else:
+            peers.append(t)
+    if not peers:
+        return
+    nccl.groupStart()
+    try:
+        for t in peers:
+            if t.send_bytes:
+                comm.nccl.send(src + t.send_offset, t.send_bytes, nccl.NCCL_INT8, t.peer, stream.ptr)
+            if t.recv_bytes:
+                comm.nccl.recv(dst + t.recv_offset, t.recv_bytes, nccl.NCCL_INT8, t.peer, stream.ptr)
+    finally:
+        nccl.groupEnd()
+
+
+class CupyNcclBackend(Backend):
+    """NCCL through ``cupy.cuda.nccl``, bound to this process's rank and CUDA device."""
+
+    name = "cupy-nccl"
+
+    def __init__(self, capabilities: Capabilities, *, rank: int, world_size: int, timeout: float) -> None:
+        self.capabilities = capabilities
+        self.rank = rank
+        self.world_size = world_size
+        self._timeout = timeout
+        self._server: StoreServer | None = None
+        self._store: StoreClient | None = None
+        if world_size > 1:
+            addr, port = master_address(world_size)
+            if rank == 0:
+                self._server = StoreServer(addr, port)
+            self._store = StoreClient(addr, port, timeout)
+        self._groups_made = 0
+        self._communicators: list[_Communicator] = []
+        world = self._communicator(tuple(range(world_size)))
+        assert world is not None  # every rank is in the world
+        self._world = world
+
+    def _communicator(self, members: tuple[int, ...]) -> _Communicator | None:
+        """The NCCL communicator of ``members`` (every world rank calls this, in the same order);
+        None on a rank outside them."""
+        key = f"unicoll/nccl-id/{self._groups_made}"
+        self._groups_made += 1
+        if self.rank not in members:
+            return None
+        position = members.index(self.rank)
+        if position == 0:
+            unique_id = nccl.get_unique_id()
+            if len(members) > 1:
+                self._store.set(key, unique_id)
+        else:
+            unique_id = self._store.get(key)
+        comm = _Communicator(len(members), unique_id, position)
+        self._communicators.append(comm)
+        return comm
+
+    def _comm(self, group: Group) -> _Communicator:
+        comm = self._world if group.handle is None else group.handle
+        if comm.failure is not None:
+            raise RuntimeError(f"the NCCL communicator of {group} was aborted: {comm.failure}")
+        return comm
+
+    # -- arrays ----------------------------------------------------------------------------
+
+    def to_native(self, x: Any) -> cupy.ndarray:
+        if isinstance(x, cupy.ndarray):
+            return cupy.ascontiguousarray(x)
+        return cupy.from_dlpack(x.detach().contiguous())  # a CUDA torch tensor, zero-copy
+
+    def from_native(self, a: cupy.ndarray, library: str) -> Any:
+        if library == "cupy":
+            return a
+        import torch  # only reached for a caller who passed torch tensors
+
+        return torch.from_dlpack(a)
+
+    # -- transfers -------------------------------------------------------------------------
+
+    def _issue(
+        self,
+        comm: _Communicator,
+        launch: Callable[[Any], None],
+        arrays: tuple[Any, ...],
+        async_op: bool,
+        calc_stream: bool,
+    ) -> Work | None:
+        """Run ``launch(stream)`` on the stream the call asks for (see the module text)."""
+        caller = cupy.cuda.get_current_stream()
+        if calc_stream and not async_op:
+            launch(caller)
+            return None
+        comm.stream.wait_event(caller.record())
+        launch(comm.stream)
+        done = comm.stream.record()
+        if async_op:
+            return _EventWork(done, arrays)
+        caller.wait_event(done)
+        return None
+
+    def alltoallv(
+        self,
+        out: Any,
+        x: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Work | None:
+        comm = self._comm(group)
+        plan = alltoallv_schedule(comm.rank, comm.size, in_splits, out_splits, _row_bytes(x))
+        return self._issue(comm, lambda s: _run_plan(comm, plan, x, out, s), (out, x), async_op, calc_stream)
+
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        comm = self._comm(group)
+
+        def launch(stream: Any) -> None:
+            if x.nbytes:  # the same on every rank: all or none skip
+                comm.nccl.allGather(x.data.ptr, out.data.ptr, x.nbytes, nccl.NCCL_INT8, stream.ptr)
+
+        return self._issue(comm, launch, (out, x), async_op, calc_stream)
+
+    # -- small host exchanges --------------------------------------------------------------
+
+    def _wait_host(self, comm: _Communicator, done: cupy.cuda.Event) -> None:
+        """Block the host until ``done``; an NCCL error or the timeout aborts ``comm`` and raises."""
+        deadline = time.monotonic() + self._timeout
+        pause = 1e-5
+        while not done.done:
+            try:
+                comm.nccl.check_async_error()  # raises NcclError once a peer has failed
+            except Exception as exc:
+                _abort(comm, f"NCCL reported an error: {exc}")
+                raise
+            if time.monotonic() > deadline:
+                _abort(comm, f"an operation timed out after {self._timeout:g} s")
+                raise RuntimeError(f"NCCL: {comm.failure}; a peer may not have called it (communicator aborted)")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+    def _on_host(self, comm: _Communicator, launch: Callable[[], cupy.ndarray]) -> np.ndarray:
+        """Run ``launch()`` with the group's stream current and return its result on the host."""
+        with comm.stream:
+            result = launch()
+        self._wait_host(comm, comm.stream.record())
+        return result.get(stream=comm.stream)
+
+    def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        comm = self._comm(group)
+        k = len(values) // comm.size
+        plan = alltoallv_schedule(comm.rank, comm.size, [k] * comm.size, [k] * comm.size, 8)
+
+        def launch() -> cupy.ndarray:
+            send = cupy.asarray(np.ascontiguousarray(values, dtype=np.int64))
+            recv = cupy.empty_like(send)
+            _run_plan(comm, plan, send, recv, comm.stream)
+            return recv
+
+        return self._on_host(comm, launch)
+
+    def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        comm = self._comm(group)
+
+        def launch() -> cupy.ndarray:
+            send = cupy.asarray(np.ascontiguousarray(values, dtype=np.int64))
+            recv = cupy.empty((comm.size, send.size), dtype=cupy.int64)
+            comm.nccl.allGather(send.data.ptr, recv.data.ptr, send.nbytes, nccl.NCCL_INT8, comm.stream.ptr)
+            return recv
+
+        return self._on_host(comm, launch)
+
+    # -- groups and lifetime ---------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> _Communicator | None:
+        return self._communicator(tuple(ranks))
+
+    def barrier(self, group: Group) -> None:
+        self.gather_ints(np.zeros(1, dtype=np.int64), group)
+
+    def finalize(self) -> None:
+        """Let every communicator finish its queued work (up to the timeout), then destroy it;
+        one that fails or times out is aborted instead. The store closes last."""
+        for comm in self._communicators:
+            if comm.failure is not None:
+                continue
+            try:
+                self._wait_host(comm, comm.stream.record())
+                comm.nccl.destroy()
+            except Exception as exc:  # NcclError and the timeout abort in _wait_host; else abort here
+                if comm.failure is None:
+                    _abort(comm, f"finalize failed: {exc}")
+        self._communicators = []
+        if self._store is not None:
+            self._store.close()
+        if self._server is not None:
+            self._server.close()
