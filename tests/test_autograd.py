@@ -64,18 +64,19 @@ def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
     return y if sync else y.wait()
 
 
-def gradients(rank: int) -> dict[str, str]:
+def gradients(rank: int, device: str = "cpu") -> dict[str, str]:
     """Each operator, sync and async: this rank's input gradient against the reference."""
     world = uc.get_world_size()
     report = {}
     for index, op in enumerate(OPS):
         for sync in (True, False):
             a = _world_inputs(op, world, seed=index)
-            x = torch.tensor(a["xs"][rank], requires_grad=True)
+            x = torch.tensor(a["xs"][rank], device=device, requires_grad=True)
             y = _forward(op, x, a, rank, sync)
             assert y.grad_fn is not None, f"{op}: result has no grad_fn"
-            (y * torch.tensor(a["ws"][rank])).sum().backward()
-            torch.testing.assert_close(x.grad, torch.tensor(a["grads"][rank]))
+            assert y.device == x.device, f"{op}: result on {y.device}"
+            (y * torch.tensor(a["ws"][rank], device=device)).sum().backward()
+            torch.testing.assert_close(x.grad, torch.tensor(a["grads"][rank], device=device))
             report[f"{op}-{'sync' if sync else 'async'}"] = "ok"
     return report
 

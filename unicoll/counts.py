@@ -19,8 +19,10 @@ _INT_DTYPES = ("int32", "int64")
 def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     """Return ``value`` as a 1-D, non-negative, host ``int64`` numpy array.
 
-    Arrays must have dtype int32 or int64. CUDA arrays are copied to the host, which
-    synchronizes with the device. Raises TypeError/ValueError naming ``op`` and ``param``.
+    Arrays must have dtype int32 or int64. A CUDA array (torch or cupy) is copied to the host
+    once per call, which waits for the work queued before it on the current stream (a device
+    synchronization); sequences and numpy arrays cost no device work at all. Raises
+    TypeError/ValueError naming ``op`` and ``param``.
 
     >>> as_counts([1, 0, 2], "global_scatter", "local_count")
     array([1, 0, 2])

@@ -1,0 +1,27 @@
+"""The GPU backends, found from their capability tables, as pytest parameters that carry the
+``gpu`` marker and skip, with the probe's reason, where the backend cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from unicoll import registry
+
+#: Every registered backend that moves CUDA arrays.
+GPU_BACKENDS = [name for name, f in registry.registered().items() if "cuda" in f.capabilities.devices]
+
+
+def marks(name: str) -> list:
+    """The ``gpu`` marker and a skip with the backend's reason when it is not usable here."""
+    reason = registry.registered()[name].probe()
+    return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=f"{name}: {reason}")]
+
+
+def params(*extra: tuple) -> list:
+    """One parameter per GPU backend (times each of ``extra``'s values), marked as above."""
+    combos = extra or ((),)
+    return [
+        pytest.param(name, *values, marks=marks(name), id="-".join([name, *map(str, values)]))
+        for name in GPU_BACKENDS
+        for values in combos
+    ]

@@ -1,0 +1,132 @@
+"""GPU-only behaviour at world size 1 (NCCL refuses two ranks on one GPU): autograd on CUDA
+tensors, stream ordering in every mode and for both array libraries, Task.wait() that does
+not block the host, and counts given as CUDA arrays. Skipped, with the reason, without CUDA;
+the conformance matrix (test_conformance_gpu.py) covers the results of every case."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import unicoll as uc
+from gpu_backends import params
+from test_autograd import gradients
+
+ROWS = 1 << 16  # 256 KiB of float32 per operand
+BUSY_CYCLES = 400_000_000  # a few hundred ms of one GPU thread spinning, on any current GPU
+
+
+@pytest.mark.parametrize("backend", params())
+def test_gradients_on_cuda(backend) -> None:
+    """Every operator's backward on CUDA tensors (on cupy-nccl, through DLPack both ways)."""
+    (report,) = uc.testing.spawn(gradients, 1, "cuda", backend=backend, timeout=300)
+    assert set(report.values()) == {"ok"}
+
+
+class _Library:
+    """What the stream tests need from torch or cupy: arrays, a side stream, a busy kernel."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "torch":
+            import torch
+
+            self.xp = torch
+        else:
+            import cupy
+
+            self.xp = cupy
+            self._spin = cupy.RawKernel(
+                r"""extern "C" __global__ void spin(long long cycles) {
+                    long long start = clock64();
+                    while (clock64() - start < cycles) { }
+                }""",
+                "spin",
+            )
+
+    def zeros(self, rows: int):
+        if self.name == "torch":
+            return self.xp.zeros(rows, 1, device="cuda")
+        return self.xp.zeros((rows, 1), dtype=self.xp.float32)
+
+    def side_stream(self):
+        """A new stream, made current by ``with``."""
+        if self.name == "torch":
+            stream = self.xp.cuda.Stream()
+            return self.xp.cuda.stream(stream)
+        return self.xp.cuda.Stream(non_blocking=True)
+
+    def busy(self) -> None:
+        """Keep the current stream busy for a while (nothing else runs on it meanwhile)."""
+        if self.name == "torch":
+            self.xp.cuda._sleep(BUSY_CYCLES)
+        else:
+            self._spin((1,), (1,), (np.int64(BUSY_CYCLES),))
+
+    def all_equal(self, y, value: float) -> bool:
+        """Whether every element of ``y`` is ``value`` (read on the current stream)."""
+        return bool((y == value).all().item())
+
+
+def stream_order(rank: int, library: str) -> dict[str, object]:
+    """Write x on a side stream after a busy kernel and run each operator mode on that stream:
+    every result must see the write (the transfer waited for the caller's stream), and
+    Task.wait() must return while the GPU is still busy (the host is not blocked)."""
+    lib = _Library(library)
+    report: dict[str, object] = {}
+    with lib.side_stream():
+        for mode, kw in (("calc", dict(use_calc_stream=True)), ("comm", dict(use_calc_stream=False))):
+            x = lib.zeros(ROWS)
+            lib.busy()
+            x += 7
+            y = uc.alltoall_single(None, x, **kw)
+            report[f"{mode}: result sees the write"] = lib.all_equal(y, 7)
+            z = uc.global_scatter(x, [ROWS], [ROWS], **kw)
+            report[f"{mode}: global_scatter sees the write"] = lib.all_equal(z, 7)
+        x = lib.zeros(ROWS)
+        lib.busy()
+        x += 5
+        task = uc.alltoall_single(None, x, sync_op=False)  # even splits: nothing exchanged first
+        report["async: not completed while the stream is busy"] = not task.is_completed()
+        start = time.perf_counter()
+        y = task.wait()
+        report["async: wait() took (s)"] = time.perf_counter() - start
+        report["async: still busy after wait()"] = not task.is_completed()
+        report["async: result sees the write"] = lib.all_equal(y, 5)
+        report["async: library"] = type(y).__module__.split(".")[0]
+    return report
+
+
+@pytest.mark.parametrize(("backend", "library"), params(("torch",), ("cupy",)))
+def test_stream_order_and_non_blocking_wait(backend, library) -> None:
+    (report,) = uc.testing.spawn(stream_order, 1, library, backend=backend, timeout=300)
+    assert report.pop("async: library") == library
+    assert report.pop("async: wait() took (s)") < 0.05, "Task.wait() blocked the host"
+    assert all(report.values()), report
+
+
+def counts_on_device(rank: int, library: str) -> dict[str, bool]:
+    """Counts given as CUDA arrays give what host counts give; exchange_counts keeps their kind."""
+    lib = _Library(library)
+    xp = lib.xp
+    lc_host = [3, 0, 2, 1]  # E = 4 experts on the only rank
+    lc = xp.asarray(lc_host, device="cuda") if library == "torch" else xp.asarray(lc_host)
+    gc = uc.exchange_counts(lc)
+    x = lib.zeros(6)
+    x += 1
+    on_device = uc.global_scatter(x, lc, gc)
+    on_host = uc.global_scatter(x, lc_host, lc_host)
+    same_kind = type(gc) is type(lc) and (gc.device == lc.device if library == "torch" else True)
+    return {
+        "exchange_counts keeps the library and device": same_kind,
+        "exchange_counts is the identity on one rank": bool((gc == lc).all().item()),
+        "device counts give the host counts' result": bool((on_device == on_host).all().item()),
+    }
+
+
+@pytest.mark.parametrize(("backend", "library"), params(("torch",), ("cupy",)))
+def test_counts_on_device(backend, library) -> None:
+    (report,) = uc.testing.spawn(counts_on_device, 1, library, backend=backend, timeout=300)
+    assert all(report.values()), report
