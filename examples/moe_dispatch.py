@@ -6,6 +6,11 @@ Run it on 2 (or more) CPU processes:
     unicoll run -n 3 examples/moe_dispatch.py --tokens 512 --experts-per-rank 4 --hidden 64
     torchrun --nproc-per-node 2 examples/moe_dispatch.py     # torchrun works too
 
+and on GPUs (one per rank), through torch.distributed's NCCL or CuPy's NCCL bindings:
+
+    unicoll run -n 2 examples/moe_dispatch.py --backend torch-nccl
+    unicoll run -n 2 examples/moe_dispatch.py --backend cupy-nccl    # torch tensors cross via DLPack
+
 Every rank builds the same seeded weights (a router and one matrix per expert, W*E experts in
 all; rank r owns experts r*E .. r*E+E-1) and its own tokens. A top-1 router picks an expert
 per token; the tokens are sorted by expert, the counts exchanged (uc.exchange_counts), the
@@ -19,6 +24,7 @@ this process alone: y_ref[t] = gate[t] * (x[t] @ W[expert[t]]). Exits non-zero o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -27,10 +33,16 @@ import torch
 
 import unicoll as uc
 
+GPU_BACKENDS = ("torch-nccl", "cupy-nccl")
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="unicoll backend (default: $UNICOLL_BACKEND, else auto)")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="gloo, torch-nccl or cupy-nccl (default: $UNICOLL_BACKEND, else auto); the NCCL ones run on CUDA",
+    )
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     parser.add_argument("--experts-per-rank", type=int, default=2, help="experts each rank holds (E)")
     parser.add_argument("--hidden", type=int, default=32, help="model width")
@@ -89,8 +101,11 @@ def main() -> None:
     uc.init(args.backend)
     rank, world, E, H = uc.get_rank(), uc.get_world_size(), args.experts_per_rank, args.hidden
 
-    # gloo moves CPU tensors; torch-nccl (auto's pick where CUDA is present) moves CUDA tensors.
-    cuda = uc.get_backend() == "torch-nccl"
+    # gloo moves CPU tensors; torch-nccl (auto's pick where CUDA is present) and cupy-nccl move
+    # CUDA tensors, one GPU per rank on this machine (cupy-nccl takes them through DLPack).
+    cuda = uc.get_backend() in GPU_BACKENDS
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     weights_gen = torch.Generator().manual_seed(args.seed)  # same on every rank

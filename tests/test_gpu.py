@@ -130,3 +130,17 @@ def counts_on_device(rank: int, library: str) -> dict[str, bool]:
 def test_counts_on_device(backend, library) -> None:
     (report,) = uc.testing.spawn(counts_on_device, 1, library, backend=backend, timeout=300)
     assert all(report.values()), report
+
+
+@pytest.mark.parametrize("backend", params())
+def test_moe_example_on_the_gpu(backend) -> None:
+    """examples/moe_dispatch.py checks its own output, gradients and round trip on CUDA."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "moe_dispatch.py"
+    command = [sys.executable, "-m", "unicoll", "run", "-n", "1", str(example), "--backend", backend, "--iters", "3"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"backend {backend}: 1 ranks" in out.stdout
