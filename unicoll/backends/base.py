@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 from array_api_compat import array_namespace, device
@@ -42,11 +42,11 @@ class Work(Protocol):
     def is_completed(self) -> bool: ...
 
 
-@dataclass(frozen=True)
-class Pending:
+class Pending(NamedTuple):
     """An operator issued on a backend: the transfers in flight and how to finish the result.
 
-    ``finish`` runs once every work has completed and returns the native result.
+    ``finish`` runs once every work has completed and returns the native result. (A named
+    tuple: one is made per call, and a frozen dataclass costs several times more to build.)
     """
 
     works: tuple[Work, ...]
