@@ -3,12 +3,13 @@
     python benchmarks/gpu_reorder.py [--library torch|cupy] [--dtype float32] [--iters 50]
 
 global_scatter receives rank-major rows and reorders them expert-major with one gather of rows
-(``unicoll.layout`` computes the index on the host; ``unicoll.backends.base._take_rows``
-moves the rows). For buffers from 1 MiB to 1 GiB this times, with CUDA events, the median of:
+(``unicoll.layout`` computes the index on the host; the backend's ``take_rows`` moves the
+rows). On one rank of ``torch-nccl`` (``--library torch``) or ``cupy-nccl`` (``--library
+cupy``), for buffers from 1 MiB to 1 GiB, this times with CUDA events the median of:
 
 - ``copy``: a device-to-device copy of the whole buffer (the card's reference bandwidth);
 - ``reorder``: the row gather with the index already on the device (the kernel alone);
-- ``unicoll``: ``_take_rows`` as global_scatter calls it (the index uploaded each call).
+- ``unicoll``: the backend's ``take_rows`` as global_scatter calls it (index uploaded each call).
 
 Bandwidth counts the bytes read plus written (2 x buffer). The goal is reorder >= 80% of
 copy. Without a CUDA device it says so and exits with code 0.
@@ -24,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from unicoll import layout
-from unicoll.backends.base import _take_rows
+import unicoll as uc
+from unicoll import layout, runtime
 
 WORLD, EXPERTS, HIDDEN = 8, 4, 1024  # a typical expert-parallel shape: 8 ranks x 4 experts
 
@@ -90,7 +91,8 @@ class _Cupy:
 
 
 def _timings(lib: _Torch | _Cupy, src: Any, dst: Any, order: np.ndarray, iters: int) -> list[float]:
-    """Median milliseconds of the copy, the row gather alone, and unicoll's ``_take_rows``."""
+    """Median milliseconds of the copy, the row gather alone, and the backend's ``take_rows``."""
+    backend = runtime.state("gpu_reorder").backend
     index = lib.index(order)
 
     def copy() -> None:
@@ -99,7 +101,7 @@ def _timings(lib: _Torch | _Cupy, src: Any, dst: Any, order: np.ndarray, iters: 
     return [
         lib.time_ms(copy, iters),
         lib.time_ms(lambda: lib.gather(src, index, dst), iters),
-        lib.time_ms(lambda: _take_rows(src, order), iters),
+        lib.time_ms(lambda: backend.take_rows(src, order), iters),
     ]
 
 
@@ -114,7 +116,8 @@ def main() -> int:
         parser.error("cupy has no bfloat16")
     try:
         lib = _Torch() if args.library == "torch" else _Cupy()
-    except Exception as exc:  # ImportError, or no CUDA device / driver
+        uc.init("torch-nccl" if args.library == "torch" else "cupy-nccl")
+    except Exception as exc:  # ImportError, no CUDA device or driver, backend not usable
         print(f"gpu_reorder: skipped: {type(exc).__name__}: {exc}")
         return 0
     rng = np.random.default_rng(args.seed)
@@ -134,6 +137,7 @@ def main() -> int:
             f"{1 << shift:>12} {copy:>10.1f} {reorder:>13.1f} {reorder / copy:>6.2f} {full:>13.1f} {full / copy:>6.2f}"
         )
     print(f"reorder / copy, worst size: {worst:.2f} (goal: 0.80 or more)")
+    uc.finalize()
     return 0
 
 

@@ -48,8 +48,10 @@ def test_json_holds_every_figure(tiny_sweep: tuple[str, dict]) -> None:
         assert row["ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
     frontend = result["frontend"]["ops"]
     assert set(frontend) == set(bench.OPS)
-    for figures in frontend.values():
+    for op, figures in frontend.items():
         assert figures["frontend_us"] > 0
+        if op in ("global_scatter", "global_gather"):
+            assert figures["frontend_fresh_counts_us"] > 0
         assert figures["difference_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
 
 

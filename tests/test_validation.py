@@ -3,6 +3,8 @@ communication (a correct call right after still lines up across ranks)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -133,3 +135,59 @@ def test_operator_before_init() -> None:
             call()
     with pytest.raises(ValueError):  # also catchable as ValueError, as torch.distributed raises
         uc.all_gather(None, X)
+
+
+def near_twins_of_accepted_calls(rank: int) -> list:
+    """The validator remembers accepted calls by signature (unicoll.validate); each call below
+    differs from an accepted one in one thing its checks read, and must still be refused."""
+    lc, gc, changing = np.array([1, 1, 1, 1]), np.array([1, 1, 1, 1]), np.array([1, 1, 1, 1])
+    out = np.empty_like(X)
+    accepted = [
+        lambda: uc.global_scatter(X, lc, gc),
+        lambda: uc.global_scatter(X, changing, gc),
+        lambda: uc.global_scatter(X, [1, 1, 1, 1], [1, 1, 1, 1]),
+        lambda: uc.alltoall_single(out, X),
+        lambda: uc.alltoall_single(out, X, sync_op=True),
+    ]
+    for call in accepted:
+        call()
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    twins = [
+        (lambda: uc.global_scatter(X, [1.0, 1, 1, 1], [1, 1, 1, 1]), TypeError, "sequence of ints"),
+        (lambda: uc.global_scatter(X, [1, 1, True, 1], [1, 1, 1, 1]), TypeError, "bool"),
+        (lambda: uc.global_scatter(X, lc.astype(np.float64), gc), TypeError, "int32 or int64"),
+        (lambda: uc.global_scatter(X, lc.reshape(2, 2), gc), ValueError, "1-D"),
+        (lambda: uc.global_scatter(X[:3], lc, gc), ValueError, "sum(local_count)=4 for x with 3 rows"),
+        (lambda: uc.alltoall_single(frozen, X), ValueError, "writable"),
+        (lambda: uc.alltoall_single(out, X, sync_op=1), TypeError, "True or False"),
+        (lambda: uc.alltoall_single(out.astype(np.float64), X), TypeError, "dtype"),
+    ]
+    changing[2] = 2  # an accepted call's own array, changed in place: now sums to 5 for 4 rows
+    twins.append((lambda: uc.global_scatter(X, changing, gc), ValueError, "sum(local_count)=5"))
+    caught = []
+    for call, error, words in twins:
+        with pytest.raises(error, match=re.escape(words)):
+            call()
+        caught.append(words)
+    return caught
+
+
+def test_remembered_calls_are_no_loophole() -> None:
+    assert uc.testing.spawn(near_twins_of_accepted_calls, W, backend="gloo")[0][-1] == "sum(local_count)=5"
+
+
+def counts_changed_after_the_call(rank: int) -> list:
+    """A remembered call keeps its own copy of the counts: changing the first call's array
+    afterwards does not change what a later call with equal counts sends."""
+    first = np.array([1, 3])
+    uc.global_scatter(X + rank, first, np.array([1, 1] if rank == 0 else [3, 3]))
+    first[:] = [3, 1]
+    return uc.global_scatter(X + rank, np.array([1, 3]), np.array([1, 1] if rank == 0 else [3, 3])).tolist()
+
+
+def test_remembered_counts_are_copies() -> None:
+    results = uc.testing.spawn(counts_changed_after_the_call, W, backend="gloo", timeout=60)
+    expected = uc.reference.global_scatter([X, X + 1], [np.array([1, 3]), np.array([1, 3])])
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(np.array(got), want)

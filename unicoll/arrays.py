@@ -6,7 +6,7 @@ imported, so ``import unicoll`` stays light and numpy-only users never load cupy
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat as aac
 
@@ -21,7 +21,17 @@ LIBRARIES: tuple[str, ...] = ("numpy", "torch", "cupy")
 
 
 _library_by_type: dict[type, str | None] = {}
-_dtype_names: dict[Any, str] = {}
+
+
+class ArrayKind(NamedTuple):
+    """What the front end checks of an array: its library, canonical dtype name and device kind."""
+
+    library: str
+    dtype: str
+    device: str
+
+
+_kinds: dict[tuple[type, Any, Any], ArrayKind] = {}
 
 
 def library_of(x: Any) -> str | None:
@@ -46,27 +56,48 @@ def library_of(x: Any) -> str | None:
     return library
 
 
-def dtype_name(x: Any) -> str:
-    """Canonical dtype name of a numpy, torch or cupy array, e.g. ``"float32"``, ``"bfloat16"``."""
-    dtype = x.dtype
+def kind_of(x: Any) -> ArrayKind:
+    """The :class:`ArrayKind` of an array of a known library (see :func:`library_of`).
+
+    Cached per (type, dtype, device), so a call on arrays seen before costs a dict lookup.
+
+    >>> kind_of(np.zeros(3, dtype=np.int8))
+    ArrayKind(library='numpy', dtype='int8', device='cpu')
+    """
+    library = library_of(x)
+    if library is None:
+        raise TypeError(f"kind_of: x: expected a numpy, torch or cupy array, got {type(x).__name__}")
+    key = (type(x), x.dtype, x.device if library == "torch" else None)  # cupy's Device is unhashable
     try:
-        return _dtype_names[dtype]
+        return _kinds[key]
     except KeyError:
         pass
+    kind = ArrayKind(library, _dtype_name(x.dtype), _device_kind(x, library))
+    _kinds[key] = kind
+    return kind
+
+
+def _dtype_name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)  # numpy and cupy dtypes have .name; torch dtypes do not
-    name = name if isinstance(name, str) else str(dtype).removeprefix("torch.")
-    _dtype_names[dtype] = name
-    return name
+    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
 
 
-def device_kind(x: Any) -> str:
-    """``"cpu"`` or ``"cuda"``: where the array's memory lives."""
-    library = library_of(x)
+def _device_kind(x: Any, library: str) -> str:
     if library == "numpy":
         return "cpu"
     if library == "cupy":
         return "cuda"
     return x.device.type
+
+
+def dtype_name(x: Any) -> str:
+    """Canonical dtype name of a numpy, torch or cupy array, e.g. ``"float32"``, ``"bfloat16"``."""
+    return kind_of(x).dtype
+
+
+def device_kind(x: Any) -> str:
+    """``"cpu"`` or ``"cuda"``: where the array's memory lives."""
+    return kind_of(x).device
 
 
 def describe(x: Any) -> str:
@@ -79,8 +110,9 @@ def describe(x: Any) -> str:
 
 def is_fillable(x: Any) -> bool:
     """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy."""
-    if aac.is_numpy_array(x):
+    library = library_of(x)
+    if library == "numpy":
         return bool(x.flags.c_contiguous and x.flags.writeable)
-    if aac.is_torch_array(x):
+    if library == "torch":
         return bool(x.is_contiguous())
     return bool(x.flags.c_contiguous)

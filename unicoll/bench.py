@@ -23,6 +23,7 @@ torch.distributed itself. Nothing heavy is imported until a rank starts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -475,7 +476,9 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
 def _frontend(config: Config, result_path: str) -> None:
     """On a world of one, per operator: the front end alone (``frontend_us``: the call with the
     backend's transfer primitives stubbed out, less an empty call), and the whole call beside
-    the raw transfer it issues (``unicoll_us``, ``raw_us`` and their ``difference_us``)."""
+    the raw transfer it issues (``unicoll_us``, ``raw_us`` and their ``difference_us``). For the
+    MoE operators also ``frontend_fresh_counts_us``: the front end when every call brings new
+    counts, so that neither the validator's memory nor the cached reorder plan can help."""
     from unicoll import runtime
 
     w = _World(config)
@@ -483,18 +486,45 @@ def _frontend(config: Config, result_path: str) -> None:
     figures = {}
     for op in config.ops:
         case = _CASES[op](w, _FRONTEND_BYTES, False)
-        uc_us, raw_us = _time(w, case, _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, lambda: None)
+        uc_us, raw_us = _time(w, case, _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
         with _without_transport(backend):
-            stubbed_us, empty_us = _time(
-                w, replace(case, raw=lambda: None), _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, lambda: None
-            )
+            stubbed_us, empty_us = _time(w, replace(case, raw=_none), _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
         figures[op] = {
             "frontend_us": stubbed_us - empty_us,
             "unicoll_us": uc_us,
             "raw_us": raw_us,
             "difference_us": uc_us - raw_us,
         }
+        if op in ("global_scatter", "global_gather"):
+            fresh = _with_fresh_counts(op, w)
+            with _without_transport(backend):
+                fresh_us, _ = _time(w, replace(case, unicoll=fresh, raw=_none), _FRONTEND_ITERS, 0, 1, _none)
+            figures[op]["frontend_fresh_counts_us"] = fresh_us - empty_us
     _write(result_path, json.dumps({"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}))
+
+
+def _none() -> None:
+    return None
+
+
+def _with_fresh_counts(op: str, w: _World) -> Callable[[], Any]:
+    """A one-rank ``op`` call whose counts differ from every recent call's (as in training,
+    where the router's counts change every step), so nothing derived from them is reused.
+    Rows of one element, at least 4 experts (one expert leaves one way to count 64 rows)."""
+    import unicoll as uc
+
+    rows = 64  # rows of one element: enough ways to split them that no counts come back soon
+    x = w.tensor(w.bits(0, op, rows * w.itemsize, rows, 1))
+    rng, slots = np.random.default_rng(w.config.seed), max(4, w.config.experts)  # one expert: one way
+    distinct = {tuple(rng.multinomial(rows, np.full(slots, 1 / slots))) for _ in range(4 * _FRONTEND_ITERS)}
+    pool = itertools.cycle([np.array(c, dtype=np.int64) for c in distinct])  # one rank: global = local
+    call = getattr(uc, op)
+
+    def fresh() -> Any:
+        counts = next(pool)
+        return call(x, counts, counts)
+
+    return fresh
 
 
 @contextmanager

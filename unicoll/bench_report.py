@@ -54,13 +54,16 @@ def format_frontend(result: dict[str, Any]) -> str:
     frontend = result["frontend"]
     lines = [
         f"# one rank, {frontend['bytes']} B, median of {frontend['iters']} calls: front end = validation, "
-        "dispatch, conversion and wrapping (transport stubbed out); call = the whole call, beside the raw transfer",
-        f"# {'op':>15}  {'front end (us)':>14}  {'call (us)':>9}  {'raw (us)':>9}  {'difference (us)':>15}",
+        "dispatch, conversion and wrapping (transport stubbed out), with the same arguments every call and, "
+        "for the MoE operators, with new counts every call; call = the whole call, beside the raw transfer",
+        f"# {'op':>15}  {'front end (us)':>14}  {'new counts (us)':>15}  {'call (us)':>9}  {'raw (us)':>9}  "
+        f"{'difference (us)':>15}",
     ]
     for op, f in frontend["ops"].items():
+        fresh = f.get("frontend_fresh_counts_us")
         lines.append(
-            f"  {op:>15}  {f['frontend_us']:14.2f}  {f['unicoll_us']:9.2f}  {f['raw_us']:9.2f}  "
-            f"{f['difference_us']:15.2f}"
+            f"  {op:>15}  {f['frontend_us']:14.2f}  {'-' if fresh is None else format(fresh, '.2f'):>15}  "
+            f"{f['unicoll_us']:9.2f}  {f['raw_us']:9.2f}  {f['difference_us']:15.2f}"
         )
     return "\n".join(lines)
 

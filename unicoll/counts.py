@@ -28,26 +28,39 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     array([1, 0, 2])
     """
     lib = library_of(value)
-    if lib is not None:
-        name = dtype_name(value)
-        if name not in _INT_DTYPES:
-            raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
-        if lib == "torch":
-            host = value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
-        elif lib == "cupy":
-            host = value.get()
-        else:
-            host = value
-        counts = np.asarray(host, dtype=np.int64)
-    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
-            kinds = sorted({type(v).__name__ for v in value})
-            raise bad_input(op, param, "a sequence of ints", f"a sequence holding {', '.join(kinds)}", TypeError)
-        counts = np.asarray(value, dtype=np.int64).reshape(-1)
+    if lib is None:
+        return _from_sequence(value, op, param)
+    name = dtype_name(value)
+    if name not in _INT_DTYPES:
+        raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
+    if lib == "torch":
+        host = value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
+    elif lib == "cupy":
+        host = value.get()
     else:
-        raise bad_input(op, param, "an integer array or a sequence of ints", describe(value), TypeError)
+        host = value
+    counts = np.asarray(host, dtype=np.int64)
     if counts.ndim != 1:
         raise bad_input(op, param, "a 1-D array", f"shape {counts.shape}")
     if counts.size and counts.min() < 0:
         raise bad_input(op, param, "non-negative counts", f"{int(counts.min())} at index {int(counts.argmin())}")
     return counts
+
+
+def _is_int_type(kind: type) -> bool:
+    return kind is int or (issubclass(kind, (int, np.integer)) and kind is not bool)
+
+
+def _from_sequence(value: Any, op: str, param: str) -> np.ndarray:
+    """A list, tuple or other sequence of Python or numpy ints, checked in Python (faster
+    than numpy for the few values counts hold)."""
+    if not isinstance(value, (list, tuple)) and (not isinstance(value, Sequence) or isinstance(value, (str, bytes))):
+        raise bad_input(op, param, "an integer array or a sequence of ints", describe(value), TypeError)
+    kinds = set(map(type, value))
+    if not all(map(_is_int_type, kinds)):
+        names = ", ".join(sorted(kind.__name__ for kind in kinds))
+        raise bad_input(op, param, "a sequence of ints", f"a sequence holding {names}", TypeError)
+    if value and min(value) < 0:
+        smallest = min(value)
+        raise bad_input(op, param, "non-negative counts", f"{int(smallest)} at index {list(value).index(smallest)}")
+    return np.array(value, dtype=np.int64)

@@ -47,7 +47,7 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
     """How to finish an operator that allocated its output: back to x's library, with autograd
     whose backward collective reports failures like the forward one."""
     library = library_of(x)
-    if library == "torch":
+    if library == "torch" and x.requires_grad:  # autograd (and torch) only imported when needed
         from .autograd import attach, needs_grad
 
         if needs_grad(x):

@@ -11,7 +11,8 @@ import atexit
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from . import registry
 from .backends.base import Backend
@@ -29,6 +30,8 @@ class _State:
     world: Group
     timeout: float
     check: bool
+    #: Calls accepted by the validator in this session, by signature (see unicoll.validate).
+    accepted: dict[tuple, Any] = field(default_factory=dict)
 
 
 _state: _State | None = None

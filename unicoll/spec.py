@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from .arrays import describe, kind_of
+
 #: The prepared arguments of one call, by parameter name, plus ``W`` (the group size).
 Call = SimpleNamespace
 
@@ -68,13 +70,8 @@ def length_multiple(counts: Any, world: int) -> str | None:
 
 def _same_array_kind(out: Any, x: Any, what: str) -> str | None:
     """Library, dtype and trailing shape of ``out`` against ``x``; None when they agree."""
-    from .arrays import describe, dtype_name, library_of
-
-    if (
-        library_of(out) != library_of(x)
-        or dtype_name(out) != dtype_name(x)
-        or tuple(out.shape[1:]) != tuple(x.shape[1:])
-    ):
+    kind_out, kind_x = kind_of(out), kind_of(x)
+    if kind_out.library != kind_x.library or kind_out.dtype != kind_x.dtype or out.shape[1:] != x.shape[1:]:
         return f"{describe(out)} for {what} {describe(x)}"
     return None
 

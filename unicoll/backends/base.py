@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 from array_api_compat import array_namespace, device
@@ -42,11 +42,11 @@ class Work(Protocol):
     def is_completed(self) -> bool: ...
 
 
-@dataclass(frozen=True)
-class Pending:
+class Pending(NamedTuple):
     """An operator issued on a backend: the transfers in flight and how to finish the result.
 
-    ``finish`` runs once every work has completed and returns the native result.
+    ``finish`` runs once every work has completed and returns the native result. (A named
+    tuple: one is made per call, and a frozen dataclass costs several times more to build.)
     """
 
     works: tuple[Work, ...]
@@ -55,16 +55,6 @@ class Pending:
 
 def _issued(work: Work | None, finish: Callable[[], Any]) -> Pending:
     return Pending(() if work is None else (work,), finish)
-
-
-def _take_rows(x: Any, index: np.ndarray) -> Any:
-    xp = array_namespace(x)
-    return xp.take(x, xp.asarray(index, device=device(x)), axis=0)
-
-
-def _empty_rows(like: Any, rows: int) -> Any:
-    xp = array_namespace(like)
-    return xp.empty((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
 
 
 class Backend(ABC):
@@ -129,6 +119,19 @@ class Backend(ABC):
     def finalize(self) -> None:
         """Release every resource the backend holds, the groups it made included."""
 
+    # -- local array work, through the array API; a backend may use its library directly ---
+
+    def empty_rows(self, like: Any, rows: int) -> Any:
+        """An uninitialized native array of ``rows`` rows with ``like``'s dtype, trailing shape
+        and device."""
+        xp = array_namespace(like)
+        return xp.empty((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
+
+    def take_rows(self, x: Any, index: np.ndarray) -> Any:
+        """A new native array holding the rows ``x[index]`` (``index``: host int64)."""
+        xp = array_namespace(x)
+        return xp.take(x, xp.asarray(index, device=device(x)), axis=0)
+
     # -- operators, composed from the primitives --------------------------------------------
 
     def global_scatter(
@@ -142,15 +145,13 @@ class Backend(ABC):
     ) -> Pending:
         """MoE dispatch; see design.md. Counts are validated host int64 arrays of length W*E.
         ``calc_stream`` on every operator: see :meth:`alltoallv`."""
-        world = group.world_size
-        received = global_count.reshape(world, -1)
-        send = local_count.reshape(world, -1).sum(axis=1)
-        buffer = _empty_rows(x, int(received.sum()))
-        work = self.alltoallv(buffer, x, received.sum(axis=1).tolist(), send.tolist(), group, async_op, calc_stream)
-        if world == 1 or received.shape[1] == 1:  # rank-major is already expert-major
+        plan = layout.moe_plan(local_count, global_count, group.world_size)
+        buffer = self.empty_rows(x, sum(plan.recv))
+        work = self.alltoallv(buffer, x, plan.recv, plan.send, group, async_op, calc_stream)
+        order = plan.to_expert_major
+        if order is None:
             return _issued(work, lambda: buffer)
-        order = layout.rank_major_to_expert_major(received)
-        return _issued(work, lambda: _take_rows(buffer, order))
+        return _issued(work, lambda: self.take_rows(buffer, order))
 
     def global_gather(
         self,
@@ -162,13 +163,11 @@ class Backend(ABC):
         calc_stream: bool = False,
     ) -> Pending:
         """MoE combine, the inverse of :meth:`global_scatter` with the same counts."""
-        world = group.world_size
-        held = global_count.reshape(world, -1)
-        if world > 1 and held.shape[1] > 1:
-            x = _take_rows(x, layout.expert_major_to_rank_major(held))
-        back = local_count.reshape(world, -1).sum(axis=1)
-        out = _empty_rows(x, int(back.sum()))
-        work = self.alltoallv(out, x, back.tolist(), held.sum(axis=1).tolist(), group, async_op, calc_stream)
+        plan = layout.moe_plan(local_count, global_count, group.world_size)
+        if plan.to_rank_major is not None:
+            x = self.take_rows(x, plan.to_rank_major)
+        out = self.empty_rows(x, sum(plan.send))
+        work = self.alltoallv(out, x, plan.send, plan.recv, group, async_op, calc_stream)
         return _issued(work, lambda: out)
 
     def alltoall_single(
@@ -183,7 +182,7 @@ class Backend(ABC):
     ) -> Pending:
         """Uneven all-to-all of rows with resolved split sizes; allocates ``out`` when None."""
         if out is None:
-            out = _empty_rows(x, sum(out_splits))
+            out = self.empty_rows(x, sum(out_splits))
         work = self.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
         return _issued(work, lambda: out)
 
@@ -202,19 +201,19 @@ class Backend(ABC):
         count and are compacted after the transfer.
         """
         if out is None:
-            out = _empty_rows(x, int(sum(rows)))
+            out = self.empty_rows(x, int(sum(rows)))
         widest = max(rows)
         if all(r == widest for r in rows):
             return _issued(self.all_gather_even(out, x, group, async_op, calc_stream), lambda: out)
         xp = array_namespace(x)
         padded = xp.zeros((widest, *x.shape[1:]), dtype=x.dtype, device=device(x))
         padded[: x.shape[0], ...] = x
-        buffer = _empty_rows(x, widest * len(rows))
+        buffer = self.empty_rows(x, widest * len(rows))
         work = self.all_gather_even(buffer, padded, group, async_op, calc_stream)
         keep = np.concatenate([np.arange(c * widest, c * widest + r, dtype=np.int64) for c, r in enumerate(rows)])
 
         def finish() -> Any:
-            out[...] = _take_rows(buffer, keep)
+            out[...] = self.take_rows(buffer, keep)
             return out
 
         return _issued(work, finish)

@@ -167,6 +167,12 @@ class CupyNcclBackend(Backend):
 
         return torch.from_dlpack(a)
 
+    def empty_rows(self, like: cupy.ndarray, rows: int) -> cupy.ndarray:
+        return cupy.empty((rows, *like.shape[1:]), dtype=like.dtype)
+
+    def take_rows(self, x: cupy.ndarray, index: np.ndarray) -> cupy.ndarray:
+        return cupy.take(x, cupy.asarray(index), axis=0)
+
     # -- transfers -------------------------------------------------------------------------
 
     def _issue(

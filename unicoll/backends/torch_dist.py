@@ -172,6 +172,12 @@ class TorchDistBackend(Backend):
     def new_group(self, ranks: Sequence[int]) -> Any:
         return self._new_pg(ranks, self._pg_backend)
 
+    def empty_rows(self, like: torch.Tensor, rows: int) -> torch.Tensor:
+        return like.new_empty((rows, *like.shape[1:]))
+
+    def take_rows(self, x: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+        return x.index_select(0, torch.from_numpy(index).to(x.device, non_blocking=True))
+
     def barrier(self, group: Group) -> None:
         dist.barrier(group=self._pg(group))
 
