@@ -7,6 +7,10 @@ displacements are row counts: a message of more than 2**31 - 1 *bytes* is fine, 
 passes even larger counts to an MPI-4 library's large-count routines. The dtype never matters
 to MPI, which moves bfloat16 and float16 as 2-byte words and bool as bytes.
 
+global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
+is, per peer, an indexed datatype that puts each expert's rows straight at their place in
+expert-major order, so MPI's own copy does the reorder and no second buffer is needed.
+
 Every collective is issued non-blocking (``Ialltoallv``, ``Iallgather``, ``Ialltoall``,
 ``Ibarrier``, ``Idup``) and waited for by polling ``Test()`` against a deadline, so no call
 waits past the configured timeout; ``sync_op=True`` waits inside the primitive. The polling
@@ -29,7 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import TransportError
-from .base import Backend, Capabilities, Work
+from .base import Backend, Capabilities, Pending, Work
 
 if TYPE_CHECKING:
     from ..group import Group
@@ -88,6 +92,20 @@ def _host_view(a: Any) -> np.ndarray:
 
 def _displacements(counts: Sequence[int]) -> list[int]:
     return list(accumulate(counts[:-1], initial=0))
+
+
+def _empty_rows(like: Any, rows: int) -> Any:
+    shape = (rows, *like.shape[1:])
+    return np.empty(shape, dtype=like.dtype) if isinstance(like, np.ndarray) else like.new_empty(shape)
+
+
+def _expert_major_starts(counts: np.ndarray) -> np.ndarray:
+    """``starts[e, c]``: the first row of the chunk (source rank c, expert e) in expert-major
+    order, for ``counts`` of shape ``(W, E)``."""
+    lengths = counts.T.reshape(-1)
+    starts = np.zeros_like(lengths)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts.reshape(counts.shape[1], counts.shape[0])
 
 
 class MpiBackend(Backend):
@@ -181,6 +199,62 @@ class MpiBackend(Backend):
         except MPI.Exception as exc:
             raise _failure(exc, "allgather") from exc
         return self._done(request, "allgather", async_op)
+
+    def global_scatter(
+        self, x: Any, local_count: np.ndarray, global_count: np.ndarray, group: Group, async_op: bool
+    ) -> Pending:
+        """Fused: the rows from each rank land straight in expert-major order (see the module)."""
+        world = group.world_size
+        received = global_count.reshape(world, -1)
+        if world == 1 or received.shape[1] == 1:  # rank-major is already expert-major
+            return super().global_scatter(x, local_count, global_count, group, async_op)
+        out = _empty_rows(x, int(received.sum()))
+        sent = local_count.reshape(world, -1).sum(axis=1).tolist()
+        work = self._expert_major_alltoall(x, out, received, sent, True, group, async_op)
+        return Pending(() if work is None else (work,), lambda: out)
+
+    def global_gather(
+        self, x: Any, local_count: np.ndarray, global_count: np.ndarray, group: Group, async_op: bool
+    ) -> Pending:
+        """Fused: each rank's rows are sent straight from their expert-major places."""
+        world = group.world_size
+        held = global_count.reshape(world, -1)
+        if world == 1 or held.shape[1] == 1:
+            return super().global_gather(x, local_count, global_count, group, async_op)
+        out = _empty_rows(x, int(local_count.sum()))
+        back = local_count.reshape(world, -1).sum(axis=1).tolist()
+        work = self._expert_major_alltoall(out, x, held, back, False, group, async_op)
+        return Pending(() if work is None else (work,), lambda: out)
+
+    def _expert_major_alltoall(
+        self,
+        rank_major: Any,
+        expert_major: Any,
+        counts: np.ndarray,
+        splits: list[int],
+        scatter: bool,
+        group: Group,
+        async_op: bool,
+    ) -> Work | None:
+        """One ``Ialltoallw`` between a rank-major array (``splits[c]`` consecutive rows per
+        rank c) and an expert-major one (``counts[c, e]`` rows per rank c and expert e), from
+        the first to the second when ``scatter``, else back."""
+        contiguous_view, placed_view = _host_view(rank_major), _host_view(expert_major)
+        row = self._row_type(contiguous_view)
+        starts = _expert_major_starts(counts)
+        placed = [row.Create_indexed(counts[c].tolist(), starts[:, c].tolist()).Commit() for c in range(len(splits))]
+        contiguous = [contiguous_view, (splits, [d * row.extent for d in _displacements(splits)]), [row] * len(splits)]
+        scattered = [placed_view, ([1] * len(splits), [0] * len(splits)), placed]
+        what = "alltoallw (global_scatter)" if scatter else "alltoallw (global_gather)"
+        try:
+            comm = self._comm(group)
+            request = comm.Ialltoallw(contiguous, scattered) if scatter else comm.Ialltoallw(scattered, contiguous)
+        except MPI.Exception as exc:
+            raise _failure(exc, what) from exc
+        finally:
+            for datatype in placed:  # MPI keeps them until the transfer that uses them completes
+                datatype.Free()
+        return self._done(request, what, async_op)
 
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = np.ascontiguousarray(values, dtype=np.int64)
