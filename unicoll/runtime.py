@@ -171,7 +171,8 @@ def new_group(ranks: Sequence[int]) -> Group:
         )
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {list(ranks)}")
-    handle = current.backend.new_group(members)
+    with translated("new_group", current.world, current.timeout):
+        handle = current.backend.new_group(members)
     return Group(members, handle, current.backend.rank, current.world.session)
 
 
