@@ -62,12 +62,12 @@ def format_copy(result: dict[str, Any]) -> str:
     busbw = {(row["op"], row["size_bytes"]): row["busbw_gbps"] for row in result["rows"]}
     lines = [
         "# memory copy: one process, numpy.copyto of size bytes (one thread), median; busbw / copy per operator",
-        f"# {'size (B)':>11}  {'time (us)':>10}  {'copy (GB/s)':>11}" + "".join(f"  {op:>15}" for op in ops),
+        f"# {'':>4}  {'size (B)':>11}  {'time (us)':>10}  {'copy (GB/s)':>11}" + "".join(f"  {op:>15}" for op in ops),
     ]
     for copy in result["copy"]:
         shares = [busbw.get((op, copy["size_bytes"])) for op in ops]
         lines.append(
-            f"  {copy['size_bytes']:>11d}  {copy['time_us']:10.1f}  {copy['gbps']:11.3f}"
+            f"  copy  {copy['size_bytes']:>11d}  {copy['time_us']:10.1f}  {copy['gbps']:11.3f}"
             + "".join(f"  {'-' if b is None else format(b / copy['gbps'], '.3f'):>15}" for b in shares)
         )
     return "\n".join(lines)
