@@ -1,23 +1,27 @@
-"""``unicoll bench``: nccl-tests-style timings of unicoll's operators beside raw torch.distributed.
+"""``unicoll bench``: nccl-tests-style timings of unicoll's operators beside the raw transport.
 
-:func:`run` (the command) starts N ranks with :func:`unicoll.launcher.run`, each running
+:func:`run` (the command) starts N ranks with :func:`unicoll.launcher.run` (on ``mpi``, as an
+MPI job with :func:`unicoll.mpirun.run`), each running
 ``python -m unicoll.bench sweep CONFIG RESULT PROGRESS``. For every operator and message size
-each rank builds one :class:`_Case` (the same buffers for unicoll's call and the raw
-torch.distributed call that does the same work), checks both results against
+each rank builds one :class:`_Case` (the same buffers for unicoll's call and the raw call of
+the transport, :mod:`unicoll.bench_baselines`), checks both results against
 :mod:`unicoll.reference` once, then times them interleaved: every iteration runs both, in
 alternating order, each after a barrier, so drift affects both alike. A rank's figure is the
 median of its samples (blocks of back-to-back calls); the table shows the slowest rank's. A
-second, one-rank world (``python -m unicoll.bench frontend CONFIG RESULT``) measures the front
+second, one-rank world (``python -m unicoll.bench single CONFIG RESULT``) measures the front
 end on its own: a tiny unicoll call with the backend's transfer primitives stubbed out, and the
-whole call beside the raw transfer it issues. docs/performance.md explains the figures.
+whole call beside the raw transfer it issues; and a single-process memory copy of each size,
+the bound that a transport within one machine is read against. docs/performance.md explains
+the figures.
 
 Sizes are bytes per rank as nccl-tests counts them: the send (= receive) buffer of
 alltoall_single, the *output* buffer of all_gather (each rank contributes size / N), and the
 tokens a rank dispatches (global_scatter's input, global_gather's output) for the MoE operators.
 Data are rows of ``hidden`` elements of random bits; the results are compared bit for bit.
 
-Only torch.distributed backends (``gloo``, ``torch-nccl``) can be benchmarked: the baseline is
-torch.distributed itself. Nothing heavy is imported until a rank starts.
+The backends on torch.distributed (``gloo``, ``torch-nccl``) are compared with
+torch.distributed itself, ``mpi`` with bare mpi4py. Nothing heavy is imported until a rank
+starts.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from . import launcher
+from . import launcher, mpirun
 
 OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather")
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -139,20 +143,22 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     encoded = json.dumps(asdict(config))
+    start = mpirun.run if (config.backend or os.environ.get("UNICOLL_BACKEND")) == "mpi" else launcher.run
     with tempfile.TemporaryDirectory(prefix="unicoll-bench-") as tmp:
-        sweep, frontend, progress = (os.path.join(tmp, name) for name in ("sweep.json", "frontend.json", "progress"))
+        sweep, single, progress = (os.path.join(tmp, name) for name in ("sweep.json", "single.json", "progress"))
         total = len(config.ops) * len(config.sizes())
         with _progress_bar(progress, total):
-            code = launcher.run(args.nprocs, ["-m", __name__, "sweep", encoded, sweep, progress])
+            code = start(args.nprocs, ["-m", __name__, "sweep", encoded, sweep, progress])
         if code == 0:
-            code = launcher.run(1, ["-m", __name__, "frontend", encoded, frontend])
+            code = start(1, ["-m", __name__, "single", encoded, single])
         if code != 0:
             return code
         result = json.loads(Path(sweep).read_text())
-        result["frontend"] = json.loads(Path(frontend).read_text())
+        result.update(json.loads(Path(single).read_text()))
     from . import bench_report
 
     print(bench_report.format_table(result))
+    print(bench_report.format_copy(result))
     print(bench_report.format_frontend(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
@@ -199,9 +205,9 @@ def _follow_progress(path: str, total: int, stop: threading.Event) -> None:
 
 @dataclass
 class _Case:
-    """One operator at one size on this rank: the same buffers driven by unicoll and by raw
-    torch.distributed. Each callable returns its result; ``out`` is an in-place output that
-    is cleared before the correctness check, so a call that writes nothing cannot pass."""
+    """One operator at one size on this rank: the same buffers driven by unicoll and by the raw
+    baseline. Each callable returns its result; ``out`` is an in-place output that is cleared
+    before the correctness check, so a call that writes nothing cannot pass."""
 
     op: str
     nbytes: int
@@ -210,6 +216,9 @@ class _Case:
     raw: Callable[[], Any]
     expected: Callable[[], np.ndarray]
     out: Any = None
+    raw_expected: Callable[[], np.ndarray] | None = None
+    """The raw call's own expected result when it does less than unicoll (the bare transfer of
+    an MoE operator); None when it is ``expected``."""
 
 
 class _World:
@@ -217,21 +226,18 @@ class _World:
 
     def __init__(self, config: Config) -> None:
         import torch
-        import torch.distributed as dist
 
         import unicoll as uc
 
+        from .bench_baselines import for_backend
+
         uc.init(config.backend)
-        if not dist.is_initialized():
-            raise SystemExit(
-                f"unicoll bench: backend {uc.get_backend()!r} does not run on torch.distributed, "
-                "the baseline this tool compares with; use gloo or torch-nccl"
-            )
+        self.baseline = for_backend(uc.get_backend())
         self.config, self.rank, self.world = config, uc.get_rank(), uc.get_world_size()
-        self.cuda = dist.get_backend() == "nccl"
+        self.device = self.baseline.device
+        self.cuda = self.device.type == "cuda"
         if not self.cuda:  # share the cores, as torchrun does: N ranks of 2 threads on 2 cores stall
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = getattr(torch, config.dtype)
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
 
@@ -278,17 +284,17 @@ def _same_bits(result: Any, expected: np.ndarray) -> bool:
 
 
 def _alltoall_single(w: _World, nbytes: int, reorder: bool) -> _Case:
-    import torch.distributed as dist
-
     import unicoll as uc
 
     rows, hidden = w.shape(nbytes)
     rows -= rows % w.world
     x = w.tensor(w.bits(w.rank, "alltoall_single", nbytes, rows, hidden))
     out = x.new_empty(x.shape)
+    splits = [rows // w.world] * w.world
+    transfer = w.baseline.alltoallv(out, x, splits, splits)
 
     def raw() -> Any:
-        dist.all_to_all_single(out, x)
+        transfer()
         return out
 
     def expected() -> np.ndarray:
@@ -301,17 +307,16 @@ def _alltoall_single(w: _World, nbytes: int, reorder: bool) -> _Case:
 
 
 def _all_gather(w: _World, nbytes: int, reorder: bool) -> _Case:
-    import torch.distributed as dist
-
     import unicoll as uc
 
     rows, hidden = w.shape(nbytes)
     rows = max(1, rows // w.world)  # nbytes is the gathered output; each rank sends 1/W of it
     x = w.tensor(w.bits(w.rank, "all_gather", nbytes, rows, hidden))
     out = x.new_empty((w.world * rows, hidden))
+    transfer = w.baseline.all_gather(out, x)
 
     def raw() -> Any:
-        dist.all_gather_single(out, x)
+        transfer()
         return out
 
     def expected() -> np.ndarray:
@@ -330,12 +335,12 @@ def _expert_major_order(global_count: np.ndarray, world: int) -> np.ndarray:
 
 
 def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
-    """global_scatter or global_gather. The raw baseline is one all_to_all_single on per-rank
-    sums plus an index_select into (or out of) expert-major order; its split sizes and index
-    are computed once, outside the timing, as the counts stay fixed. ``reorder=False`` leaves
-    the index_select out (the front-end measurement, where only the transfer is compared)."""
+    """global_scatter or global_gather. The raw baseline is one all-to-all on per-rank sums
+    into a new array, plus an index_select into (or out of) expert-major order; its split
+    sizes and index are computed once, outside the timing, as the counts stay fixed. ``reorder=False``
+    leaves the index_select out: the bare all-to-all of the same bytes (the front-end
+    measurement, and baselines that compare with the bare transfer), checked as such."""
     import torch
-    import torch.distributed as dist
 
     import unicoll as uc
 
@@ -355,24 +360,31 @@ def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
 
     def raw_scatter() -> Any:
         buffer = x.new_empty((sum(recv), hidden))
-        dist.all_to_all_single(buffer, x, recv, send)
+        w.baseline.alltoallv(buffer, x, recv, send)()
         return buffer.index_select(0, index) if reorder else buffer
 
     def raw_gather() -> Any:
         y = x.index_select(0, index) if reorder else x
         out = x.new_empty((sum(send), hidden))
-        dist.all_to_all_single(out, y, send, recv)
+        w.baseline.alltoallv(out, y, send, recv)()
         return out
 
+    def every_input() -> list[np.ndarray]:
+        return [w.bits(r, op, nbytes, in_rows[r], hidden) for r in range(w.world)]
+
     def expected() -> np.ndarray:
-        every = [w.bits(r, op, nbytes, in_rows[r], hidden) for r in range(w.world)]
         reference = uc.reference.global_scatter if scatter else uc.reference.global_gather
-        return reference(every, lcs)[w.rank]
+        return reference(every_input(), lcs)[w.rank]
+
+    def transferred() -> np.ndarray:  # what the bare all-to-all delivers
+        splits = [c.reshape(w.world, -1).sum(1) for c in (lcs if scatter else gcs)]
+        return uc.reference.alltoall_single(every_input(), splits)[w.rank]
 
     call = getattr(uc, op)
     count = rows * hidden
+    raw = raw_scatter if scatter else raw_gather
     return _Case(
-        op, count * w.itemsize, count, lambda: call(x, lc, gc), raw_scatter if scatter else raw_gather, expected
+        op, count * w.itemsize, count, lambda: call(x, lc, gc), raw, expected, None, None if reorder else transferred
     )
 
 
@@ -389,10 +401,10 @@ def _check(w: _World, case: _Case) -> bool:
     comparison would be meaningless, and that is a bug here)."""
     expected = case.expected()
     results = []
-    for call in (case.unicoll, case.raw):
+    for call, want in ((case.unicoll, expected), (case.raw, (case.raw_expected or case.expected)())):
         if case.out is not None:
             case.out.zero_()
-        results.append(_same_bits(call(), expected))
+        results.append(_same_bits(call(), want))
     if not results[1]:
         raise AssertionError(
             f"unicoll bench: the raw baseline of {case.op} at {case.nbytes} B is wrong on rank {w.rank}"
@@ -434,19 +446,14 @@ def _bandwidths(nbytes: int, us: float, world: int) -> tuple[float, float]:
 
 
 def _sweep(config: Config, result_path: str, progress_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     w = _World(config)
     rows, steps, done = [], [(op, size) for op in config.ops for size in config.sizes()], 0
     for op, size in steps:
-        case = _CASES[op](w, size, True)
+        case = _CASES[op](w, size, w.baseline.moe_reorder)
         correct = _check(w, case)
         block = min(_MAX_BLOCK, max(1, _BLOCK_BYTES // size))
-        uc_us, raw_us = _time(w, case, config.iters, config.warmup, block, dist.barrier)
-        slowest = torch.tensor([uc_us, raw_us, 0.0 if correct else 1.0], dtype=torch.float64, device=w.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        uc_us, raw_us, wrong = slowest.tolist()
+        uc_us, raw_us = _time(w, case, config.iters, config.warmup, block, w.baseline.barrier)
+        uc_us, raw_us, wrong = w.baseline.slowest([uc_us, raw_us, 0.0 if correct else 1.0])
         algbw, busbw = _bandwidths(case.nbytes, uc_us, w.world)
         raw_algbw, raw_busbw = _bandwidths(case.nbytes, raw_us, w.world)
         rows.append(
@@ -473,18 +480,43 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         _write(result_path, json.dumps({**_environment(w), "config": asdict(config), "rows": rows}))
 
 
-def _frontend(config: Config, result_path: str) -> None:
-    """On a world of one, per operator: the front end alone (``frontend_us``: the call with the
-    backend's transfer primitives stubbed out, less an empty call), and the whole call beside
-    the raw transfer it issues (``unicoll_us``, ``raw_us`` and their ``difference_us``). For the
-    MoE operators also ``frontend_fresh_counts_us``: the front end when every call brings new
-    counts, so that neither the validator's memory nor the cached reorder plan can help."""
+def _single(config: Config, result_path: str) -> None:
+    """On a world of one: the front end (:func:`_frontend`) and the memory copy (:func:`_copy`)."""
+    w = _World(config)
+    _write(result_path, json.dumps({"frontend": _frontend(w), "copy": _copy(config)}))
+
+
+def _copy(config: Config) -> list[dict[str, float]]:
+    """A single-process memory copy (``numpy.copyto``, one thread) of each size of the sweep,
+    timed as the sweep times a call: the median of blocks of back-to-back copies."""
+    rows = []
+    for size in config.sizes():
+        src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+        block = min(_MAX_BLOCK, max(1, _BLOCK_BYTES // size))
+        for _ in range(config.warmup + 1):
+            np.copyto(dst, src)
+        samples = []
+        for _ in range(config.iters):
+            start = time.perf_counter_ns()
+            for _ in range(block):
+                np.copyto(dst, src)
+            samples.append((time.perf_counter_ns() - start) / block)
+        ns = statistics.median(samples)
+        rows.append({"size_bytes": size, "time_us": ns / 1e3, "gbps": size / ns})
+    return rows
+
+
+def _frontend(w: _World) -> dict[str, Any]:
+    """Per operator: the front end alone (``frontend_us``: the call with the backend's transfer
+    primitives stubbed out, less an empty call), and the whole call beside the raw transfer it
+    issues (``unicoll_us``, ``raw_us`` and their ``difference_us``). For the MoE operators also
+    ``frontend_fresh_counts_us``: the front end when every call brings new counts, so that
+    neither the validator's memory nor the cached reorder plan can help."""
     from unicoll import runtime
 
-    w = _World(config)
     backend = runtime.state("bench").backend
     figures = {}
-    for op in config.ops:
+    for op in w.config.ops:
         case = _CASES[op](w, _FRONTEND_BYTES, False)
         uc_us, raw_us = _time(w, case, _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
         with _without_transport(backend):
@@ -500,7 +532,7 @@ def _frontend(config: Config, result_path: str) -> None:
             with _without_transport(backend):
                 fresh_us, _ = _time(w, replace(case, unicoll=fresh, raw=_none), _FRONTEND_ITERS, 0, 1, _none)
             figures[op]["frontend_fresh_counts_us"] = fresh_us - empty_us
-    _write(result_path, json.dumps({"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}))
+    return {"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}
 
 
 def _none() -> None:
@@ -547,6 +579,7 @@ def _environment(w: _World) -> dict[str, Any]:
         "unicoll": uc.__version__,
         "torch": torch.__version__,
         "backend": uc.get_backend(),
+        "baseline": w.baseline.name,
         "world_size": w.world,
         "device": str(w.device),
         "cpus": os.cpu_count(),
@@ -562,14 +595,14 @@ def _write(path: str, text: str) -> None:
 
 
 def _worker(argv: Sequence[str]) -> None:
-    """``python -m unicoll.bench sweep CONFIG RESULT PROGRESS`` or ``... frontend CONFIG RESULT``."""
+    """``python -m unicoll.bench sweep CONFIG RESULT PROGRESS`` or ``... single CONFIG RESULT``."""
     mode, encoded, *paths = argv
     fields = json.loads(encoded)
     config = Config(**{**fields, "ops": tuple(fields["ops"])})
     if mode == "sweep":
         _sweep(config, *paths)
     else:
-        _frontend(config, *paths)
+        _single(config, *paths)
 
 
 if __name__ == "__main__":

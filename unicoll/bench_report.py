@@ -1,7 +1,8 @@
 """What ``unicoll bench`` shows: the nccl-tests-style table, the front-end figures, the plot.
 
 Every function takes the result dictionary that ``unicoll bench --json`` writes: the run's
-environment and config, ``rows`` (one per operator and size) and ``frontend``.
+environment and config (``baseline`` names the raw transport), ``rows`` (one per operator and
+size), ``copy`` (a one-process memory copy of each size) and ``frontend``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"torch {result['torch']}",
         f"# {config['iters']} timed iterations after {config['warmup']} warm-up, unicoll and raw interleaved; "
         f"time = median, slowest rank; experts per rank (MoE operators): {config['experts']}",
+        f"# raw = {_raw_description(result['baseline'])}",
         "#",
         "#" + "  ".join(f"{name:>{width}}" for name, _, width, _, _ in _COLUMNS)[1:],
         "#" + "  ".join(f"{unit:>{width}}" for _, unit, width, _, _ in _COLUMNS)[1:],
@@ -45,6 +47,29 @@ def format_table(result: dict[str, Any]) -> str:
             text = ("yes" if value else "NO") if isinstance(value, bool) else format(value, spec)
             cells.append(f"{text:>{width}}")
         lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def _raw_description(baseline: str) -> str:
+    if baseline == "mpi4py":
+        return "bare mpi4py Alltoallv/Allgather of the same bytes (for the MoE operators: without the reorder)"
+    return f"{baseline} on the same buffers (for the MoE operators: the transfer and the reorder, by hand)"
+
+
+def format_copy(result: dict[str, Any]) -> str:
+    """The single-process memory copy of each size, and each operator's busbw as a share of it."""
+    ops = list(dict.fromkeys(row["op"] for row in result["rows"]))
+    busbw = {(row["op"], row["size_bytes"]): row["busbw_gbps"] for row in result["rows"]}
+    lines = [
+        "# memory copy: one process, numpy.copyto of size bytes (one thread), median; busbw / copy per operator",
+        f"# {'':>4}  {'size (B)':>11}  {'time (us)':>10}  {'copy (GB/s)':>11}" + "".join(f"  {op:>15}" for op in ops),
+    ]
+    for copy in result["copy"]:
+        shares = [busbw.get((op, copy["size_bytes"])) for op in ops]
+        lines.append(
+            f"  copy  {copy['size_bytes']:>11d}  {copy['time_us']:10.1f}  {copy['gbps']:11.3f}"
+            + "".join(f"  {'-' if b is None else format(b / copy['gbps'], '.3f'):>15}" for b in shares)
+        )
     return "\n".join(lines)
 
 
@@ -81,7 +106,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         rows = [row for row in result["rows"] if row["op"] == op]
         sizes = [row["size_bytes"] for row in rows]
         ax.plot(sizes, [row["busbw_gbps"] for row in rows], "o-", label="unicoll")
-        ax.plot(sizes, [row["raw_busbw_gbps"] for row in rows], "s--", label="raw torch.distributed")
+        ax.plot(sizes, [row["raw_busbw_gbps"] for row in rows], "s--", label=f"raw {result['baseline']}")
         ax.set_xscale("log", base=2)
         ax.set_title(op)
         ax.set_xlabel("size per rank (B)")

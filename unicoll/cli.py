@@ -2,7 +2,8 @@
 ``unicoll bench`` times the operators (see :mod:`unicoll.bench`).
 
 ``unicoll run -n 4 train.py --lr 1e-3`` runs ``train.py`` as 4 ranks on this machine (see
-:mod:`unicoll.launcher`); ``unicoll run -n 4 -m package.module`` runs a module instead.
+:mod:`unicoll.launcher`); ``unicoll run -n 4 -m package.module`` runs a module instead, and
+``unicoll run --mpi -n 4 train.py`` starts the ranks as an MPI job (see :mod:`unicoll.mpirun`).
 ``unicoll info`` prints the backends available here. Nothing heavy is imported before a
 subcommand needs it, so the command starts at once.
 """
@@ -10,9 +11,10 @@ subcommand needs it, so the command starts at once.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
-from . import launcher
+from . import launcher, mpirun
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,12 +40,19 @@ def _parser() -> argparse.ArgumentParser:
         description="Run `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) as N ranks on "
         "this machine, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
         "MASTER_PORT set. Output lines are prefixed with [rank K]; the first rank to fail "
-        "stops the others and its exit code is returned.",
+        "stops the others and its exit code is returned. With --mpi the ranks are an MPI job "
+        "started by mpiexec (the mpi backend; rank and size come from MPI).",
     )
     run.add_argument("-n", "--nprocs", type=_positive_int, required=True, help="number of ranks")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
-    run.add_argument("--master-addr", default="127.0.0.1", help="rendezvous address")
+    run.add_argument("--master-addr", help="rendezvous address (default: 127.0.0.1)")
     run.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    run.add_argument(
+        "--mpi",
+        action="store_true",
+        help="start the ranks with mpiexec as an MPI job, with UNICOLL_BACKEND=mpi unless it is set",
+    )
+    run.add_argument("--mpiexec", metavar="PATH", help="the MPI launcher for --mpi (default: the one beside python)")
     run.add_argument("script", metavar="SCRIPT", help="the script (or module) every rank runs")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
     run.set_defaults(handler=_run)
@@ -66,14 +75,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """``unicoll run``: start the world and return the code of its first failing rank, or 0."""
-    target = ["-m", args.script] if args.module else [args.script]
-    return launcher.run(
-        args.nprocs,
-        [*target, *args.args],
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-    )
+    """``unicoll run``: start the world and return the code of its first failing rank, or 0
+    (with ``--mpi``, the MPI launcher's exit code)."""
+    argv = ["-m", args.script, *args.args] if args.module else [args.script, *args.args]
+    if args.mpi:
+        if args.master_addr is not None or args.master_port is not None:
+            print("unicoll run: --master-addr/--master-port do not apply to --mpi (MPI connects it)", file=sys.stderr)
+            return 2
+        return mpirun.run(args.nprocs, argv, mpiexec=args.mpiexec)
+    if args.mpiexec is not None:
+        print("unicoll run: --mpiexec needs --mpi", file=sys.stderr)
+        return 2
+    return launcher.run(args.nprocs, argv, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port)
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -43,6 +43,12 @@ class CrossRankMismatchError(ValueError):
     """Check mode found arguments that disagree between ranks (raised on every rank)."""
 
 
+class TransportError(RuntimeError):
+    """What a backend raises for a failure of its transport (a timeout, a lost peer, an error
+    of the library underneath). Not raised to users: the front end reports it as the
+    :class:`CommunicationError` its message calls for."""
+
+
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
 _TIMED_OUT = ("timed out", "timeout")
 
@@ -85,8 +91,9 @@ def reported(exc: RuntimeError, op: str, group: object, timeout: float) -> Excep
 
 
 def is_transport_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the transport: torch.distributed's and cupy's NCCL errors, or gloo's messages."""
-    if any(cls.__name__ in ("DistError", "NcclError") for cls in type(exc).__mro__):
+    """Whether ``exc`` came from the transport: a backend's :class:`TransportError`,
+    torch.distributed's and cupy's NCCL errors, or gloo's messages."""
+    if isinstance(exc, TransportError) or any(cls.__name__ in ("DistError", "NcclError") for cls in type(exc).__mro__):
         return True
     text = str(exc).lower()
     return "gloo" in text or any(marker in text for marker in _PEER_LOST + _TIMED_OUT)

@@ -95,7 +95,7 @@ def run(
     procs: list[subprocess.Popen[str]] = []
     readers: list[threading.Thread] = []
     try:
-        with _sigterm_raises_system_exit():
+        with sigterm_raises_system_exit():
             for rank in range(nprocs):
                 world = world_env(rank, nprocs, master_addr, port)
                 procs.append(_start_rank(argv, {**thread_share(nprocs), **os.environ, **(env or {}), **world}))
@@ -206,7 +206,7 @@ def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
 
 
 @contextmanager
-def _sigterm_raises_system_exit() -> Iterator[None]:
+def sigterm_raises_system_exit() -> Iterator[None]:
     """Turn SIGTERM into ``SystemExit(143)`` for the duration, so the ranks are cleaned up.
 
     The ranks run in their own sessions and do not see signals sent to this process's group;

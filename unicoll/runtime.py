@@ -1,7 +1,8 @@
 """The process-wide state: which backend runs, the world group, and the configured timeout.
 
 ``init`` reads the rank and world size from ``RANK``/``WORLD_SIZE`` (as torchrun and
-``unicoll run`` set them; a lone process is rank 0 of 1), the backend from its argument or
+``unicoll run`` set them; a lone process is rank 0 of 1; the ``mpi`` backend takes them from
+MPI instead), the backend from its argument or
 ``UNICOLL_BACKEND``, and the timeout from its argument or ``UNICOLL_TIMEOUT``.
 """
 
@@ -78,7 +79,7 @@ def _check_setting(check: bool | None) -> bool:
 def init(backend: str | None = None, *, timeout: float | None = None, check: bool | None = None) -> None:
     """Join the job: start the backend and the world group.
 
-    ``backend``: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"``, a registered name, ``"auto"``
+    ``backend``: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"``, ``"mpi"``, a registered name, ``"auto"``
     or None (then ``$UNICOLL_BACKEND``, else ``"auto"``). ``timeout``: seconds every
     operator may take (default ``$UNICOLL_TIMEOUT`` or 300). ``check``: compare the ranks'
     arguments before every operator (default ``$UNICOLL_CHECK``, off). On the torch backends an
@@ -174,7 +175,8 @@ def new_group(ranks: Sequence[int]) -> Group:
         )
     if len(set(members)) != len(members):
         raise ValueError(f"new_group: ranks: expected distinct ranks, got {list(ranks)}")
-    handle = current.backend.new_group(members)
+    with translated("new_group", current.world, current.timeout):
+        handle = current.backend.new_group(members)
     return Group(members, handle, current.backend.rank, current.world.session)
 
 

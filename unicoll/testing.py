@@ -2,7 +2,8 @@
 
 :func:`spawn` starts one process per rank (multiprocessing's "spawn" start method), places it
 in the world through the environment, calls ``unicoll.init``, runs the function and sends its
-return value back. The first rank to fail stops the world and its traceback is raised here as
+return value back. On the ``mpi`` backend the world is an MPI job instead, started by
+mpiexec (:mod:`unicoll.testing_mpi`). The first rank to fail stops the world and its traceback is raised here as
 :class:`SpawnError`, so a failing test shows the remote error instead of a hang.
 """
 
@@ -79,12 +80,20 @@ def spawn(
     and before ``unicoll.init``. ``fn``, ``args`` and the results must be picklable; ``fn``
     must be defined at module level.
 
+    When the backend is ``mpi`` (``backend``, else ``UNICOLL_BACKEND`` from ``env`` or this
+    process), the ranks are an MPI job started by mpiexec, which sets the rank and world
+    size; ``env`` is added to their environment.
+
     Raises :class:`SpawnError` for the first rank (in time) that raised or died, after
     stopping the others, and :class:`SpawnTimeout` when ranks are still running after
     ``timeout`` seconds (every process is killed).
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size: expected a positive integer, got {world_size}")
+    if (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi":
+        from .testing_mpi import spawn_mpi
+
+        return spawn_mpi(fn, world_size, args, backend, timeout, env)
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs: list[BaseProcess] = []

@@ -53,7 +53,8 @@ class Pending(NamedTuple):
     finish: Callable[[], Any]
 
 
-def _issued(work: Work | None, finish: Callable[[], Any]) -> Pending:
+def issued(work: Work | None, finish: Callable[[], Any]) -> Pending:
+    """The :class:`Pending` of a transfer ``work`` (None once it is done) that ``finish`` completes."""
     return Pending(() if work is None else (work,), finish)
 
 
@@ -150,8 +151,8 @@ class Backend(ABC):
         work = self.alltoallv(buffer, x, plan.recv, plan.send, group, async_op, calc_stream)
         order = plan.to_expert_major
         if order is None:
-            return _issued(work, lambda: buffer)
-        return _issued(work, lambda: self.take_rows(buffer, order))
+            return issued(work, lambda: buffer)
+        return issued(work, lambda: self.take_rows(buffer, order))
 
     def global_gather(
         self,
@@ -168,7 +169,7 @@ class Backend(ABC):
             x = self.take_rows(x, plan.to_rank_major)
         out = self.empty_rows(x, sum(plan.send))
         work = self.alltoallv(out, x, plan.send, plan.recv, group, async_op, calc_stream)
-        return _issued(work, lambda: out)
+        return issued(work, lambda: out)
 
     def alltoall_single(
         self,
@@ -184,7 +185,7 @@ class Backend(ABC):
         if out is None:
             out = self.empty_rows(x, sum(out_splits))
         work = self.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
-        return _issued(work, lambda: out)
+        return issued(work, lambda: out)
 
     def all_gather(
         self,
@@ -204,7 +205,7 @@ class Backend(ABC):
             out = self.empty_rows(x, int(sum(rows)))
         widest = max(rows)
         if all(r == widest for r in rows):
-            return _issued(self.all_gather_even(out, x, group, async_op, calc_stream), lambda: out)
+            return issued(self.all_gather_even(out, x, group, async_op, calc_stream), lambda: out)
         xp = array_namespace(x)
         padded = xp.zeros((widest, *x.shape[1:]), dtype=x.dtype, device=device(x))
         padded[: x.shape[0], ...] = x
@@ -216,7 +217,7 @@ class Backend(ABC):
             out[...] = self.take_rows(buffer, keep)
             return out
 
-        return _issued(work, finish)
+        return issued(work, finish)
 
 
 class BackendFactory(Protocol):

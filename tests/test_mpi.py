@@ -1,0 +1,185 @@
+"""The ``mpi`` backend beyond the conformance matrix: worlds started by mpiexec, timeouts
+instead of hangs, gradients, check mode, groups, init again, ``unicoll run --mpi`` and
+``unicoll bench --backend mpi``. Skipped, with the reason, where mpi4py cannot run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_reliability import MISMATCHES, async_in_any_order, memory_over_a_loop, mismatches
+
+import unicoll as uc
+from test_autograd import OPS as GRADIENT_OPS
+from test_autograd import gradients
+from unicoll.backends.mpi import MpiFactory
+from unicoll.testing import SpawnError
+
+REASON = MpiFactory().probe()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"backend mpi is not usable here: {REASON}")
+
+
+def facts(rank: int) -> tuple:
+    group = uc.new_group([2, 1])
+    position = uc.get_rank(group) if group.is_member else None
+    if group.is_member:
+        uc.barrier(group)
+    return rank, uc.get_backend(), uc.get_world_size(), position
+
+
+def test_rank_and_size_come_from_mpi() -> None:
+    assert uc.testing.spawn(facts, 3, backend="mpi") == [(0, "mpi", 3, None), (1, "mpi", 3, 0), (2, "mpi", 3, 1)]
+
+
+def raise_on_rank_one(rank: int) -> None:
+    if rank == 1:
+        raise KeyError("the expert table has no entry 7")
+    uc.barrier()
+
+
+def test_failing_rank_is_named_with_its_traceback() -> None:
+    with pytest.raises(SpawnError, match="rank 1 raised") as info:
+        uc.testing.spawn(raise_on_rank_one, 2, backend="mpi", timeout=60)
+    assert "KeyError: 'the expert table has no entry 7'" in info.value.remote_traceback
+
+
+def absent_peer(rank: int) -> list:
+    """Rank 1 skips the collectives; rank 0 must get timeouts, not hang."""
+    x = np.arange(8.0).reshape(4, 2)
+    if rank == 1:
+        time.sleep(4)
+        return []
+    seen = []
+    for call in (lambda: uc.all_gather(None, x), lambda: uc.barrier(), lambda: uc.new_group([0])):
+        start = time.monotonic()
+        with pytest.raises(uc.CollectiveTimeoutError) as info:
+            call()
+        seen.append((str(info.value), time.monotonic() - start))
+    task = uc.alltoall_single(None, x, sync_op=False)
+    assert not task.is_completed()
+    start = time.monotonic()
+    with pytest.raises(uc.CollectiveTimeoutError) as info:
+        task.wait(timeout=0.5)
+    seen.append((str(info.value), time.monotonic() - start))
+    return seen
+
+
+def test_a_peer_that_never_calls_times_out() -> None:
+    seen, _ = uc.testing.spawn(absent_peer, 2, backend="mpi", env={"UNICOLL_TIMEOUT": "1"}, timeout=60)
+    ops = ["all_gather", "barrier", "new_group", "alltoall_single"]
+    for (message, seconds), op, bound in zip(seen, ops, (1, 1, 1, 0.5)):
+        assert message.startswith(f"{op} on Group(ranks=[0, 1]): did not complete within the timeout of {bound:g} s")
+        assert "mpi:" in message and "timed out" in message
+        assert bound - 0.1 < seconds < bound + 1
+
+
+def test_gradients_match_the_reference() -> None:
+    reports = uc.testing.spawn(gradients, 3, backend="mpi")
+    assert all(len(r) == 2 * len(GRADIENT_OPS) and set(r.values()) == {"ok"} for r in reports)
+
+
+def test_check_mode_names_the_disagreement() -> None:
+    for seen in uc.testing.spawn(mismatches, 2, backend="mpi", env={"UNICOLL_CHECK": "1"}):
+        for (label, _, _, message), got in zip(MISMATCHES, seen, strict=True):
+            assert message in got, (label, got)
+
+
+def test_async_operators_waited_in_any_order() -> None:
+    assert uc.testing.spawn(async_in_any_order, 3, backend="mpi") == ["ok"] * 3
+
+
+def test_operators_do_not_grow_memory() -> None:
+    for growth in uc.testing.spawn(memory_over_a_loop, 2, backend="mpi"):
+        assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over 150 operators"
+
+
+def init_again(rank: int) -> list[float]:
+    first = uc.all_gather(None, torch.tensor([float(rank)], dtype=torch.bfloat16)).tolist()
+    uc.finalize()
+    uc.init("mpi")
+    return first + uc.all_gather(None, np.array([rank + 10], np.float32)).tolist()
+
+
+def test_init_after_finalize() -> None:
+    assert uc.testing.spawn(init_again, 2, backend="mpi") == [[0.0, 1.0, 10.0, 11.0]] * 2
+
+
+def test_processes_started_without_mpi_are_refused(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match=r"MPI's COMM_WORLD has 1 rank\(s\) but \$WORLD_SIZE is 2; start the ranks"):
+        uc.init("mpi")
+    assert not uc.is_initialized()
+
+
+def test_a_world_of_one_without_a_launcher() -> None:
+    uc.init("mpi", timeout=10)
+    try:
+        x = torch.arange(6.0).reshape(3, 2)
+        assert torch.equal(uc.global_scatter(x, [1, 2], [1, 2]), x)
+        assert uc.exchange_counts([1, 2]).tolist() == [1, 2]
+    finally:
+        uc.finalize()
+
+
+def test_probe_names_the_missing_package(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    assert MpiFactory().probe().startswith("mpi4py with an MPI library is not importable (ModuleNotFoundError")
+
+
+def test_info_lists_mpi_as_usable() -> None:
+    out = subprocess.run([sys.executable, "-m", "unicoll", "info"], capture_output=True, text=True, check=True).stdout
+    assert "  mpi          usable" in out.splitlines()
+
+
+def test_unicoll_run_mpi(tmp_path) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import sys, unicoll as uc\n"
+        "uc.init()\n"
+        "total = uc.all_gather(None, uc.exchange_counts([uc.get_rank()] * uc.get_world_size()))\n"
+        "print(f'rank {uc.get_rank()} of {uc.get_world_size()} on {uc.get_backend()}: {total.tolist()} {sys.argv[1:]}')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "unicoll", "run", "--mpi", "-n", "3", str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for rank in range(3):
+        assert f"rank {rank} of 3 on mpi: {[0, 1, 2] * 3} ['--x', '1']" in done.stdout
+
+
+def test_unicoll_run_mpi_refuses_options_it_does_not_use(capsys) -> None:
+    from unicoll import cli
+
+    assert cli.main(["run", "--mpi", "-n", "2", "--master-port", "1234", "x.py"]) == 2
+    assert "do not apply to --mpi" in capsys.readouterr().err
+    assert cli.main(["run", "-n", "2", "--mpiexec", "mpiexec", "x.py"]) == 2
+    assert "--mpiexec needs --mpi" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="--mpiexec: expected an executable, got 'no-such-mpiexec'"):
+        cli.main(["run", "--mpi", "--mpiexec", "no-such-mpiexec", "-n", "2", "x.py"])
+
+
+def test_bench_compares_with_bare_mpi4py_and_a_memory_copy(tmp_path) -> None:
+    out = tmp_path / "out.json"
+    argv = ["bench", "-n", "2", "--backend", "mpi", "--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "unicoll", *argv, "--warmup", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert (result["backend"], result["baseline"], result["world_size"]) == ("mpi", "mpi4py", 2)
+    assert all(row["correct"] and row["raw_time_us"] > 0 for row in result["rows"])
+    assert [c["size_bytes"] for c in result["copy"]] == [1024, 2048] and all(c["gbps"] > 0 for c in result["copy"])
+    assert "# raw = bare mpi4py Alltoallv/Allgather" in done.stdout
+    assert "# memory copy: one process" in done.stdout

@@ -1,0 +1,133 @@
+"""The raw baselines that ``unicoll bench`` times beside unicoll: the transport's own calls.
+
+torch.distributed for the backends built on it (``gloo``, ``torch-nccl``) and bare mpi4py for
+``mpi``. A baseline prepares each raw collective on fixed buffers (torch tensors of the
+bench), so a timed call is the transport call and nothing else, and gives the bench its
+barrier and the slowest rank's figures. Imported only inside the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class Baseline(Protocol):
+    """The raw transport of one backend, as the bench uses it."""
+
+    name: str
+    """How the table names it: ``"torch.distributed"`` or ``"mpi4py"``."""
+    device: torch.device
+    """Where the bench's tensors live."""
+    moe_reorder: bool
+    """Whether the raw MoE calls include the hand-written reorder into (out of) expert-major
+    order, or are the bare all-to-all of the same bytes."""
+
+    def barrier(self) -> None: ...
+
+    def slowest(self, values: Sequence[float]) -> list[float]:
+        """Each value's maximum over the ranks."""
+
+    def alltoallv(
+        self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Callable[[], Any]:
+        """The raw uneven all-to-all of ``x``'s rows into ``out``, ready to call."""
+
+    def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
+        """The raw all-gather of ``x`` into ``out``, ready to call."""
+
+
+def for_backend(backend: str) -> Baseline:
+    """The baseline of the running unicoll backend; SystemExit for one the bench cannot compare."""
+    if backend == "mpi":
+        return MpiBaseline()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise SystemExit(
+            f"unicoll bench: backend {backend!r} runs neither on torch.distributed nor on MPI, "
+            "the baselines this tool compares with; use gloo, torch-nccl or mpi"
+        )
+    return TorchDistBaseline()
+
+
+class TorchDistBaseline:
+    """torch.distributed's default group (gloo or NCCL), the one unicoll's backend created."""
+
+    name = "torch.distributed"
+    moe_reorder = True
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        cuda = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def slowest(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def alltoallv(
+        self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Callable[[], Any]:
+        return lambda: self._dist.all_to_all_single(out, x, out_splits, in_splits)
+
+    def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
+        return lambda: self._dist.all_gather_single(out, x)
+
+
+class MpiBaseline:
+    """Bare mpi4py on a duplicate of ``COMM_WORLD``: ``Alltoallv`` and ``Allgather`` of bytes,
+    the buffers' numpy views and byte counts made once."""
+
+    name = "mpi4py"
+    moe_reorder = False
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD.Dup()
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def slowest(self, values: Sequence[float]) -> list[float]:
+        mine = np.array(values, dtype=np.float64)
+        result = np.empty_like(mine)
+        self._comm.Allreduce(mine, result, op=self._mpi.MAX)
+        return result.tolist()
+
+    def alltoallv(
+        self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Callable[[], Any]:
+        row = x.element_size() * math.prod(x.shape[1:])
+        send = [_bytes(x), _counts_and_displacements(in_splits, row), self._mpi.BYTE]
+        recv = [_bytes(out), _counts_and_displacements(out_splits, row), self._mpi.BYTE]
+        return lambda: self._comm.Alltoallv(send, recv)
+
+    def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
+        send, recv = [_bytes(x), self._mpi.BYTE], [_bytes(out), self._mpi.BYTE]
+        return lambda: self._comm.Allgather(send, recv)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A numpy byte view of a contiguous CPU tensor."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _counts_and_displacements(splits: list[int], row_bytes: int) -> tuple[list[int], list[int]]:
+    counts = [s * row_bytes for s in splits]
+    return counts, list(accumulate(counts[:-1], initial=0))

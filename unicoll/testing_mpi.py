@@ -1,0 +1,127 @@
+""":func:`unicoll.testing.spawn` for the ``mpi`` backend: the world is an MPI job.
+
+MPI processes join a world only when an MPI launcher starts them, so the parent writes the
+function and its arguments to a job file (pickled by the parent, read back by its own
+children: no rank ever unpickles another rank's data) and starts
+``mpiexec -n N python -m unicoll.testing_mpi JOB`` (:mod:`unicoll.mpirun`). Each rank runs
+the function between ``unicoll.init`` and ``unicoll.finalize`` and writes its report next to
+the job file; the parent collects the reports, and stops the job at the first failure or at
+the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import mpirun
+from .testing import SpawnError, SpawnTimeout, _Report
+
+_POLL_S = 0.01
+"""How often the parent looks for reports."""
+
+_GRACE_S = 5.0
+"""How long the job has to exit once every rank has reported."""
+
+
+def spawn_mpi(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    backend: str | None,
+    timeout: float,
+    env: Mapping[str, str] | None,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` MPI ranks; see :func:`unicoll.testing.spawn`."""
+    with tempfile.TemporaryDirectory(prefix="unicoll-spawn-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        payload = pickle.dumps((fn, args))  # fails here, in the parent, for what cannot travel
+        job.write_bytes(pickle.dumps({"sys_path": sys.path, "backend": backend, "payload": payload}))
+        proc = mpirun.start(world_size, ["-m", __name__, str(job)], env=env)
+        try:
+            results = _collect(proc, Path(tmp), world_size, timeout)
+            proc.wait(_GRACE_S)
+            return results
+        finally:
+            mpirun.stop(proc)
+
+
+def _report_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.pkl"
+
+
+def _collect(proc: Any, directory: Path, world_size: int, timeout: float) -> list[Any]:
+    """Every rank's result by rank; raise for the first rank to fail, or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    reports: dict[int, _Report] = {}
+    while True:
+        for rank in range(world_size):
+            path = _report_path(directory, rank)
+            if rank not in reports and path.exists():
+                reports[rank] = pickle.loads(path.read_bytes())
+        failures = [(report.failed_at, rank) for rank, report in reports.items() if not report.ok]
+        if failures:
+            _, rank = min(failures)
+            trace = reports[rank].value
+            raise SpawnError(f"spawn: rank {rank} raised:\n{trace}", rank=rank, remote_traceback=trace)
+        missing = [rank for rank in range(world_size) if rank not in reports]
+        if not missing:
+            return [reports[rank].value for rank in range(world_size)]
+        code = proc.poll()
+        if code is not None and not any(_report_path(directory, rank).exists() for rank in missing):
+            raise SpawnError(
+                f"spawn: the MPI job exited with code {code} before rank(s) {missing} reported a result "
+                "(see its output above)",
+                rank=missing[0],
+                exitcode=code,
+            )
+        if time.monotonic() > deadline:
+            raise SpawnTimeout(
+                f"spawn: ranks {missing} had not finished after {timeout} s; killed every rank", ranks=missing
+            )
+        time.sleep(_POLL_S)
+
+
+def _rank_main(job_path: str) -> None:
+    """Entry point of a rank: load the job, run it in the world, write this rank's report."""
+    job = pickle.loads(Path(job_path).read_bytes())
+    sys.path[:] = job["sys_path"]  # so that fn's module imports as it did in the parent
+    fn, args = pickle.loads(job["payload"])
+
+    import unicoll
+
+    unicoll.init(job["backend"])
+    rank = unicoll.get_rank()
+    try:
+        report = _Report(True, fn(rank, *args), 0.0)
+    except BaseException:
+        report = _Report(False, traceback.format_exc(), time.time())
+    # Report before finalize: finalize may wait for peers that wait for this rank.
+    _write(_report_path(Path(job_path).parent, rank), pickle.dumps(report))
+    if not report.ok:
+        os._exit(1)  # the MPI launcher stops the other ranks
+    unicoll.finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from mpi4py import MPI
+
+    MPI.Finalize()
+    os._exit(0)  # skip the interpreter's teardown, which takes about a second with torch loaded
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically, so the parent never reads half a report."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])
