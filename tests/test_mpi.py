@@ -127,6 +127,20 @@ def test_a_world_of_one_without_a_launcher() -> None:
         uc.finalize()
 
 
+def test_waits_yield_only_on_an_oversubscribed_node(monkeypatch) -> None:
+    from unicoll.backends.mpi_comm import _LOCAL_SIZE_VARIABLES, _YIELD_AFTER_S, yield_after
+
+    for name in _LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert yield_after(2) == float("inf")  # no launcher variable: every rank is local
+    assert yield_after(4) == _YIELD_AFTER_S
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")  # 4 ranks on two nodes of 2
+    assert yield_after(4) == float("inf")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "3")
+    assert yield_after(4) == _YIELD_AFTER_S
+
+
 def test_probe_names_the_missing_package(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     assert MpiFactory().probe().startswith("mpi4py with an MPI library is not importable (ModuleNotFoundError")
