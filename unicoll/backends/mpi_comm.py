@@ -55,7 +55,8 @@ def yield_after(world_size: int) -> float:
     node runs more ranks than this process may use cores, else never (infinity). The ranks on
     the node come from the launcher's variables; without them, every rank counts as local."""
     local = next((int(v) for v in map(os.environ.get, _LOCAL_SIZE_VARIABLES) if v and v.isdigit()), world_size)
-    return _YIELD_AFTER_S if local > len(os.sched_getaffinity(0)) else math.inf
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
+    return _YIELD_AFTER_S if local > cores else math.inf
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
