@@ -125,8 +125,8 @@ def test_cupy_nccl_imports_no_torch_and_no_cupy_until_it_starts() -> None:
 # -- capability tables -----------------------------------------------------------------------
 
 
-def _start_with_table(name: str, table: Capabilities) -> None:
-    """Start gloo under ``name`` wearing a GPU backend's capability table (validation only)."""
+def _start_on_gloo(registered: str, backend: type[TorchDistBackend], name: str, table: Capabilities) -> None:
+    """Register and start ``backend`` (named ``name``, with ``table``) driving gloo as ``registered``."""
 
     class Factory:
         capabilities = table
@@ -135,10 +135,15 @@ def _start_with_table(name: str, table: Capabilities) -> None:
             return None
 
         def __call__(self, *, rank: int, world_size: int, timeout: float) -> TorchDistBackend:
-            return TorchDistBackend(name, "gloo", table, rank=rank, world_size=world_size, timeout=timeout)
+            return backend(name, "gloo", table, rank=rank, world_size=world_size, timeout=timeout)
 
-    registry.register_backend(name + "-table", Factory())
-    uc.init(name + "-table")
+    registry.register_backend(registered, Factory())
+    uc.init(registered)
+
+
+def _start_with_table(name: str, table: Capabilities) -> None:
+    """Start gloo under ``name`` wearing a GPU backend's capability table (validation only)."""
+    _start_on_gloo(name + "-table", TorchDistBackend, name, table)
 
 
 @pytest.mark.parametrize(
@@ -215,18 +220,8 @@ _ON_GLOO = Capabilities(
 def routing_on_gloo(rank: int, all_cases: list) -> dict:
     """Restart this rank on TorchNcclBackend driving gloo, then run the cases."""
 
-    class Factory:
-        capabilities = _ON_GLOO
-
-        def probe(self) -> None:
-            return None
-
-        def __call__(self, *, rank: int, world_size: int, timeout: float) -> TorchNcclBackend:
-            return TorchNcclBackend("nccl-routing", "gloo", _ON_GLOO, rank=rank, world_size=world_size, timeout=timeout)
-
     uc.finalize()
-    registry.register_backend("nccl-routing", Factory())
-    uc.init("nccl-routing")
+    _start_on_gloo("nccl-routing", TorchNcclBackend, "nccl-routing", _ON_GLOO)
     return run_cases(rank, all_cases)
 
 

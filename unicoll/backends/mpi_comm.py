@@ -246,7 +246,7 @@ class MpiBackend(Backend):
         world = group.world_size
         received = global_count.reshape(world, -1)
         if world == 1 or received.shape[1] == 1:  # rank-major is already expert-major
-            return super().global_scatter(x, local_count, global_count, group, async_op)
+            return super().global_scatter(x, local_count, global_count, group, async_op, calc_stream)
         out = self.empty_rows(x, int(received.sum()))
         sent = local_count.reshape(world, -1).sum(axis=1).tolist()
         work = self._expert_major_alltoall(x, out, received, sent, True, group, async_op)
@@ -265,7 +265,7 @@ class MpiBackend(Backend):
         world = group.world_size
         held = global_count.reshape(world, -1)
         if world == 1 or held.shape[1] == 1:
-            return super().global_gather(x, local_count, global_count, group, async_op)
+            return super().global_gather(x, local_count, global_count, group, async_op, calc_stream)
         out = self.empty_rows(x, int(local_count.sum()))
         back = local_count.reshape(world, -1).sum(axis=1).tolist()
         work = self._expert_major_alltoall(out, x, held, back, False, group, async_op)
