@@ -9,9 +9,19 @@ the index array that takes one order to the other, so the move itself is one ``t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
+
+from .cache import BoundedCache
+
+PLAN_CACHE_BYTES = 16 * 2**20
+"""The most the plans of recent counts may hold: their reorder indices grow with the rows
+received, and a training loop brings new counts every step."""
+
+_ENTRY_OVERHEAD = 512
+"""Bytes counted per plan beside its arrays: the key's and the plan's Python objects."""
+
+_plans = BoundedCache(PLAN_CACHE_BYTES)
 
 
 def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
@@ -52,7 +62,8 @@ def expert_major_to_rank_major(counts: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class MoePlan:
     """What global_scatter and global_gather derive from their counts, computed once per
-    distinct (local_count, global_count, W) and shared between calls: treat it as read-only.
+    distinct (local_count, global_count, W) while it stays among the recent ones (at most
+    :data:`PLAN_CACHE_BYTES` of plans), and shared between calls: treat it as read-only.
 
     ``send[c]``/``recv[c]``: rows global_scatter sends to / receives from rank c (global_gather
     swaps them). ``to_expert_major``/``to_rank_major``: the reorders of the received rows, None
@@ -71,16 +82,26 @@ def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> M
     >>> moe_plan(np.array([1, 0, 2, 1]), np.array([1, 0, 0, 2]), 2).recv
     [1, 2]
     """
-    return _cached_plan(local_count.tobytes(), global_count.tobytes(), world)
+    key = (local_count.tobytes(), global_count.tobytes(), world)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(local_count, global_count, world)
+        _plans.put(key, plan, _plan_bytes(plan, key))
+    return plan
 
 
-@lru_cache(maxsize=256)
-def _cached_plan(local: bytes, global_: bytes, world: int) -> MoePlan:
-    sent = np.frombuffer(local, dtype=np.int64).reshape(world, -1)
-    received = np.frombuffer(global_, dtype=np.int64).reshape(world, -1)
+def _plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
+    sent = local_count.reshape(world, -1)
+    received = global_count.reshape(world, -1)
     if world == 1 or received.shape[1] == 1:
         forward = inverse = None
     else:
         forward = rank_major_to_expert_major(received)
         inverse = expert_major_to_rank_major(received)
     return MoePlan(sent.sum(axis=1).tolist(), received.sum(axis=1).tolist(), forward, inverse)
+
+
+def _plan_bytes(plan: MoePlan, key: tuple[bytes, bytes, int]) -> int:
+    """What ``plan`` and its ``key`` hold: the counts, the rank sums and the reorder indices."""
+    indices = sum(a.nbytes for a in (plan.to_expert_major, plan.to_rank_major) if a is not None)
+    return len(key[0]) + len(key[1]) + 16 * len(plan.send) + indices + _ENTRY_OVERHEAD

@@ -13,16 +13,18 @@ import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import registry
 from .backends.base import Backend
+from .cache import BoundedCache
 from .errors import NotInitializedError, translated
 from .group import Group
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
 CHECK_ENV_VAR = "UNICOLL_CHECK"
 DEFAULT_TIMEOUT = 300.0
+ACCEPTED_CACHE_BYTES = 4 * 2**20
+"""The most a session's memory of accepted calls (:mod:`unicoll.validate`) may hold."""
 
 
 @dataclass
@@ -32,7 +34,7 @@ class _State:
     timeout: float
     check: bool
     #: Calls accepted by the validator in this session, by signature (see unicoll.validate).
-    accepted: dict[tuple, Any] = field(default_factory=dict)
+    accepted: BoundedCache = field(default_factory=lambda: BoundedCache(ACCEPTED_CACHE_BYTES))
 
 
 _state: _State | None = None

@@ -125,8 +125,8 @@ _SIGNATURES: dict[str, Callable[[Any], Any]] = {
 #: Parameter kinds whose value the call carries as given (arrays); the others are read once.
 _PASSED_THROUGH = frozenset({"array", "optional_output", "gather_output"})
 
-#: How many accepted signatures a session remembers before it starts afresh.
-_REMEMBERED = 1024
+_ENTRY_OVERHEAD = 1024
+"""Bytes counted per remembered call beside its counts: the key's and the call's objects."""
 
 
 def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
@@ -134,7 +134,9 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     also carries the running ``backend``, the ``group`` resolved, its size ``W`` and ``timeout``.
 
     A call with the same signature as one accepted before (see above) reuses what was read
-    then, so the steady state of a training loop costs a few dictionary lookups.
+    then, so the steady state of a training loop costs a few dictionary lookups. The memory
+    of accepted calls keeps copies of counts, never the caller's arrays, and is bounded by
+    :data:`unicoll.runtime.ACCEPTED_CACHE_BYTES`.
 
     Raises NotInitializedError before ``init``, TypeError/ValueError for a bad argument.
     """
@@ -142,17 +144,15 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     group = runtime.resolve_group(arguments["group"], spec.name)
     key = (spec.name, group, *[_SIGNATURES[p.kind](arguments[p.name]) for p in spec.params if p.kind != "group"])
     try:
-        accepted = None if None in key else state.accepted.get(key, False)
+        accepted = None if None in key else state.accepted.get(key)
     except TypeError:  # an unhashable argument, such as counts given as a list of lists
-        accepted = None
-    if accepted is None:
         return _read_call(spec, arguments, state, group)
-    if accepted is False:
-        accepted = _read_call(spec, arguments, state, group)
-        if len(state.accepted) >= _REMEMBERED:
-            state.accepted.clear()
-        state.accepted[key] = _frozen(accepted, spec)
-        return accepted
+    if accepted is None:
+        call = _read_call(spec, arguments, state, group)
+        if None not in key:
+            kept = _frozen(call, spec)
+            state.accepted.put(key, kept, _remembered_bytes(kept, spec))
+        return call
     call = Call(**vars(accepted))
     for param in spec.params:
         if param.kind in _PASSED_THROUGH:
@@ -161,15 +161,29 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
 
 
 def _frozen(call: Call, spec: OpSpec) -> Call:
-    """A copy of ``call`` to remember: counts copied and read-only, as the caller's may change."""
+    """A copy of ``call`` to remember: counts copied and read-only, as the caller's may change;
+    the caller's arrays left out (a call taken from memory gets the new call's arrays)."""
     kept = Call(**vars(call))
     for param in spec.params:
         value = getattr(call, param.name, None)
-        if param.kind.endswith("counts") and value is not None:
+        if param.kind in _PASSED_THROUGH:
+            setattr(kept, param.name, None)
+        elif param.kind.endswith("counts") and value is not None:
             value = value.copy()
             value.flags.writeable = False
             setattr(kept, param.name, value)
     return kept
+
+
+_BYTES_PER_COUNT = 72
+"""Bytes counted per count remembered: its int64 copy in the call and, in the key, its bytes
+or, for counts given as a list, a tuple of ints and one of their types."""
+
+
+def _remembered_bytes(kept: Call, spec: OpSpec) -> int:
+    """What remembering ``kept`` (and its key) costs, counted from its counts."""
+    counts = [getattr(kept, p.name) for p in spec.params if p.kind.endswith("counts")]
+    return _BYTES_PER_COUNT * sum(c.size for c in counts if c is not None) + _ENTRY_OVERHEAD
 
 
 def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) -> Call:
