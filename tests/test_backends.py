@@ -108,16 +108,23 @@ def test_init_finalize_init() -> None:
 
 
 @pytest.mark.parametrize(
-    ("setting", "message"),
-    [({"timeout": -1}, r"timeout: expected a positive number of seconds, got -1"),
-     ({"env": "soon"}, r"\$UNICOLL_TIMEOUT: expected a number of seconds, got 'soon'"),
-     ({"env": "0"}, r"\$UNICOLL_TIMEOUT: expected a positive number of seconds, got 0.0")],
+    ("setting", "error", "message"),
+    [({"timeout": -1}, ValueError, r"init: timeout: expected a number of seconds from 0.001 to 1e\+07, got -1$"),
+     ({"timeout": float("inf")}, ValueError, r"init: timeout: expected a number of seconds from 0.001 to 1e\+07, got inf$"),
+     ({"timeout": float("nan")}, ValueError, r"init: timeout: expected a number of seconds from 0.001 to 1e\+07, got nan$"),
+     ({"timeout": 0.0004}, ValueError, r"init: timeout: expected a number of seconds from 0.001 to 1e\+07, got 0.0004$"),
+     ({"timeout": "5"}, TypeError, r"init: timeout: expected a number of seconds, got str$"),
+     ({"timeout": True}, TypeError, r"init: timeout: expected a number of seconds, got bool$"),
+     ({"env": "soon"}, ValueError, r"\$UNICOLL_TIMEOUT: expected a number of seconds, got 'soon'"),
+     ({"env": "0"}, ValueError, r"\$UNICOLL_TIMEOUT: expected a number of seconds from 0.001 to 1e\+07, got 0.0"),
+     ({"env": "inf"}, ValueError, r"\$UNICOLL_TIMEOUT: expected a number of seconds from 0.001 to 1e\+07, got inf")],
 )  # fmt: skip
-def test_bad_timeout(setting, message, monkeypatch) -> None:
+def test_bad_timeout(setting, error, message, monkeypatch) -> None:
     if "env" in setting:
         monkeypatch.setenv("UNICOLL_TIMEOUT", setting["env"])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         uc.init("gloo", timeout=setting.get("timeout"))
+    assert not uc.is_initialized()
 
 
 def test_bad_rank_environment(monkeypatch) -> None:

@@ -66,6 +66,22 @@ BAD_CALLS = [
      TypeError, ["sync_op:", "True or False", "str"]),
     ("group of wrong type", lambda: uc.all_gather(None, X, group=[0, 1]),
      TypeError, ["group:", "unicoll.Group", "list"]),
+    ("counts whose int64 sum wraps (list)", lambda: uc.global_scatter(X, [2**63 - 1, 2**63 - 1, 3, 3], [1, 1, 1, 1]),
+     ValueError, ["global_scatter: local_count:", "sum fits in int64", "a sum of 18446744073709551620"]),
+    ("counts whose int64 sum wraps (numpy)", lambda: uc.global_gather(X, [1, 1, 1, 1], np.array([2**63 - 1, 2**63 - 1, 3, 3])),
+     ValueError, ["global_gather: global_count:", "sum fits in int64", "a sum of 18446744073709551620"]),
+    ("a count of 2**63", lambda: uc.alltoall_single(None, X, in_split_sizes=[2**63, 4]),
+     ValueError, ["alltoall_single: in_split_sizes:", "sum fits in int64", "a sum of 9223372036854775812"]),
+    ("uint64 counts (sequence)", lambda: uc.exchange_counts([np.uint64(2**63), np.uint64(0)]),
+     ValueError, ["exchange_counts: local_count:", "sum fits in int64", "a sum of 9223372036854775808"]),
+    ("uint64 counts (array)", lambda: uc.global_scatter(X, np.ones(4, np.uint64), [1, 1, 1, 1]),
+     TypeError, ["global_scatter: local_count:", "int32 or int64", "uint64"]),
+    ("counts on the meta device", lambda: uc.alltoall_single(None, X, torch.tensor([2, 2], device="meta")),
+     ValueError, ["alltoall_single: out_split_sizes:", "on the host or a CUDA device", "on meta"]),
+    ("big-endian input", lambda: uc.all_gather(None, X.astype(">f4")),
+     TypeError, ["all_gather: tensor:", "native byte order", "non-native byte order"]),
+    ("big-endian output", lambda: uc.alltoall_single(np.empty((4, 2), ">f4"), X),
+     TypeError, ["alltoall_single: out_tensor:", "native byte order", "non-native byte order"]),
 ]  # fmt: skip
 
 
@@ -82,9 +98,9 @@ def run_bad_calls(rank: int) -> tuple[list[tuple[str, str, str]], list]:
     return caught, uc.alltoall_single(None, X + rank).tolist()
 
 
-@pytest.fixture(scope="module")
-def bad_call_outcomes():
-    return uc.testing.spawn(run_bad_calls, W, backend="gloo")
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def bad_call_outcomes(request):
+    return uc.testing.spawn(run_bad_calls, W, backend=request.param)
 
 
 @pytest.mark.parametrize("index", range(len(BAD_CALLS)), ids=[b[0] for b in BAD_CALLS])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import array_api_compat as aac
+import numpy as np
 
 #: Every dtype unicoll knows, by its canonical name (numpy's spelling, plus torch's bfloat16).
 DTYPES: tuple[str, ...] = (
@@ -77,9 +78,16 @@ def kind_of(x: Any) -> ArrayKind:
     return kind
 
 
+NON_NATIVE = " (non-native byte order)"
+"""Appended to the dtype name of a numpy or cupy array whose bytes are not in this machine's
+order, so that no check or cache takes it for its native twin."""
+
+
 def _dtype_name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)  # numpy and cupy dtypes have .name; torch dtypes do not
-    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
+    if not isinstance(name, str):
+        return str(dtype).removeprefix("torch.")
+    return name if dtype.isnative else name + NON_NATIVE
 
 
 def _device_kind(x: Any, library: str) -> str:
@@ -116,3 +124,32 @@ def is_fillable(x: Any) -> bool:
     if library == "torch":
         return bool(x.is_contiguous())
     return bool(x.flags.c_contiguous)
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    """Whether two arrays of one library may share memory (their byte spans intersect).
+
+    >>> x = np.arange(8)
+    >>> overlaps(x[:4], x[2:]), overlaps(x[:4], x[4:])
+    (True, False)
+    """
+    library = library_of(a)
+    if library == "numpy":
+        return bool(np.may_share_memory(a, b))
+    if library == "torch":
+        starts = (a.data_ptr(), b.data_ptr())
+        spans = [_span(t.shape, [s * t.element_size() for s in t.stride()], t.element_size()) for t in (a, b)]
+    else:  # cupy: strides in bytes, like numpy
+        starts = (a.data.ptr, b.data.ptr)
+        spans = [_span(t.shape, t.strides, t.itemsize) for t in (a, b)]
+    (low_a, high_a), (low_b, high_b) = ((start + lo, start + hi) for start, (lo, hi) in zip(starts, spans))
+    return low_a < high_b and low_b < high_a
+
+
+def _span(shape: tuple[int, ...], strides: Any, itemsize: int) -> tuple[int, int]:
+    """Byte offsets ``[low, high)`` of an array's elements from its first element; empty for no elements."""
+    if 0 in shape:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return low, high + itemsize

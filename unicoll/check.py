@@ -1,35 +1,70 @@
 """Check mode: the ranks verify each other's arguments before an operator moves any data.
 
-With ``init(check=True)`` or ``UNICOLL_CHECK=1``, every operator first all-gathers a small
-integer description of each rank's call (operator, dtype, trailing shape, counts or split
-sizes) and every rank runs the same comparison on the same data, so a mismatch raises the
-same :class:`~unicoll.errors.CrossRankMismatchError` on every rank instead of a hang or
+With ``init(check=True)`` or ``UNICOLL_CHECK=1``, every operator (``exchange_counts`` and
+``barrier`` included) first all-gathers a small integer description of each rank's call
+(operator, issuing thread, the call's number in its group, dtype, trailing shape, counts or
+split sizes) and every rank runs
+the same comparison on the same data, so a mismatch raises the same
+:class:`~unicoll.errors.CrossRankMismatchError` on every rank instead of a hang, a crash or
 garbage. Rank numbers in the messages are positions in the group. The cost is one small
 all-gather (two for global_scatter/global_gather, whose count length depends on E, so the
 lengths are compared before the counts travel).
+
+``new_group`` is checked whether check mode is on or not (:func:`verify_new_group`): it is
+rare, and ranks that disagree on a group's members would otherwise pair up wrongly.
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
+import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
 from .arrays import DTYPES, dtype_name
 from .backends.base import Backend
 from .errors import CrossRankMismatchError
+from .group import Group
 from .spec import OPS, Call
 
+#: Every entry point check mode describes, by its index in the header.
+ENTRY_POINTS: tuple[str, ...] = (*OPS, "exchange_counts", "barrier", "new_group")
+
 MAX_TRAILING_DIMS = 8
-# header: operator, dtype, number of trailing dims, the dims (padded with -1), payload length
-_HEADER = 3 + MAX_TRAILING_DIMS + 1
+# header: entry point, issuing thread, call number, dtype, number of trailing dims, the dims (padded with -1),
+# payload length
+_HEADER = 5 + MAX_TRAILING_DIMS + 1
+_DIMS = slice(4, 5 + MAX_TRAILING_DIMS)
 _UNKNOWN = -1
+_NO_ROWS = np.empty(0, np.int64)
+"""What barrier describes as its rows: none, of int64."""
 
 
-def _header(op: str, x: object, payload: int) -> np.ndarray:
+_calls: weakref.WeakKeyDictionary[Group, int] = weakref.WeakKeyDictionary()
+"""How many collectives this rank has entered on each group, in check mode."""
+
+
+def count_call(group: Group) -> None:
+    """Note that this rank entered a collective on ``group`` (check mode only), before its
+    arguments are read: a rank that skips a call after a local error is then found out."""
+    _calls[group] = _calls.get(group, 0) + 1
+
+
+def _thread_tag() -> int:
+    """A number for the issuing thread's name, the same on every rank for threads named alike."""
+    return zlib.crc32(threading.current_thread().name.encode())
+
+
+def _header(op: str, group: Group, x: object, payload: int) -> np.ndarray:
     trailing = tuple(x.shape[1:])
     if len(trailing) > MAX_TRAILING_DIMS:
         raise ValueError(f"{op}: check mode supports at most {MAX_TRAILING_DIMS} trailing dimensions, got {trailing}")
     dims = list(trailing) + [_UNKNOWN] * (MAX_TRAILING_DIMS - len(trailing))
-    return np.array([list(OPS).index(op), DTYPES.index(dtype_name(x)), len(trailing), *dims, payload], dtype=np.int64)
+    entry, dtype = ENTRY_POINTS.index(op), DTYPES.index(dtype_name(x))
+    number = _calls.get(group, 0)
+    return np.array([entry, _thread_tag(), number, dtype, len(trailing), *dims, payload], dtype=np.int64)
 
 
 def _fail(op: str, message: str) -> CrossRankMismatchError:
@@ -37,42 +72,60 @@ def _fail(op: str, message: str) -> CrossRankMismatchError:
 
 
 def _compare_headers(op: str, headers: np.ndarray) -> None:
-    """Operator, dtype, trailing shape and payload length must be the same on every rank."""
-    ops, first = list(OPS), headers[0]
+    """Call number, entry point, thread, dtype, trailing shape and payload length must agree."""
+    first = headers[0]
     for c in range(1, len(headers)):
         h = headers[c]
+        if h[2] != first[2]:
+            raise _fail(
+                op,
+                f"rank 0 is at its collective number {first[2]} on this group but rank {c} at number {h[2]}: "
+                "a rank skipped or added a call (an error caught on one rank and the loop went on?)",
+            )
         if h[0] != first[0]:
-            raise _fail(op, f"rank 0 calls {ops[first[0]]} but rank {c} calls {ops[h[0]]}")
+            raise _fail(op, f"rank 0 calls {ENTRY_POINTS[first[0]]} but rank {c} calls {ENTRY_POINTS[h[0]]}")
         if h[1] != first[1]:
-            raise _fail(op, f"rank 0 sends {DTYPES[first[1]]} rows but rank {c} sends {DTYPES[h[1]]}")
-        if not np.array_equal(h[2 : 3 + MAX_TRAILING_DIMS], first[2 : 3 + MAX_TRAILING_DIMS]):
-            shape = lambda row: tuple(int(d) for d in row[3 : 3 + row[2]])  # noqa: E731
+            raise _fail(
+                op,
+                f"rank 0 and rank {c} issue it from differently named threads (this is thread "
+                f"{threading.current_thread().name!r}); collectives must come from one thread, in the same "
+                "order on every rank",
+            )
+        if h[3] != first[3]:
+            raise _fail(op, f"rank 0 sends {DTYPES[first[3]]} rows but rank {c} sends {DTYPES[h[3]]}")
+        if not np.array_equal(h[_DIMS], first[_DIMS]):
+            shape = lambda row: tuple(int(d) for d in row[5 : 5 + row[4]])  # noqa: E731
             raise _fail(op, f"rank 0's rows have trailing shape {shape(first)} but rank {c}'s have {shape(h)}")
         if h[-1] != first[-1]:
             raise _fail(op, f"rank 0 passes {first[-1]} counts or sizes but rank {c} passes {h[-1]}")
 
 
-def _gather(backend: Backend, call: Call, x: object, op: str, payload: np.ndarray, inline: bool) -> np.ndarray:
+def _gather(
+    backend: Backend, group: Group, x: object, op: str, payload: np.ndarray, inline: bool, length: int | None = None
+) -> np.ndarray:
     """Every rank's payload, after checking that the headers agree; shape ``(W, len(payload))``.
 
-    The first exchange has the same size for every operator (a header and ``2 * W`` slots),
-    so ranks that call different operators still pair up and learn it. An ``inline`` payload
-    (at most ``2 * W`` values) travels in those slots; any other (the MoE counts, whose length
-    depends on E) follows in a second exchange once the ranks agree on its length.
+    The first exchange has the same size for every entry point (a header and ``2 * W``
+    slots), so ranks that call different operators still pair up and learn it. An ``inline``
+    payload (at most ``2 * W`` values) travels in those slots; any other (the MoE counts,
+    whose length depends on E) follows in a second exchange once the ranks agree on its
+    length. ``length`` overrides the length the header states (default: the payload's).
     """
-    slots = np.full(2 * call.W, _UNKNOWN, np.int64)
+    slots = np.full(2 * group.world_size, _UNKNOWN, np.int64)
     if inline:
         slots[: payload.size] = payload
-    first = backend.gather_ints(np.concatenate([_header(op, x, payload.size), slots]), call.group)
+    header = _header(op, group, x, payload.size if length is None else length)
+    first = backend.gather_ints(np.concatenate([header, slots]), group)
+    _calls[group] = int(first[:, 2].max())  # ranks whose counts of calls differ are in step again after the error
     _compare_headers(op, first[:, :_HEADER])
     if inline:
         return first[:, _HEADER : _HEADER + payload.size]
-    return backend.gather_ints(payload, call.group)
+    return backend.gather_ints(payload, group)
 
 
 def _moe(backend: Backend, call: Call, op: str) -> None:
     world = call.W
-    both = _gather(backend, call, call.x, op, np.concatenate([call.local_count, call.global_count]), inline=False)
+    both = _gather(backend, call.group, call.x, op, np.concatenate([call.local_count, call.global_count]), inline=False)
     local, glob = both[:, : both.shape[1] // 2], both[:, both.shape[1] // 2 :]
     experts = local.shape[1] // world
     for r in range(world):  # rank r receives (scatter) or returns (gather) rows of rank c
@@ -96,7 +149,9 @@ def _moe(backend: Backend, call: Call, op: str) -> None:
 def _alltoall(backend: Backend, call: Call, in_splits: list[int], out_splits: list[int] | None) -> None:
     world = call.W
     out = np.full(world, _UNKNOWN, np.int64) if out_splits is None else np.array(out_splits, np.int64)
-    sizes = _gather(backend, call, call.in_tensor, "alltoall_single", np.concatenate([in_splits, out]), inline=True)
+    sizes = _gather(
+        backend, call.group, call.in_tensor, "alltoall_single", np.concatenate([in_splits, out]), inline=True
+    )
     sent, received = sizes[:, :world], sizes[:, world:]
     for r in range(world):
         for c in range(world):
@@ -110,7 +165,7 @@ def _alltoall(backend: Backend, call: Call, in_splits: list[int], out_splits: li
 def _all_gather(backend: Backend, call: Call, expected_rows: list[int] | None) -> None:
     world, rows = call.W, int(call.tensor.shape[0])
     expected = np.full(world, _UNKNOWN, np.int64) if expected_rows is None else np.array(expected_rows, np.int64)
-    sizes = _gather(backend, call, call.tensor, "all_gather", np.concatenate([[rows], expected]), inline=True)
+    sizes = _gather(backend, call.group, call.tensor, "all_gather", np.concatenate([[rows], expected]), inline=True)
     sends, expects = sizes[:, 0], sizes[:, 1:]
     for r in range(world):
         for c in range(world):
@@ -135,3 +190,42 @@ def verify(op: str, call: Call, **resolved: object) -> None:
         _alltoall(backend, call, resolved["in_splits"], resolved["out_splits"])
     else:
         _all_gather(backend, call, resolved["rows"])
+
+
+def verify_exchange_counts(backend: Backend, group: Group, counts: np.ndarray) -> None:
+    """Check mode for ``exchange_counts``: every rank passes as many counts (the all-to-all
+    of counts of different lengths would crash gloo and read garbage on MPI)."""
+    _gather(backend, group, counts, "exchange_counts", _NO_ROWS, inline=True, length=counts.size)
+
+
+def verify_barrier(backend: Backend, group: Group) -> None:
+    """Check mode for ``barrier``: every rank of ``group`` is in a barrier, not another operator."""
+    _gather(backend, group, _NO_ROWS, "barrier", _NO_ROWS, inline=True)
+
+
+def verify_new_group(backend: Backend, world: Group, members: Sequence[int] | None) -> None:
+    """Compare the ranks of a new group across the world (always, check mode or not).
+
+    ``members`` is this rank's sorted list, or None when it was invalid here (that rank then
+    raises its own error, and the others raise CrossRankMismatchError naming it). Raises
+    :class:`~unicoll.errors.CrossRankMismatchError` on every rank when the lists differ.
+    """
+    mask = np.full(world.world_size, _UNKNOWN, np.int64)
+    if members is not None:
+        mask[:] = 0
+        mask[list(members)] = 1
+    masks = _gather(backend, world, _NO_ROWS, "new_group", mask, inline=True)
+    invalid = [c for c in range(world.world_size) if masks[c, 0] == _UNKNOWN]
+    if members is None:
+        return
+    if invalid:
+        raise CrossRankMismatchError(
+            f"new_group: ranks: rank {invalid[0]} passed an invalid list of ranks (see its error)"
+        )
+    for c in range(1, world.world_size):
+        if not np.array_equal(masks[c], masks[0]):
+            listed = lambda row: np.flatnonzero(row).tolist()  # noqa: E731
+            raise CrossRankMismatchError(
+                f"new_group: ranks: expected the same ranks on every rank of the world, got {listed(masks[0])} "
+                f"on rank 0 and {listed(masks[c])} on rank {c}"
+            )

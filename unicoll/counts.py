@@ -14,15 +14,18 @@ from .errors import bad_input
 Counts = Union[Sequence[int], Any]  # noqa: UP007 (a runtime alias, kept valid on Python 3.10)
 
 _INT_DTYPES = ("int32", "int64")
+_HOST_OR_CUDA = ("cpu", "cuda")
+INT64_MAX = 2**63 - 1
 
 
 def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     """Return ``value`` as a 1-D, non-negative, host ``int64`` numpy array.
 
-    Arrays must have dtype int32 or int64. A CUDA array (torch or cupy) is copied to the host
-    once per call, which waits for the work queued before it on the current stream (a device
-    synchronization); sequences and numpy arrays cost no device work at all. Raises
-    TypeError/ValueError naming ``op`` and ``param``.
+    Arrays must have dtype int32 or int64 and live on the host or a CUDA device. A CUDA array
+    (torch or cupy) is copied to the host once per call, which waits for the work queued
+    before it on the current stream (a device synchronization); sequences and numpy arrays
+    cost no device work at all. The counts and their sum must fit in int64, so every sum
+    taken of them later is exact. Raises TypeError/ValueError naming ``op`` and ``param``.
 
     >>> as_counts([1, 0, 2], "global_scatter", "local_count")
     array([1, 0, 2])
@@ -33,6 +36,8 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     name = dtype_name(value)
     if name not in _INT_DTYPES:
         raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
+    if device_kind(value) not in _HOST_OR_CUDA:
+        raise bad_input(op, param, "counts on the host or a CUDA device", describe(value))
     if lib == "torch":
         host = value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
     elif lib == "cupy":
@@ -44,7 +49,14 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
         raise bad_input(op, param, "a 1-D array", f"shape {counts.shape}")
     if counts.size and counts.min() < 0:
         raise bad_input(op, param, "non-negative counts", f"{int(counts.min())} at index {int(counts.argmin())}")
+    if counts.size and counts.max() > INT64_MAX // counts.size:  # the int64 sum might wrap: add exactly
+        _check_total(sum(counts.tolist()), op, param)
     return counts
+
+
+def _check_total(total: int, op: str, param: str) -> None:
+    if total > INT64_MAX:
+        raise bad_input(op, param, "counts whose sum fits in int64 (at most 2**63 - 1)", f"a sum of {total}")
 
 
 def _is_int_type(kind: type) -> bool:
@@ -63,4 +75,6 @@ def _from_sequence(value: Any, op: str, param: str) -> np.ndarray:
     if value and min(value) < 0:
         smallest = min(value)
         raise bad_input(op, param, "non-negative counts", f"{int(smallest)} at index {list(value).index(smallest)}")
+    if value and max(value) > INT64_MAX // len(value):  # a count or the sum might not fit in int64
+        _check_total(sum(map(int, value)), op, param)
     return np.array(value, dtype=np.int64)

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from . import runtime
-from .arrays import library_of
+from .arrays import library_of, overlaps
 from .backends.base import Backend, Pending
-from .check import verify
+from .check import count_call, verify, verify_exchange_counts
 from .counts import Counts, as_counts
+from .entry import enter, exclusive, leave
 from .errors import bad_input, reported, translated
 from .group import Group
 from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec, length_multiple
@@ -54,8 +55,12 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
             backend = call.backend
 
             def guarded_backward(grad: Any) -> Any:
-                with translated(f"{op} (backward)", call.group, call.timeout):
-                    return backend.from_native(backward(backend.to_native(grad)), "torch")
+                enter(f"{op} (backward)")
+                try:
+                    with translated(f"{op} (backward)", call.group, call.timeout):
+                        return backend.from_native(backward(backend.to_native(grad)), "torch")
+                finally:
+                    leave()
 
             return lambda result: attach(x, backend.from_native(result, "torch"), guarded_backward)
     return lambda result: call.backend.from_native(result, library)
@@ -77,10 +82,22 @@ def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
     return _run(spec.name, call, issue, finish)
 
 
+def _native_input(backend: Backend, x: Any, out: Any | None) -> Any:
+    """``x`` as the backend's native array, staged through a copy when it overlaps the output
+    array ``out``: the transfer would otherwise read rows it has already overwritten."""
+    native = backend.to_native(x)
+    if out is None or not overlaps(out, x):
+        return native
+    staged = backend.empty_rows(native, native.shape[0])
+    staged[...] = native
+    return staged
+
+
 def _even(rows: int, world: int) -> list[int]:
     return [rows // world] * world
 
 
+@exclusive
 def global_scatter(
     x: Any,
     local_count: Counts,
@@ -101,6 +118,7 @@ def global_scatter(
     return _moe(GLOBAL_SCATTER, locals(), inverse="global_gather")
 
 
+@exclusive
 def global_gather(
     x: Any,
     local_count: Counts,
@@ -117,6 +135,7 @@ def global_gather(
     return _moe(GLOBAL_GATHER, locals(), inverse="global_scatter")
 
 
+@exclusive
 def alltoall_single(
     out_tensor: Any | None,
     in_tensor: Any,
@@ -156,7 +175,13 @@ def alltoall_single(
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
         out_native = None if out_tensor is None else backend.to_native(out_tensor)
         return backend.alltoall_single(
-            out_native, backend.to_native(in_tensor), out_splits, in_splits, grp, not sync_op, use_calc_stream
+            out_native,
+            _native_input(backend, in_tensor, out_tensor),
+            out_splits,
+            in_splits,
+            grp,
+            not sync_op,
+            use_calc_stream,
         )
 
     if out_tensor is not None:
@@ -165,6 +190,7 @@ def alltoall_single(
     return _run("alltoall_single", call, issue, _functional("alltoall_single", call, in_tensor, backward))
 
 
+@exclusive
 def all_gather(
     tensor_or_tensor_list: Any | list | None,
     tensor: Any,
@@ -199,8 +225,11 @@ def all_gather(
             verify("all_gather", call, rows=rows)
         if rows is None:
             rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
-        out_native = backend.to_native(target) if target is not None and not isinstance(target, list) else None
-        return backend.all_gather(out_native, backend.to_native(tensor), rows, grp, not sync_op, use_calc_stream)
+        out = target if target is not None and not isinstance(target, list) else None
+        out_native = None if out is None else backend.to_native(out)
+        return backend.all_gather(
+            out_native, _native_input(backend, tensor, out), rows, grp, not sync_op, use_calc_stream
+        )
 
     if target is None:
 
@@ -227,6 +256,7 @@ def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], lik
     return target
 
 
+@exclusive
 def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     """The ``global_count`` that goes with ``local_count``: one all-to-all of the counts.
 
@@ -237,6 +267,8 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     """
     state = runtime.state("exchange_counts")
     grp = runtime.resolve_group(group, "exchange_counts")
+    if state.check:
+        count_call(grp)
     counts = as_counts(local_count, "exchange_counts", "local_count")
     given = length_multiple(counts, grp.world_size)
     if given is not None:
@@ -247,6 +279,8 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
             given,
         )
     with translated("exchange_counts", grp, state.timeout):
+        if state.check:
+            verify_exchange_counts(state.backend, grp, counts)
         received = state.backend.exchange_ints(counts, grp)
     library = library_of(local_count)
     if library == "torch":

@@ -17,12 +17,18 @@ from dataclasses import dataclass, field
 from . import registry
 from .backends.base import Backend
 from .cache import BoundedCache
+from .check import count_call, verify_barrier, verify_new_group
+from .entry import exclusive
 from .errors import NotInitializedError, translated
 from .group import Group
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
 CHECK_ENV_VAR = "UNICOLL_CHECK"
 DEFAULT_TIMEOUT = 300.0
+MIN_TIMEOUT = 1e-3
+"""The shortest timeout: the transports' stores count in milliseconds."""
+MAX_TIMEOUT = 1e7
+"""The longest timeout (about 116 days): torch's and MPI's waits take finite durations."""
 ACCEPTED_CACHE_BYTES = 4 * 2**20
 """The most a session's memory of accepted calls (:mod:`unicoll.validate`) may hold."""
 
@@ -62,8 +68,13 @@ def _timeout_setting(timeout: float | None) -> float:
             timeout = float(raw)
         except ValueError:
             raise ValueError(f"unicoll.init: {source}: expected a number of seconds, got {raw!r}") from None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"unicoll.init: {source}: expected a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"unicoll.init: {source}: expected a number of seconds, got {type(timeout).__name__}")
+    if not MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:  # NaN fails too
+        raise ValueError(
+            f"unicoll.init: {source}: expected a number of seconds from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g}, "
+            f"got {timeout!r}"
+        )
     return float(timeout)
 
 
@@ -161,30 +172,51 @@ def get_world_size(group: Group | None = None) -> int:
     return resolve_group(group, "get_world_size").world_size
 
 
+@exclusive
 def new_group(ranks: Sequence[int]) -> Group:
-    """A group of the given world ranks; every rank of the world must call it, members or not.
+    """A group of the given world ranks; every rank of the world must call it with the same
+    ranks, members or not. The lists are compared across the world first (always, check mode
+    or not): ranks that disagree get :class:`~unicoll.CrossRankMismatchError` on every rank.
 
     >>> pair = uc.new_group([0, 1])   # doctest: +SKIP
     """
     current = state("new_group")
-    world_size = current.world.world_size
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
-        raise TypeError(f"new_group: ranks: expected a sequence of ints, got {type(ranks).__name__}")
-    members = tuple(sorted(ranks))
-    if not members or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in members):
-        raise ValueError(
-            f"new_group: ranks: expected a non-empty list of world ranks in [0, {world_size}), got {list(ranks)}"
-        )
-    if len(set(members)) != len(members):
-        raise ValueError(f"new_group: ranks: expected distinct ranks, got {list(ranks)}")
+    if current.check:
+        count_call(current.world)
+    try:
+        members, error = _members(ranks, current.world.world_size), None
+    except (TypeError, ValueError) as exc:
+        members, error = None, exc
     with translated("new_group", current.world, current.timeout):
+        verify_new_group(current.backend, current.world, members)
+        if error is not None:
+            raise error
         handle = current.backend.new_group(members)
     return Group(members, handle, current.backend.rank, current.world.session)
 
 
+def _members(ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """``ranks`` checked and sorted; TypeError/ValueError naming ``new_group`` and ``ranks``."""
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise TypeError(f"new_group: ranks: expected a sequence of ints, got {type(ranks).__name__}")
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size for r in ranks) or not ranks:
+        raise ValueError(
+            f"new_group: ranks: expected a non-empty list of world ranks in [0, {world_size}), got {list(ranks)}"
+        )
+    members = tuple(sorted(ranks))
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks: expected distinct ranks, got {list(ranks)}")
+    return members
+
+
+@exclusive
 def barrier(group: Group | None = None) -> None:
     """Block until every rank of ``group`` reaches the barrier."""
     resolved = resolve_group(group, "barrier")
     current = state("barrier")
+    if current.check:
+        count_call(resolved)
     with translated("barrier", resolved, current.timeout):
+        if current.check:
+            verify_barrier(current.backend, resolved)
         current.backend.barrier(resolved)

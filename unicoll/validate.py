@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import runtime
-from .arrays import describe, is_fillable, kind_of, library_of
+from .arrays import NON_NATIVE, describe, is_fillable, kind_of, library_of
 from .backends.base import Capabilities
+from .check import count_call
 from .counts import as_counts
 from .errors import bad_input
 from .spec import Call, OpSpec
@@ -25,6 +26,9 @@ def _array(op: str, param: str, x: Any, caps: Capabilities, backend: str) -> Any
     if x.ndim < 1:
         raise bad_input(op, param, "an array with at least one dimension (rows are dimension 0)", describe(x))
     kind = kind_of(x)
+    if kind.dtype.endswith(NON_NATIVE):
+        expected = "an array in native byte order (convert it with x.astype(x.dtype.newbyteorder('=')))"
+        raise bad_input(op, param, expected, describe(x), TypeError)
     if kind.dtype not in caps.dtypes:
         raise bad_input(op, param, f"one of the dtypes {', '.join(sorted(caps.dtypes))}", describe(x), TypeError)
     if kind.device not in caps.devices:
@@ -142,6 +146,8 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     """
     state = runtime.state(spec.name)
     group = runtime.resolve_group(arguments["group"], spec.name)
+    if state.check:
+        count_call(group)
     key = (spec.name, group, *[_SIGNATURES[p.kind](arguments[p.name]) for p in spec.params if p.kind != "group"])
     try:
         accepted = None if None in key else state.accepted.get(key)

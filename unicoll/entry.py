@@ -1,0 +1,64 @@
+"""One thread at a time inside unicoll's collectives.
+
+Collectives pair up across ranks by the order in which they are issued, so two threads of one
+rank issuing them at once would pair calls at random. The contract: a process issues its
+collectives from one thread at a time, in the same order on every rank. :func:`exclusive`
+enforces the first half: a thread that enters an operator while another thread is inside one
+gets a RuntimeError at once, before anything is sent. Check mode enforces the second half
+across ranks (:mod:`unicoll.check` compares the issuing threads' names).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+_lock = threading.Lock()
+_holder: tuple[str, str] = ("", "")
+"""The operator and the thread name inside, while :data:`_lock` is held."""
+
+
+def enter(op: str) -> None:
+    """Take the right to issue a collective for ``op``; RuntimeError when another thread has it."""
+    global _holder
+    if not _lock.acquire(blocking=False):
+        inside, thread = _holder
+        raise RuntimeError(
+            f"{op}: thread {threading.current_thread().name!r} called it while thread {thread!r} is inside {inside}; "
+            "unicoll's collectives must be issued from one thread at a time, in the same order on every rank"
+        )
+    _holder = (op, threading.current_thread().name)
+
+
+def leave() -> None:
+    """Give back what :func:`enter` took."""
+    _lock.release()
+
+
+def exclusive(fn: F) -> F:
+    """``fn`` (a public collective) run between :func:`enter` and :func:`leave`."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    def entered(*args, **kwargs):
+        enter(op)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            leave()
+
+    return entered  # type: ignore[return-value]
+
+
+def _reset_in_child() -> None:
+    """A child forked while a thread of the parent was inside a collective starts with the lock free."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
