@@ -46,16 +46,27 @@ def soak(rank: int) -> dict[str, int]:
         splits = rng.multinomial(rows, np.full(world, 1 / world))
         sent = x[:rows]
         received = uc.alltoall_single(None, sent, in_split_sizes=splits)
-        gathered = uc.all_gather(None, sent[: rows % 97])
-        assert received.shape[1:] == gathered.shape[1:] == (HIDDEN,)
+        width = 1 + step % 80  # rows of a new size in bytes most steps (mpi keeps a datatype per size)
+        gathered = uc.all_gather(None, sent[: rows % 97, :width])
+        assert received.shape[1:] == (HIDDEN,) and gathered.shape[1:] == (width,)
+        if rank == 0:  # rank 0's rows come first
+            assert torch.equal(gathered[: rows % 97], sent[: rows % 97, :width]), step
         if step == WARMUP:
             baseline = _rss_bytes()
         elif step > WARMUP:
             peak = max(peak, _rss_bytes())
+    backend = runtime.state("soak").backend
+    kept = None
+    if backend.name == "mpi":
+        from unicoll.backends import mpi_comm  # imports mpi4py, which starts MPI: only in an MPI rank
+
+        kept = mpi_comm._ROW_TYPES_KEPT
     return {
         "growth": peak - baseline,
         "accepted_bytes": runtime.state("soak").accepted.nbytes,
         "plan_bytes": layout._plans.nbytes,
+        "row_types": len(getattr(backend, "_row_types", ())),
+        "row_types_kept": kept,
     }
 
 
@@ -71,3 +82,5 @@ def test_memory_stays_flat_when_counts_change_every_step(backend: str, monkeypat
         assert figures["plan_bytes"] <= layout.PLAN_CACHE_BYTES, figures
         if backend == "gloo":  # mpi's fused global_scatter/global_gather need no reorder plan
             assert figures["plan_bytes"] > 0, figures
+        else:  # one MPI datatype per row size, and 80 sizes went by
+            assert 0 < figures["row_types"] <= figures["row_types_kept"] < 80, figures

@@ -46,6 +46,9 @@ between polls. A small message completes within it; past it, a rank that waits l
 it waits for run (4 ranks on 2 cores, 1 KB alltoall_single: 4 ms when yielding after 0.1 s,
 0.15 ms after 50 µs)."""
 
+_ROW_TYPES_KEPT = 64
+"""How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
+
 _LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 """Where MPICH's Hydra, Open MPI and torchrun-style launchers say how many ranks run on this node."""
 
@@ -152,10 +155,13 @@ class MpiBackend(Backend):
         return None
 
     def _row_type(self, view: np.ndarray) -> MPI.Datatype:
-        """The committed contiguous datatype of one row of ``view`` (cached per size)."""
+        """The committed contiguous datatype of one row of ``view``, cached per row size (at
+        most :data:`_ROW_TYPES_KEPT` sizes; the oldest is freed first)."""
         row_bytes = view.itemsize * math.prod(view.shape[1:])
         row_type = self._row_types.get(row_bytes)
         if row_type is None:
+            if len(self._row_types) >= _ROW_TYPES_KEPT:  # MPI keeps a freed type until its transfers complete
+                self._row_types.pop(next(iter(self._row_types))).Free()
             row_type = self._row_types[row_bytes] = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         return row_type
 
