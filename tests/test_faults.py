@@ -1,81 +1,250 @@
 """Fault injection with real processes: every fault ends in a clear error on every surviving
-rank within the timeout, and `unicoll run` stops the world when a rank fails."""
+rank within the timeout, or in what docs/reliability.md says happens instead, on gloo and on
+mpi; `unicoll run` stops the world when a rank fails."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import pytest
+
+import unicoll as uc
+from unicoll.backends.mpi import MpiFactory
+from unicoll.launcher import free_port, world_env
 
 SCRIPT = Path(__file__).parent / "faults" / "inject.py"
 TIMEOUT = 4  # UNICOLL_TIMEOUT for these worlds, seconds
+MPI_REASON = MpiFactory().probe()
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
 
 
-def run_world(fault: str, *, check: bool = False) -> tuple[dict[int, list[dict]], subprocess.CompletedProcess]:
-    env = {**os.environ, "UNICOLL_TIMEOUT": str(TIMEOUT), "UNICOLL_CHECK": "1" if check else "0"}
+class World(NamedTuple):
+    """What a world of inject.py left: each rank's reports, everything printed, the exit codes
+    (the launcher's, or each started rank's when no launcher ran)."""
+
+    reports: dict[int, list[dict]]
+    output: str
+    codes: list[int]
+
+
+def _reports(output: str) -> dict[int, list[dict]]:
+    """The reports in ``output`` by rank, in order: `unicoll run` prefixes lines with the rank,
+    and mpiexec may put two ranks' lines on one."""
+    decoder = json.JSONDecoder()
+    reports: dict[int, list[dict]] = {0: [], 1: []}
+    for found in re.finditer(r'\{"rank": ', output):
+        record = decoder.raw_decode(output, found.start())[0]
+        reports[record["rank"]].append(record)
+    return reports
+
+
+def _env(backend: str, check: bool, timeout: float) -> dict[str, str]:
+    return {**os.environ, "UNICOLL_BACKEND": backend, "UNICOLL_TIMEOUT": str(timeout), "UNICOLL_CHECK": str(int(check))}
+
+
+def run_world(fault: str, backend: str = "gloo", *, check: bool = False, timeout: float = TIMEOUT) -> World:
+    """Run inject.py FAULT as 2 ranks under `unicoll run` (`--mpi` for mpi)."""
+    launch = ["run", "--mpi", "-n", "2"] if backend == "mpi" else ["run", "-n", "2"]
     done = subprocess.run(
-        [sys.executable, "-m", "unicoll", "run", "-n", "2", str(SCRIPT), fault],
+        [sys.executable, "-m", "unicoll", *launch, str(SCRIPT), fault],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=60,
+        env=_env(backend, check, timeout),
+        timeout=90,
     )
-    reports: dict[int, list[dict]] = {0: [], 1: []}
-    for line in done.stdout.splitlines():
-        _, _, payload = line.partition("] ")
-        if payload.startswith("{"):
-            record = json.loads(payload)
-            reports[record["rank"]].append(record)
-    return reports, done
+    return World(_reports(done.stdout), done.stdout + done.stderr, [done.returncode])
+
+
+def start_ranks(fault: str, ranks: tuple[int, ...], *, timeout: float = TIMEOUT) -> list[subprocess.Popen]:
+    """Start ``ranks`` of a gloo world of 2 running inject.py FAULT, without a launcher: nothing
+    stops the others when one dies, so the survivors report what they see."""
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), fault],
+            env={**_env("gloo", False, timeout), **world_env(rank, 2, "127.0.0.1", port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in ranks
+    ]
+
+
+def finish(procs: list[subprocess.Popen]) -> World:
+    """Wait for processes from :func:`start_ranks` (killing them after a minute)."""
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=60)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outputs.append(proc.communicate()[0])
+    output = "".join(outputs)
+    return World(_reports(output), output, [proc.returncode for proc in procs])
 
 
 def test_mismatched_counts_in_check_mode_fail_on_every_rank() -> None:
-    reports, done = run_world("mismatch-checked", check=True)
+    world = run_world("mismatch-checked", check=True)
     expected = "global_scatter: ranks disagree (check mode): rank 1 expects 2 row(s) from rank 0 for expert 1, but rank 0 sends 1"
     for rank in (0, 1):
-        (record,) = reports[rank]
-        assert record["error"] == "CrossRankMismatchError", done.stdout + done.stderr
+        (record,) = world.reports[rank]
+        assert record["error"] == "CrossRankMismatchError", world.output
         assert record["message"] == expected
         assert record["seconds"] < TIMEOUT
-    assert done.returncode == 0
+    assert world.codes == [0]
 
 
-def test_mismatched_counts_without_check_mode_do_not_hang() -> None:
-    """Without check mode gloo does not compare sizes across ranks: the call returns (with
-    wrong rows, as docs/reliability.md warns) or fails, but never waits past the timeout."""
-    reports, done = run_world("mismatch-unchecked")
-    for rank in (0, 1):
-        (record,) = reports[rank]
-        assert record["error"] in (None, "CommunicationError", "PeerLostError"), done.stdout + done.stderr
-        assert record["seconds"] < TIMEOUT + 1
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_counts_without_check_mode(backend) -> None:
+    """What docs/reliability.md says: a receiver that expects more rows than its peer sends
+    gets the rows sent and leaves the rest unwritten, on both backends; one that expects fewer
+    is aborted by gloo (SIGABRT in gloo's network thread), and gets the first rows on mpi."""
+    world = run_world("mismatch-unchecked", backend)
+    own_rows = [[104.0, 105.0], [106.0, 107.0]]  # what rank 1 keeps of its own rows
+    more, *fewer = world.reports[1]
+    assert (more["error"], more["expected"]) == (None, 3), world.output
+    assert len(more["rows"]) == 5
+    assert more["rows"][:2] == [[4.0, 5.0], [6.0, 7.0]] and more["rows"][3:] == own_rows
+    if backend == "gloo":
+        assert fewer == [], world.output
+        assert "rank 1 failed with exit code -6" in world.output
+        assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in world.output
+        assert world.codes == [1]
+    else:
+        assert [(r["error"], r["expected"], r["rows"]) for r in fewer] == [(None, 1, [[4.0, 5.0], *own_rows])]
+        assert world.codes == [0]
+    for record in world.reports[0]:  # rank 0 passes consistent counts: it returns or loses rank 1
+        assert record["error"] in (None, "PeerLostError"), world.output
+        assert record["seconds"] < TIMEOUT
 
 
 def test_peer_that_exits_fails_the_current_and_next_operator() -> None:
-    reports, done = run_world("peer-exits")
-    assert reports[1] == [{"rank": 1, "action": "exits"}]
-    assert len(reports[0]) == 2, done.stdout + done.stderr
-    for record in reports[0]:
+    world = run_world("peer-exits")
+    assert world.reports[1] == [{"rank": 1, "action": "exits"}]
+    assert len(world.reports[0]) == 2, world.output
+    for record in world.reports[0]:
         assert record["error"] == "PeerLostError"
         assert record["message"].startswith("alltoall_single on Group(ranks=[0, 1]): a peer is gone")
         assert record["seconds"] < TIMEOUT + 1
+
+
+def test_peer_killed_mid_transfer_is_lost_at_once_on_gloo() -> None:
+    """Rank 1 is SIGKILLed while rank 0 writes 64 MiB to it (it stopped reading): gloo alone
+    leaves that write waiting until the timeout; the peer watch notices within a fraction of
+    a second. No launcher runs, so nothing stops rank 0 before it reports."""
+    world = finish(start_ranks("peer-killed", (0, 1)))
+    (killed,) = world.reports[1]
+    (record,) = world.reports[0]
+    assert record["error"] == "PeerLostError", world.output
+    assert record["message"].startswith("alltoall_single on Group(ranks=[0, 1]): a peer is gone")
+    assert record["at"] - killed["at"] < 1.0, "noticed a second or more after the kill"
+    assert world.codes == [0, -9]
+
+
+@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
+def test_peer_killed_under_mpiexec_stops_the_job() -> None:
+    """On mpi the launcher (MPICH's hydra) stops the job when a rank is killed: the survivor
+    is killed too, before any timeout, and never reports; mpiexec exits with the signal."""
+    start = time.time()
+    world = run_world("peer-killed", "mpi")
+    (killed,) = world.reports[1]
+    assert world.reports[0] == [], world.output
+    assert "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in world.output
+    assert world.codes == [9]
+    assert time.time() - killed["at"] < TIMEOUT - 1, "the job outlived the kill by most of the timeout"
+    assert killed["at"] > start
 
 
 @pytest.mark.parametrize(
     ("fault", "op", "bound"), [("peer-absent", "all_gather", TIMEOUT), ("peer-absent-async", "alltoall_single", 2)]
 )
 def test_peer_that_never_calls_times_out(fault, op, bound) -> None:
-    reports, done = run_world(fault)
-    (record,) = reports[0]
-    assert record["error"] == "CollectiveTimeoutError", done.stdout + done.stderr
+    world = run_world(fault)
+    (record,) = world.reports[0]
+    assert record["error"] == "CollectiveTimeoutError", world.output
     assert record["message"].startswith(
         f"{op} on Group(ranks=[0, 1]): did not complete within the timeout of {bound} s"
     )
     assert bound - 0.5 < record["seconds"] < bound + 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wait_with_timeout_0_polls(backend) -> None:
+    """``Task.wait(timeout=0)`` on a call the peer makes 1 s later raises at once, and a later
+    ``wait()`` still returns the result."""
+    world = run_world("poll", backend)
+    polled, waited, result = world.reports[0]
+    assert polled["error"] == "CollectiveTimeoutError", world.output
+    assert polled["message"] == (
+        "alltoall_single on Group(ranks=[0, 1]): not complete yet (Task.wait(timeout=0) polls; wait again for the result)"
+    )
+    assert polled["seconds"] < 0.1
+    assert waited["error"] is None and 0.5 < waited["seconds"] < TIMEOUT
+    assert result["rows"] == [[0.0, 1.0], [2.0, 3.0], [100.0, 101.0], [102.0, 103.0]]
+    assert result["completed"] is True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wait_checks_its_timeout(backend, monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "UNICOLL_CHECK"):
+        monkeypatch.delenv(name, raising=False)
+    uc.init(backend, timeout=10)
+    try:
+        x = np.arange(4.0).reshape(2, 2)
+        task = uc.alltoall_single(None, x, sync_op=False)
+        for bad, error, expected in [
+            (-1, ValueError, "a number of seconds from 0 to 1e+07, or None, got -1"),
+            (math.nan, ValueError, "a number of seconds from 0 to 1e+07, or None, got nan"),
+            (math.inf, ValueError, "a number of seconds from 0 to 1e+07, or None, got inf"),
+            ("1", TypeError, "a number of seconds or None, got '1'"),
+            (True, TypeError, "a number of seconds or None, got True"),
+        ]:
+            with pytest.raises(error, match=rf"^Task\.wait: timeout: expected {re.escape(expected)}$"):
+                task.wait(bad)
+        np.testing.assert_array_equal(task.wait(timeout=0), x)  # a poll of a completed call returns it
+        assert task.wait(np.float32(0.5)) is task.wait()
+    finally:
+        uc.finalize()
+
+
+def test_init_fails_within_the_timeout_on_gloo() -> None:
+    """Two worlds of 2, one in which only rank 1 starts and one in which only rank 0 does: each
+    gets a CollectiveTimeoutError naming init and what to check, within the timeout (the
+    rendezvous store, the process group and the peer watch share one deadline)."""
+    worlds = [start_ranks("init", (1,), timeout=2), start_ranks("init", (0,), timeout=2)]
+    (alone,), (absent,) = (finish(procs).reports[rank] for procs, rank in zip(worlds, (1, 0)))
+    for rank, record in ((1, alone), (0, absent)):
+        assert record["error"] == "CollectiveTimeoutError", record
+        assert record["message"].startswith(
+            f"init on backend 'gloo' (rank {rank} of 2): did not complete within the timeout of 2 s"
+        )
+        assert (
+            "; check that all 2 ranks start and call init() with the same MASTER_ADDR:MASTER_PORT" in record["message"]
+        )
+        assert record["seconds"] < 3
+    assert "rank 0's store at 127.0.0.1:" in alone["message"]
+
+
+@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
+def test_init_fails_within_the_timeout_on_mpi() -> None:
+    world = run_world("init-absent", "mpi", timeout=2)
+    (record,) = world.reports[0]
+    assert record["error"] == "CollectiveTimeoutError", world.output
+    assert record["message"].startswith(
+        "init on backend 'mpi' (rank 0 of 2): did not complete within the timeout of 2 s"
+    )
+    assert record["message"].endswith("; check that every rank of the MPI job calls init()")
+    assert record["seconds"] < 3
 
 
 def test_launcher_stops_the_world_and_names_the_failing_rank(tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 import unicoll as uc
 from unicoll import reference
+from unicoll.backends.mpi import MpiFactory
 
 X = np.arange(12, dtype=np.float32).reshape(6, 2)
 
@@ -100,25 +102,32 @@ def test_async_operators_waited_in_any_order() -> None:
     assert uc.testing.spawn(async_in_any_order, 3, backend="gloo") == ["ok"] * 3
 
 
-def _listening_addresses() -> list[str]:
-    """Local addresses of this process's listening TCP sockets, read from /proc."""
-    inodes = {
-        Path(f"/proc/self/fd/{fd}").readlink().name[8:-1]
-        for fd in (p.name for p in Path("/proc/self/fd").iterdir())
-        if Path(f"/proc/self/fd/{fd}").exists() and str(Path(f"/proc/self/fd/{fd}").readlink()).startswith("socket:")
-    }
-    found = []
+def _listening(pid: str = "self") -> dict[str, str]:
+    """The local address of each listening TCP socket that process ``pid`` holds, by inode,
+    read from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = str(fd.readlink())
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = {}
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 raw = bytes.fromhex(fields[1].split(":")[0])
                 packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                found.append(socket.inet_ntop(family, packed))
+                found[fields[9]] = socket.inet_ntop(family, packed)
     return found
 
 
-def sockets_and_pickles(rank: int) -> list[str]:
+def sockets_and_pickles(rank: int) -> dict[str, dict[str, str]]:
+    """Run every operator with unpickling refused; return the listening sockets of this rank
+    and of its parent process (on mpi, hydra's proxy, which holds what mpiexec handed down)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("unicoll unpickled data")
 
@@ -132,15 +141,35 @@ def sockets_and_pickles(rank: int) -> list[str]:
     uc.alltoall_single(None, X, in_split_sizes=[2, 4])
     uc.exchange_counts([1, 2])
     uc.barrier(uc.new_group([0, 1]))
-    return _listening_addresses()
+    return {"own": _listening(), "parent": _listening(str(os.getppid()))}
+
+
+LOOPBACK = ("127.0.0.1", "::1")
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")
 def test_loopback_only_and_no_unpickling() -> None:
     per_rank = uc.testing.spawn(sockets_and_pickles, 2, backend="gloo", env={"UNICOLL_CHECK": "1"})
-    assert per_rank[0], "rank 0 hosts the rendezvous store, so it listens somewhere"
-    for addresses in per_rank:
-        assert all(a in ("127.0.0.1", "::1") for a in addresses), addresses
+    assert per_rank[0]["own"], "rank 0 hosts the rendezvous store, so it listens somewhere"
+    for sockets in per_rank:
+        assert all(a in LOOPBACK for a in sockets["own"].values()), sockets
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")
+def test_loopback_only_and_no_unpickling_on_mpi() -> None:
+    """What MPI itself opens (UCX, MPICH's network layer) listens on loopback only; the one
+    socket on every interface is hydra's control port, which mpiexec binds to the wildcard
+    address (no option changes that) and its proxy and the ranks inherit (docs/mpi.md)."""
+    reason = MpiFactory().probe()  # here, not at import: the gloo ranks import this module, and probing starts MPI
+    if reason is not None:
+        pytest.skip(f"backend mpi is not usable here: {reason}")
+    per_rank = uc.testing.spawn(sockets_and_pickles, 2, backend="mpi", env={"UNICOLL_CHECK": "1"})
+    for sockets in per_rank:
+        own, inherited = sockets["own"], sockets["parent"]
+        assert any(a in LOOPBACK for a in own.values()), f"MPI listens somewhere: {own}"
+        elsewhere = {inode: a for inode, a in own.items() if a not in LOOPBACK}
+        assert elsewhere.items() <= inherited.items(), f"the rank's own sockets: {own}; its parent's: {inherited}"
+        assert set(elsewhere.values()) <= {"0.0.0.0", "::"}, elsewhere
 
 
 def init_again(rank: int) -> list[float]:

@@ -70,6 +70,20 @@ def transport_error(exc: Exception, op: str, group: object, timeout: float) -> C
     return CommunicationError(f"{op} on {group}: the transport failed: {first_line}")
 
 
+def init_error(exc: RuntimeError, backend: str, rank: int, world_size: int, timeout: float, hint: str) -> Exception:
+    """What ``init`` raises for ``exc``, raised while rank ``rank`` of ``world_size`` started
+    ``backend``: the :class:`CommunicationError` naming ``init``, the backend and ``hint`` (what
+    to check) when ``exc`` is a transport failure, else ``exc`` itself.
+
+    >>> str(init_error(TransportError("store: timed out"), "gloo", 1, 2, 5.0, "check rank 0"))[:80]
+    "init on backend 'gloo' (rank 1 of 2): did not complete within the timeout of 5 s"
+    """
+    error = reported(exc, "init", f"backend {backend!r} (rank {rank} of {world_size})", timeout)
+    if error is exc:
+        return exc
+    return type(error)(f"{error}; {hint}")
+
+
 @contextmanager
 def translated(op: str, group: object, timeout: float) -> Iterator[None]:
     """Turn a transport failure inside the block into the matching :class:`CommunicationError`.

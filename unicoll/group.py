@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .session import join_session
+
 
 class Group:
     """A set of ranks, made by :func:`unicoll.new_group` (or the whole world).
@@ -18,9 +20,30 @@ class Group:
 
     def __init__(self, ranks: tuple[int, ...], handle: Any, world_rank: int, session: int) -> None:
         self.ranks = ranks
-        self.handle = handle
         self.session = session
+        self._handle = handle
+        self._ended: str | None = None
         self._position = ranks.index(world_rank) if world_rank in ranks else None
+        join_session(session, self)
+
+    @property
+    def handle(self) -> Any:
+        """The transport's handle of the group (None for the world); ValueError once the
+        session that made the group has ended, so a stale group never reaches a transport."""
+        if self._ended is not None:
+            raise ValueError(f"{self!r} cannot be used any more: {self._ended}")
+        return self._handle
+
+    def _end_session(self, reason: str, keep_handles: bool) -> None:
+        """The session ended (see :func:`unicoll.session.end_session`): refuse use from now on."""
+        self._ended = reason
+        if not keep_handles:
+            self._handle = None
+
+    @property
+    def ended(self) -> str | None:
+        """Why the group cannot be used any more (its session ended), or None while it can."""
+        return self._ended
 
     @property
     def world_size(self) -> int:

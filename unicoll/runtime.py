@@ -4,6 +4,9 @@
 ``unicoll run`` set them; a lone process is rank 0 of 1; the ``mpi`` backend takes them from
 MPI instead), the backend from its argument or
 ``UNICOLL_BACKEND``, and the timeout from its argument or ``UNICOLL_TIMEOUT``.
+
+A child forked from an initialized process forgets the parent's session without touching it
+(:func:`_forget_in_child`, :mod:`unicoll.forking`): unicoll refuses to run there, at once.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import registry
+from . import forking, registry
 from .backends.base import Backend
 from .cache import BoundedCache
 from .check import count_call, verify_barrier, verify_new_group
 from .entry import exclusive
 from .errors import NotInitializedError, translated
 from .group import Group
+from .session import end_session
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
 CHECK_ENV_VAR = "UNICOLL_CHECK"
@@ -45,6 +49,16 @@ class _State:
 
 _state: _State | None = None
 _sessions = itertools.count()
+_forked_from: int | None = None
+"""The pid of the initialized process that this one was forked from (None where it was not)."""
+
+_FINALIZED = (
+    "its session ended at finalize(); make groups again with new_group() after init(), and wait for tasks "
+    "before finalize()"
+)
+"""What a group or task of a session that :func:`finalize` ended says when it is used."""
+_FORKED = "its session belongs to the process that this one was forked from"
+"""What a group or task of the parent's session says when a forked child uses it."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -103,6 +117,8 @@ def init(backend: str | None = None, *, timeout: float | None = None, check: boo
     >>> uc.init("gloo")            # doctest: +SKIP
     """
     global _state
+    if _forked_from is not None:
+        raise RuntimeError(_forked_message("unicoll.init"))
     if _state is not None:
         raise RuntimeError(
             f"unicoll.init: already initialized with backend {_state.backend.name!r}; call finalize() first"
@@ -120,12 +136,48 @@ def init(backend: str | None = None, *, timeout: float | None = None, check: boo
 
 
 def finalize() -> None:
-    """Leave the job and release the backend; ``init`` may be called again afterwards."""
+    """Leave the job and release the backend; ``init`` may be called again afterwards.
+
+    Every group of the session lets go of its transport handle first, so that groups, tasks
+    and autograd graphs the caller still holds keep nothing of the old world alive; using one
+    afterwards raises ValueError.
+    """
     global _state
     atexit.unregister(finalize)
     if _state is not None:
         state, _state = _state, None
+        end_session(state.world.session, _FINALIZED)
         state.backend.finalize()
+
+
+def _forget_in_child() -> None:
+    """In a child just forked from an initialized process: forget the parent's session without
+    touching its transport, which the parent still uses (see :mod:`unicoll.forking`). The
+    child never finalizes it, every call into unicoll there raises at once, and where MPI runs
+    the child leaves without the interpreter's teardown, which would finalize MPI."""
+    global _state, _forked_from
+    if _state is None:
+        return
+    state, _state = _state, None
+    _forked_from = os.getppid()
+    atexit.unregister(finalize)
+    end_session(state.world.session, _FORKED, keep_handles=True)
+    state.backend.abandon()
+    if forking.mpi_running():
+        forking.exit_before_teardown()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _forked_message(op: str) -> str:
+    """The error for ``op`` called in a process forked from an initialized one."""
+    return (
+        f"{op}: this process was forked from process {_forked_from}, in which unicoll is initialized; "
+        "a forked child can neither use the parent's connections nor start its own beside them: start "
+        "worker processes with the 'spawn' start method (or as new programs) and call unicoll.init() there"
+    )
 
 
 def is_initialized() -> bool:
@@ -134,8 +186,11 @@ def is_initialized() -> bool:
 
 
 def state(op: str) -> _State:
-    """The running state; NotInitializedError naming ``op`` before :func:`init`."""
+    """The running state; NotInitializedError naming ``op`` before :func:`init` and in a
+    process forked from an initialized one."""
     if _state is None:
+        if _forked_from is not None:
+            raise NotInitializedError(_forked_message(op))
         raise NotInitializedError(f"{op}: unicoll is not initialized: call unicoll.init() first")
     return _state
 

@@ -1,48 +1,134 @@
 """One rank misbehaves; every rank prints what it saw as one JSON line. Run by test_faults.py:
 
-    unicoll run -n 2 tests/faults/inject.py FAULT
+    unicoll run -n 2 tests/faults/inject.py FAULT          (gloo: UNICOLL_BACKEND=gloo)
+    unicoll run --mpi -n 2 tests/faults/inject.py FAULT    (mpi)
 
-FAULT is one of: mismatch-checked, mismatch-unchecked, peer-exits, peer-absent,
-peer-absent-async. Each rank reports the error it got (type, message) and how long after the
-faulty call it came; the misbehaving rank reports what it did instead.
+FAULT is one of: mismatch-checked, mismatch-unchecked, peer-exits, peer-killed, peer-absent,
+peer-absent-async, poll, init, init-absent. Each rank reports the error it got (type, message)
+and how long after the faulty call it came; the misbehaving rank reports what it did instead.
+``init`` only starts the backend, timed (for worlds in which some rank never starts);
+``init-absent`` does so too, but rank 1 never calls ``init`` (it starts MPI, on mpi).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
 import numpy as np
+import torch.distributed  # noqa: F401  (imported before the clock starts: init times the rendezvous, not imports)
 
 import unicoll as uc
 
+BIG_ROWS = 64 * 2**20 // 4096  # rows of 1024 float32: 64 MiB
+ATTEMPTS = 50  # calls of peer-killed before rank 1 catches one in the middle of its transfer
+
 
 def report(**fields: object) -> None:
-    print(json.dumps({"rank": uc.get_rank(), **fields}), flush=True)
+    rank = uc.get_rank() if uc.is_initialized() else int(os.environ.get("RANK", os.environ.get("PMI_RANK", "-1")))
+    sys.stdout.write(json.dumps({"rank": rank, **fields}) + "\n")  # one write: mpiexec may interleave writes
+    sys.stdout.flush()
 
 
-def timed(call) -> None:
+def timed(call) -> object:
+    """``call()``'s result; reports its error (type and message) or None, the seconds it took,
+    and the wall-clock time it ended."""
     start = time.monotonic()
     try:
-        call()
+        result = call()
     except Exception as exc:  # reported to the test, which asserts on it
-        report(error=type(exc).__name__, message=str(exc), seconds=round(time.monotonic() - start, 3))
-    else:
-        report(error=None, seconds=round(time.monotonic() - start, 3))
+        report(error=type(exc).__name__, message=str(exc), seconds=round(time.monotonic() - start, 3), at=time.time())
+        return None
+    report(error=None, seconds=round(time.monotonic() - start, 3), at=time.time())
+    return result
+
+
+def mismatch_unchecked(rank: int, x: np.ndarray) -> None:
+    """Without check mode: rank 1 expects 3 rows from rank 0, which sends 2, then 1 row, which
+    is 1 fewer. Rank 1 reports the rows it got."""
+    for expected in (3, 1):
+        out_splits = [2, 2] if rank == 0 else [expected, 2]
+        start = time.monotonic()
+        try:
+            rows = uc.alltoall_single(None, x, out_splits, [2, 2]).tolist()
+        except Exception as exc:
+            report(error=type(exc).__name__, message=str(exc), seconds=round(time.monotonic() - start, 3))
+        else:
+            report(error=None, expected=expected, rows=rows, seconds=round(time.monotonic() - start, 3))
+
+
+def peer_killed(rank: int) -> None:
+    """Rank 1 is SIGKILLed in the middle of a 64 MiB all-to-all, while rank 0's rows are on
+    their way to it: it stops itself once the first of them land in its output while the call
+    is still running (calls that completed first are repeated, up to ``ATTEMPTS``), and a
+    child it forks kills it 0.2 s later. Rank 0 repeats the call until it fails."""
+    big = np.zeros((BIG_ROWS, 1024), dtype=np.float32)
+    if rank == 0:
+        timed(lambda: [uc.alltoall_single(None, big) for _ in range(ATTEMPTS)])
+        return
+    out = np.full_like(big, -1.0)  # rank 0's rows (zeros) land in the first half, first row first
+    for _ in range(ATTEMPTS):
+        task = uc.alltoall_single(out, big, sync_op=False)
+        while out[0, 0] == -1.0 and not task.is_completed():
+            pass
+        if not task.is_completed():
+            break
+        task.wait()
+        out[0, 0] = -1.0
+    report(action="killed", at=time.time() + 0.2)
+    parent = os.getpid()
+    if os.fork() == 0:
+        time.sleep(0.2)
+        os.kill(parent, signal.SIGKILL)
+        os._exit(0)
+    os.kill(parent, signal.SIGSTOP)
+    time.sleep(60)  # not reached
+
+
+def poll(rank: int, x: np.ndarray) -> None:
+    """Rank 0 polls a call that rank 1 makes 1 s late, then waits for it."""
+    if rank == 1:
+        time.sleep(1)
+        uc.alltoall_single(None, x)
+        return
+    task = uc.alltoall_single(None, x, sync_op=False)
+    timed(lambda: task.wait(timeout=0))
+    rows = timed(task.wait)
+    report(rows=rows.tolist(), completed=task.is_completed())
+
+
+def init_absent() -> None:
+    """Rank 0 starts the backend while rank 1 runs, having started MPI on mpi, but never calls init."""
+    if os.environ.get("RANK", os.environ.get("PMI_RANK")) == "1":
+        if os.environ.get("UNICOLL_BACKEND") == "mpi":
+            from mpi4py import MPI  # noqa: F401  (MPI_Init waits for every rank of the job)
+        report(action="never calls init")
+        time.sleep(float(os.environ["UNICOLL_TIMEOUT"]) + 1)
+        return
+    timed(uc.init)
 
 
 def main(fault: str) -> None:
-    uc.init("gloo")
+    if fault == "init":
+        timed(uc.init)
+        return
+    if fault == "init-absent":
+        init_absent()
+        return
+    uc.init()
     rank = uc.get_rank()
-    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    x = np.arange(8, dtype=np.float32).reshape(4, 2) + 100 * rank
     uc.alltoall_single(None, x)  # the world works before the fault
-    if fault.startswith("mismatch"):
+    if fault == "mismatch-checked":
         # rank 0 sends 1 row to expert 1 of rank 1, but rank 1 expects 2 from it
         local = [[1, 2, 0, 1], [1, 1, 1, 1]][rank]
         glob = [[1, 2, 1, 1], [0, 2, 1, 1]][rank]
         timed(lambda: uc.global_scatter(x, local, glob))
+    elif fault == "mismatch-unchecked":
+        mismatch_unchecked(rank, x)
     elif fault == "peer-exits":
         if rank == 1:
             report(action="exits")
@@ -50,6 +136,8 @@ def main(fault: str) -> None:
         time.sleep(0.5)
         timed(lambda: uc.alltoall_single(None, x))
         timed(lambda: uc.alltoall_single(None, x))  # the next operator fails too
+    elif fault == "peer-killed":
+        peer_killed(rank)
     elif fault.startswith("peer-absent"):
         if rank == 1:
             report(action="sleeps")
@@ -60,6 +148,8 @@ def main(fault: str) -> None:
             timed(lambda: task.wait(timeout=2))
         else:
             timed(lambda: uc.all_gather(None, x))
+    elif fault == "poll":
+        poll(rank, x)
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

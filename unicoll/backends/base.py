@@ -19,6 +19,7 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from .. import layout
+from ..forking import keep_forever
 
 if TYPE_CHECKING:
     from ..group import Group
@@ -119,6 +120,13 @@ class Backend(ABC):
     @abstractmethod
     def finalize(self) -> None:
         """Release every resource the backend holds, the groups it made included."""
+
+    def abandon(self) -> None:
+        """Give up the transport in a child forked from this process, without touching it: the
+        parent still uses the connections, and the child has none of the threads that serve
+        them. The backend, and every handle it holds, stays alive until the child exits, since
+        their destructors would join those threads or release what the parent uses."""
+        keep_forever(self)
 
     # -- local array work, through the array API; a backend may use its library directly ---
 

@@ -9,6 +9,7 @@ system MPI works as well. Nothing here imports mpi4py until the backend is probe
 from __future__ import annotations
 
 import os
+import sys
 
 from ..arrays import DTYPES
 from ..spec import OPS
@@ -25,6 +26,9 @@ CAPABILITIES = Capabilities(
 #: and Intel MPI's hydra, Open MPI.
 _LAUNCHER_WORLD_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 
+#: Variables in which MPICH's hydra and Open MPI state how many ranks run on this node and in the job.
+_NODE_AND_JOB_SIZES = (("MPI_LOCALNRANKS", "PMI_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"))
+
 
 class MpiFactory:
     """Registered as ``mpi``: usable wherever mpi4py imports and finds an MPI library.
@@ -36,6 +40,7 @@ class MpiFactory:
     capabilities = CAPABILITIES
 
     def probe(self) -> str | None:
+        _loopback_when_single_node()
         try:
             from mpi4py import MPI  # noqa: F401
         except Exception as exc:  # ImportError, or RuntimeError when no MPI library loads
@@ -44,12 +49,33 @@ class MpiFactory:
         return None
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
+        _loopback_when_single_node()
         from mpi4py import MPI
 
+        from ..errors import TransportError, init_error
         from .mpi_comm import MpiBackend
 
-        _check_launch(MPI.COMM_WORLD.Get_size())
-        return MpiBackend(CAPABILITIES, timeout=timeout)
+        world = MPI.COMM_WORLD
+        _check_launch(world.Get_size())
+        try:
+            return MpiBackend(CAPABILITIES, timeout=timeout)
+        except TransportError as exc:
+            hint = "check that every rank of the MPI job calls init()"
+            raise init_error(exc, "mpi", world.Get_rank(), world.Get_size(), timeout, hint) from exc
+
+
+def _loopback_when_single_node() -> None:
+    """Keep UCX, the network layer of MPICH's ch4 (the MPICH wheel's default), on the loopback
+    interface when the launcher says that every rank of the job runs on this node and
+    ``UCX_NET_DEVICES`` is unset: the ranks then listen on 127.0.0.1 instead of on every
+    interface. Takes effect only before MPI starts (the first import of ``mpi4py.MPI``)."""
+    if not sys.platform.startswith("linux"):
+        return  # "lo" is Linux's name for the loopback interface
+    for here, everywhere in _NODE_AND_JOB_SIZES:
+        local = os.environ.get(here)
+        if local and local == os.environ.get(everywhere):
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            return
 
 
 def _check_launch(mpi_world_size: int) -> None:

@@ -3,11 +3,23 @@
 Arrays are moved as torch tensors: numpy arrays through ``torch.from_numpy`` and cupy arrays
 through DLPack, both zero-copy for contiguous data, and turned back into their own library
 on the way out.
+
+On gloo every transfer is issued asynchronously and waited for in slices of
+:data:`_SLICE_S` (:func:`wait_gloo`): a call that completes within the first slice costs what
+a synchronous one does; one that takes longer looks between slices whether a rank of its group
+is gone (:class:`~unicoll.backends.liveness.PeerWatch`), since gloo itself does not fail the
+transfer it is in the middle of when a peer dies.
+
+``init`` carries one deadline, the timeout, through the rendezvous store, the creation of the
+process group and the watch's connections, so a rank that never starts fails the others within
+the timeout; the process group keeps the whole timeout for its collectives.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -15,12 +27,79 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from ..errors import TransportError, init_error
+from ..forking import keep_forever
 from .base import Backend, Capabilities, Work
+from .liveness import PeerWatch, start_watch
 from .rendezvous import is_loopback, listen, master_address
 
 if TYPE_CHECKING:
     from ..group import Group
+
+_SLICE_S = 0.05
+"""How long a gloo wait runs before it looks whether a peer is gone: what a dead peer costs a
+transfer stuck on it, beyond :data:`_GRACE`."""
+
+_SLICE = timedelta(seconds=_SLICE_S)
+
+_GRACE = timedelta(seconds=0.1)
+"""How long a transfer may still complete once a rank of its group is seen gone: a peer that
+finished the call and exited normally may have rows still on their way here."""
+
+_SLICE_EXPIRED = "Operation timed out"
+"""How torch's ``Work.wait(timeout)`` starts the error it raises while the work still runs."""
+
+_POLL_S = 0.05
+"""How often a rank retries connecting to rank 0's store while rank 0 is not listening yet."""
+
+
+def _wait_for(seconds: float) -> timedelta:
+    """``seconds`` as a timeout for torch's ``Work.wait``: at least a millisecond, since torch
+    counts milliseconds and takes 0 for "no timeout"."""
+    return timedelta(seconds=max(seconds, 1e-3))
+
+
+def wait_gloo(work: Any, timeout: float, watch: PeerWatch | None, ranks: Sequence[int]) -> None:
+    """Return once the gloo ``work`` completes, waiting in slices of :data:`_SLICE_S`; between
+    slices, TransportError when one of the world ``ranks`` is gone (``watch``) or ``timeout``
+    seconds have passed. gloo's own errors (a closed connection, its timeout) pass through."""
+    step = _SLICE if timeout >= _SLICE_S else _wait_for(timeout)
+    if not _expired(work, step):  # most calls end here: no clock, no watch
+        return
+    deadline = time.monotonic() + timeout - step.total_seconds()
+    while True:
+        gone = None if watch is None else watch.lost(ranks)
+        if gone is not None:
+            _last_chance(work, gone)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransportError(f"gloo: the transfer timed out after {timeout:g} s")
+        if not _expired(work, _SLICE if remaining >= _SLICE_S else _wait_for(remaining)):
+            return
+
+
+def _expired(work: Any, step: timedelta) -> bool:
+    """Wait for ``work`` at most ``step``: False once it completed, True while it still runs."""
+    try:
+        work.wait(step)
+    except RuntimeError as exc:
+        if not str(exc).startswith(_SLICE_EXPIRED):
+            raise
+        return True
+    return False
+
+
+def _last_chance(work: Any, gone: int) -> None:
+    """Wait :data:`_GRACE` more for ``work`` now that world rank ``gone`` is gone; a
+    TransportError saying so when it still runs."""
+    if _expired(work, _GRACE):
+        raise TransportError(
+            f"gloo: world rank {gone} closed its connections (connection closed by peer) "
+            "while this rank waited for the transfer"
+        )
 
 
 class _TorchWork:
@@ -30,7 +109,22 @@ class _TorchWork:
         self._work = work
 
     def wait(self, timeout: float) -> Any:
-        return self._work.wait(timedelta(seconds=timeout))
+        return self._work.wait(_wait_for(timeout))
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class _GlooWork:
+    """A gloo ``Work`` of ``backend``, waited for by its :meth:`TorchDistBackend._wait`, for ``Task.wait()``."""
+
+    def __init__(self, work: Any, backend: TorchDistBackend, ranks: Sequence[int]) -> None:
+        self._work = work
+        self._backend = backend
+        self._ranks = ranks
+
+    def wait(self, timeout: float) -> None:
+        self._backend._wait(self._work, timeout, self._ranks)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -95,15 +189,49 @@ def _from_torch(t: torch.Tensor, library: str) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _rendezvous(rank: int, world_size: int, timeout: timedelta) -> tuple[dist.Store, str]:
-    """The store every rank meets at, and the address the ranks listen on.
+def _rendezvous(rank: int, world_size: int, timeout: timedelta, deadline: float) -> tuple[dist.Store, str, int | None]:
+    """The store every rank meets at, the address the ranks listen on and, on rank 0, the
+    descriptor of the store's listening socket, by ``deadline`` (a ``time.monotonic()`` value);
+    the store keeps ``timeout`` for what comes later.
 
     Rank 0 hosts a TCPStore on a socket it binds to ``MASTER_ADDR:MASTER_PORT`` itself, so a
-    loopback address (the launcher's default) is never reachable from another machine.
+    loopback address (the launcher's default) is never reachable from another machine. It does
+    not wait for the other ranks there: the process group's creation does, within the deadline.
+    The other ranks wait for rank 0 to listen before they make their client, whose own retries
+    could run past the deadline.
     """
     addr, port = master_address(world_size)
-    listen_fd = listen(addr, port).detach() if rank == 0 else None
-    return dist.TCPStore(addr, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd), addr
+    if rank == 0:
+        try:
+            listen_fd = listen(addr, port).detach()
+        except OSError as exc:
+            raise TransportError(f"rendezvous: rank 0 cannot listen on {addr}:{port}: {exc}") from exc
+        store = dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=listen_fd, wait_for_workers=False)
+        return store, addr, listen_fd
+    _await_listener(addr, port, deadline)
+    store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=_remaining(deadline)))
+    store.set_timeout(timeout)
+    return store, addr, None
+
+
+def _await_listener(addr: str, port: int, deadline: float) -> None:
+    """Return once something accepts connections at ``addr:port`` (rank 0's store); a
+    TransportError naming the address at ``deadline``."""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=_remaining(deadline)).close()
+            return
+        except OSError:
+            if time.monotonic() + _POLL_S >= deadline:
+                raise TransportError(
+                    f"rendezvous: rank 0's store at {addr}:{port} was not listening; timed out"
+                ) from None
+            time.sleep(_POLL_S)
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), at least a millisecond."""
+    return max(deadline - time.monotonic(), 1e-3)
 
 
 def _gloo_options(addr: str) -> Any:
@@ -116,31 +244,57 @@ def _gloo_options(addr: str) -> Any:
     return options
 
 
+def _init_hint(world_size: int) -> str:
+    """What to check when ``init`` fails: the ranks and where they meet."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return (
+        f"check that all {world_size} ranks start and call init() with the same MASTER_ADDR:MASTER_PORT "
+        f"({where}), and that rank 0 can be reached there"
+    )
+
+
 class TorchDistBackend(Backend):
     """torch.distributed with one process-group backend (``"gloo"`` or ``"nccl"``)."""
 
     def __init__(
         self, name: str, pg_backend: str, capabilities: Capabilities, *, rank: int, world_size: int, timeout: float
     ) -> None:
+        deadline = time.monotonic() + timeout
         self.name = name
         self.capabilities = capabilities
+        self._seconds = timeout
         self._timeout = timedelta(seconds=timeout)
         self._owns_default_group = not dist.is_initialized()
         self._options = None
         self._groups: list[Any] = []  # every process group this backend created
+        self._pg_backend = pg_backend
+        self._watch: PeerWatch | None = None
+        self._given_up: list[Any] = []  # gloo works that a wait gave up on while they ran
+        self._listen_fd: int | None = None  # rank 0's store socket, which a forked child closes (abandon)
+        try:
+            self._start(rank, world_size, deadline)
+        except RuntimeError as exc:
+            self.finalize()
+            raise init_error(exc, name, rank, world_size, timeout, _init_hint(world_size)) from exc
+
+    def _start(self, rank: int, world_size: int, deadline: float) -> None:
+        """Join the default group (or adopt it), make the world's group and connect the watch."""
         if self._owns_default_group:
-            self._start_default_group(pg_backend, rank, world_size)
+            self._start_default_group(self._pg_backend, rank, world_size, deadline)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        if dist.get_backend() == pg_backend:
+        if dist.get_backend() == self._pg_backend:
             self._world = dist.group.WORLD
         else:  # an adopted default group of another transport: keep our own group beside it
-            self._world = self._new_pg(range(self.world_size), pg_backend)
-        self._pg_backend = pg_backend
+            self._world = self._new_pg(range(self.world_size), self._pg_backend)
+        if self._pg_backend == "gloo" and self.world_size > 1 and "MASTER_ADDR" in os.environ:
+            share = lambda values: self._broadcast(values, deadline)  # noqa: E731
+            self._watch = start_watch(self.rank, self.world_size, os.environ["MASTER_ADDR"], deadline, share)
 
-    def _start_default_group(self, pg_backend: str, rank: int, world_size: int) -> None:
+    def _start_default_group(self, pg_backend: str, rank: int, world_size: int, deadline: float) -> None:
         """Create torch's default group: in-process for a world of one, through torchrun's
-        agent store under torchrun, else through our own loopback-by-default rendezvous."""
+        agent store under torchrun, else through our own loopback-by-default rendezvous, whose
+        group is created within ``deadline`` and then given the whole timeout."""
         if world_size == 1:
             store = dist.HashStore()
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -149,11 +303,41 @@ class TorchDistBackend(Backend):
             )
             return
         else:
-            store, addr = _rendezvous(rank, world_size, self._timeout)
+            store, addr, self._listen_fd = _rendezvous(rank, world_size, self._timeout, deadline)
             self._options = _gloo_options(addr) if pg_backend == "gloo" else None
+        bounded = pg_backend == "gloo" and world_size > 1
+        creation = timedelta(seconds=_remaining(deadline)) if bounded else self._timeout
         dist.init_process_group(
-            pg_backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout, pg_options=self._options
+            pg_backend, store=store, rank=rank, world_size=world_size, timeout=creation, pg_options=self._options
         )
+        if bounded:
+            _set_pg_timeout(self._timeout)
+
+    def _broadcast(self, values: list[int], deadline: float) -> list[int]:
+        """Rank 0's ``values`` on every rank, over the world's gloo group, by ``deadline``."""
+        shared = torch.tensor(values, dtype=torch.int64)
+        wait_gloo(dist.broadcast(shared, src=0, group=self._world, async_op=True), _remaining(deadline), None, ())
+        return shared.tolist()
+
+    def _issue(self, launch: Callable[[bool], Any], group: Group, async_op: bool) -> Work | None:
+        """Run ``launch(async_op)``, a torch.distributed call; on gloo it is issued
+        asynchronously and waited for by :func:`wait_gloo`, now or in ``Task.wait()``."""
+        if self._pg_backend != "gloo":
+            return _work(launch(async_op))
+        work = launch(True)
+        if async_op:
+            return _GlooWork(work, self, group.ranks)
+        self._wait(work, self._seconds, group.ranks)
+        return None
+
+    def _wait(self, work: Any, timeout: float, ranks: Sequence[int]) -> None:
+        """:func:`wait_gloo` with this backend's watch, remembering a work it gave up on while
+        the work still ran (see :meth:`finalize`)."""
+        try:
+            wait_gloo(work, timeout, self._watch, ranks)
+        except TransportError:
+            self._given_up = [w for w in self._given_up if not w.is_completed()] + [work]
+            raise
 
     def _new_pg(self, ranks: Sequence[int], pg_backend: str) -> Any:
         handle = dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout, pg_options=self._options)
@@ -179,7 +363,8 @@ class TorchDistBackend(Backend):
         return x.index_select(0, torch.from_numpy(index).to(x.device, non_blocking=True))
 
     def barrier(self, group: Group) -> None:
-        dist.barrier(group=self._pg(group))
+        pg = self._pg(group)
+        self._issue(lambda a: dist.barrier(group=pg, async_op=a), group, False)
 
     def alltoallv(
         self,
@@ -192,10 +377,14 @@ class TorchDistBackend(Backend):
         calc_stream: bool = False,
     ) -> Work | None:
         """On CPU there are no streams: ``calc_stream`` has no effect (see torch_nccl for CUDA)."""
-        return _work(dist.all_to_all_single(out, x, out_splits, in_splits, group=self._pg(group), async_op=async_op))
+        pg = self._pg(group)
+        return self._issue(
+            lambda a: dist.all_to_all_single(out, x, out_splits, in_splits, group=pg, async_op=a), group, async_op
+        )
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        return _work(dist.all_gather_single(out, x, group=self._pg(group), async_op=async_op))
+        pg = self._pg(group)
+        return self._issue(lambda a: dist.all_gather_single(out, x, group=pg, async_op=a), group, async_op)
 
     def _host_ints(self, values: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
@@ -204,24 +393,56 @@ class TorchDistBackend(Backend):
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self._host_ints(values)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self._pg(group))
+        pg = self._pg(group)
+        self._issue(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), group, False)
         return recv.cpu().numpy()
 
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self._host_ints(values)
         recv = send.new_empty((group.world_size * send.numel(),))
-        dist.all_gather_single(recv, send, group=self._pg(group))
+        pg = self._pg(group)
+        self._issue(lambda a: dist.all_gather_single(recv, send, group=pg, async_op=a), group, False)
         return recv.cpu().numpy().reshape(group.world_size, -1)
 
     def finalize(self) -> None:
+        """Close the watch, then destroy the process groups this backend made (the default
+        group with them when it made that too).
+
+        A transfer that a wait gave up on (its peer gone) may still hold a thread of gloo until
+        gloo's own timeout, and destroying its process group would wait for that thread: such
+        groups are unregistered but never freed (:func:`~unicoll.forking.keep_forever`), so
+        neither this call nor the process's exit waits out the timeout.
+        """
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        world, groups = getattr(self, "_world", None), self._groups
+        self._world, self._groups = None, []  # tasks and autograd graphs that outlive the session hold none of it
+        self._listen_fd = None  # closed with the store
         if not dist.is_initialized():
             return
+        if any(not work.is_completed() for work in self._given_up):
+            for handle in (world, *groups):
+                keep_forever(handle)
+        self._given_up = []
         if self._owns_default_group:
             dist.destroy_process_group()  # every group with it
             return
-        for handle in self._groups:  # an adopted default group stays; ours go
+        for handle in groups:  # an adopted default group stays; ours go
             if handle is not dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(handle)
+
+    def abandon(self) -> None:
+        """As :meth:`Backend.abandon`, and torch's default group is kept too, whoever made it:
+        torch would free it when the child exits, joining threads that only the parent has. The
+        child closes its copy of rank 0's store socket, which would keep the port bound while it
+        lives, so that the parent can ``init`` again after ``finalize``."""
+        super().abandon()
+        if dist.is_initialized():
+            keep_forever(dist.group.WORLD)
+        if self._listen_fd is not None:
+            os.close(self._listen_fd)
+            self._listen_fd = None
 
 
 class TorchNcclBackend(TorchDistBackend):
