@@ -52,7 +52,7 @@ def test_docstring_examples():
 
 
 def _naive_scatter(xs, lcs):
-    """Loop-by-loop transcription of design.md section 2, independent of the reference."""
+    """Loop-by-loop transcription of docs/semantics.md's definitions, independent of the reference."""
     world = len(xs)
     experts = len(lcs[0]) // world
     chunks = []  # chunks[c][i] = rows rank c sends for index i

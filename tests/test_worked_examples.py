@@ -1,4 +1,4 @@
-"""Hand-computed examples on real processes: design.md's worked example and small cases of
+"""Hand-computed examples on real processes: docs/semantics.md's worked example and small cases of
 alltoall_single and all_gather, with counts given as lists, numpy and torch int32 arrays."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 import unicoll as uc
 
-# design.md, section 2: W=2, E=2, one column, values are row labels
+# docs/semantics.md, global_scatter's worked example: W=2, E=2, one column, values are row labels
 X = [[0, 1, 2, 3], [10, 11, 12, 13, 14]]
 LOCAL = [[1, 0, 2, 1], [0, 2, 1, 2]]
 GLOBAL = [[1, 0, 0, 2], [2, 1, 1, 2]]

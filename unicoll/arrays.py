@@ -17,9 +17,6 @@ DTYPES: tuple[str, ...] = (
     "int8", "uint8", "int32", "int64", "bool",
 )  # fmt: skip
 
-#: The array libraries unicoll accepts.
-LIBRARIES: tuple[str, ...] = ("numpy", "torch", "cupy")
-
 
 _library_by_type: dict[type, str | None] = {}
 

@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import numpy as np
 
 from .arrays import describe, device_kind, dtype_name, library_of
 from .errors import bad_input
 
+
+class IntArray(Protocol):
+    """An integer array of numpy, torch or cupy, as counts are read: a dtype and a shape."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
 #: What a count or split argument may be: an int array of any supported library or a sequence.
-Counts = Union[Sequence[int], Any]  # noqa: UP007 (a runtime alias, kept valid on Python 3.10)
+Counts = Union[Sequence[int], IntArray]  # noqa: UP007 (a runtime alias, kept valid on Python 3.10)
 
 _INT_DTYPES = ("int32", "int64")
 _HOST_OR_CUDA = ("cpu", "cuda")

@@ -106,7 +106,7 @@ def global_scatter(
     sync_op: bool = True,
     use_calc_stream: bool = True,
 ) -> Any:
-    """MoE dispatch: route rows of ``x`` to experts across ranks (see design.md, section 2).
+    """MoE dispatch: route rows of ``x`` to experts across ranks (see docs/semantics.md).
 
     Rows of ``x`` are ordered by ``i = rank * E + expert`` with ``local_count[i]`` rows each;
     the result holds ``sum(global_count)`` rows, expert-major, then source rank.

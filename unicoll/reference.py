@@ -5,7 +5,7 @@ and returns *every* rank's outputs, computed with plain numpy on one process.
 Nothing is communicated; these functions define what the real backends must
 produce, and the conformance tests compare each backend against them.
 
-Notation follows section 2 of the design notes (``design.md``): ``W`` ranks, ``E`` experts per
+Notation follows docs/semantics.md ("Notation"): ``W`` ranks, ``E`` experts per
 rank, rows are dimension 0 (trailing dimensions are carried along unchanged),
 count arrays have length ``W*E`` and are indexed by ``i = card*E + expert``.
 

@@ -91,7 +91,8 @@ def format_info() -> str:
 
     lines = [f"unicoll {version_of('unicoll')}"]
     lines += [
-        f"  {package}: {version_of(package)}" for package in ("numpy", "array-api-compat", "torch", "cupy-cuda12x")
+        f"  {package}: {version_of(package)}"
+        for package in ("numpy", "array-api-compat", "torch", "cupy-cuda12x", "nvidia-nccl-cu12", "mpi4py", "mpich")
     ]
     lines.append("backends:")
     for name, factory in registered().items():

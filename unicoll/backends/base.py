@@ -10,6 +10,7 @@ conformance matrix holds it to the same results.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ class Backend(ABC):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        """MoE dispatch; see design.md. Counts are validated host int64 arrays of length W*E.
+        """MoE dispatch; see docs/semantics.md. Counts are validated host int64 arrays of length W*E.
         ``calc_stream`` on every operator: see :meth:`alltoallv`."""
         plan = layout.moe_plan(local_count, global_count, group.world_size)
         buffer = self.empty_rows(x, sum(plan.recv))
@@ -226,6 +227,17 @@ class Backend(ABC):
             return out
 
         return issued(work, finish)
+
+
+def devices_short(devices: int) -> str | None:
+    """Why NCCL cannot run here when this machine has more local ranks (``$LOCAL_WORLD_SIZE``,
+    default 1) than CUDA ``devices``, else None: NCCL needs one device per rank."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_ranks <= devices:
+        return None
+    return (
+        f"{local_ranks} ranks on this machine ($LOCAL_WORLD_SIZE) but {devices} CUDA device(s); NCCL needs one per rank"
+    )
 
 
 class BackendFactory(Protocol):

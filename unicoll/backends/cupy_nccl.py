@@ -15,7 +15,7 @@ import warnings
 
 from ..arrays import DTYPES
 from ..spec import OPS
-from .base import Backend, Capabilities
+from .base import Backend, Capabilities, devices_short
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
@@ -36,7 +36,9 @@ class CupyNcclFactory:
     def probe(self) -> str | None:
         try:
             import cupy
-        except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        except ModuleNotFoundError as exc:
+            return f"the package cupy-cuda12x is not installed ({exc}); pip install 'unicoll[cupy]'"
+        except Exception as exc:  # a CUDA library that fails to load
             return f"cupy is not importable ({type(exc).__name__}: {exc})"
         major = int(cupy.__version__.split(".")[0])
         if major < MIN_CUPY:
@@ -51,14 +53,11 @@ class CupyNcclFactory:
             warnings.simplefilter("ignore")
             from cupy.cuda import nccl
         if not nccl.available:
-            return "cupy cannot load the NCCL library (pip install nvidia-nccl-cu12)"
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if local_ranks > devices:
             return (
-                f"{local_ranks} ranks on this machine ($LOCAL_WORLD_SIZE) but {devices} CUDA device(s); "
-                "NCCL needs one per rank"
+                "cupy cannot load the NCCL library: the package nvidia-nccl-cu12 is missing; "
+                "pip install 'unicoll[cupy]'"
             )
-        return None
+        return devices_short(devices)
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
         import cupy

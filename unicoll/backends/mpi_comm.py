@@ -14,12 +14,11 @@ expert-major order, so MPI's own copy does the reorder and no second buffer is n
 Every collective is issued non-blocking (``Ialltoallv``, ``Iallgather``, ``Ialltoall``,
 ``Ibarrier``, ``Idup``) and waited for by polling ``Test()`` against a deadline, so no call
 waits past the configured timeout; ``sync_op=True`` waits inside the primitive. The polling
-never sleeps: MPI moves a large message only while some call drives its progress engine (a
-64 MB all-to-all took 16 ms polled back to back and 0.4 s polled every 10 µs), so a wait
-spins. Only when this node runs more ranks than this process may use cores does a wait
+never sleeps: MPI moves a large message only while some call drives its progress engine, so
+a wait spins. Only when this node runs more ranks than this process may use cores does a wait
 yield the CPU between polls once it has lasted :data:`_YIELD_AFTER_S`: there, the ranks it
-waits for need the core, and elsewhere yielding only slows the transfer (2 ranks on 2 cores,
-64 MB all-to-all: 13.1 ms spinning, 16.3 ms yielding).
+waits for need the core, and elsewhere yielding only slows the transfer. docs/mpi.md has the
+measurements behind both choices.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ if TYPE_CHECKING:
 _YIELD_AFTER_S = 50e-6
 """On an oversubscribed node, how long a wait polls back to back before it yields the CPU
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
-it waits for run (4 ranks on 2 cores, 1 KB alltoall_single: 4 ms when yielding after 0.1 s,
-0.15 ms after 50 µs)."""
+it waits for run (docs/mpi.md)."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""

@@ -1,7 +1,7 @@
 """The ``torch-nccl`` backend: torch.distributed over NCCL, for CUDA torch tensors and cupy arrays.
 
-The transport is :class:`unicoll.backends.torch_dist.TorchNcclBackend`. Streams (design.md,
-"Group and stream options"):
+The transport is :class:`unicoll.backends.torch_dist.TorchNcclBackend`. Streams (docs/semantics.md,
+"use_calc_stream"):
 
 - ``use_calc_stream=True`` issues the collective with ``async_op=False``, which torch (2.7 and
   later) launches on the caller's current CUDA stream: no event, no extra stream.
@@ -22,7 +22,7 @@ import os
 
 from ..arrays import DTYPES
 from ..spec import OPS
-from .base import Backend, Capabilities
+from .base import Backend, Capabilities, devices_short
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
@@ -47,13 +47,7 @@ class TorchNcclFactory:
             return f"no CUDA device is visible to torch {torch.__version__}"
         if not dist.is_available() or not dist.is_nccl_available():
             return "this torch build has no NCCL support"
-        local_ranks, devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-        if local_ranks > devices:
-            return (
-                f"{local_ranks} ranks on this machine ($LOCAL_WORLD_SIZE) but {devices} CUDA device(s); "
-                "NCCL needs one per rank"
-            )
-        return None
+        return devices_short(torch.cuda.device_count())
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
         import torch
