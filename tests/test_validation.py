@@ -4,6 +4,7 @@ communication (a correct call right after still lines up across ranks)."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -207,3 +208,26 @@ def test_remembered_counts_are_copies() -> None:
     expected = uc.reference.global_scatter([X, X + 1], [np.array([1, 3]), np.array([1, 3])])
     for got, want in zip(results, expected):
         np.testing.assert_array_equal(np.array(got), want)
+
+
+def exchange_counts_remembered(rank: int) -> list:
+    """exchange_counts remembers accepted calls like the operators: repeated and changed counts
+    give the right result, and torch counts taken from memory raise no warning (the transport
+    gets a writable copy of the remembered, read-only counts)."""
+    counts = np.array([rank, 10 + rank])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = [uc.exchange_counts(counts).tolist() for _ in range(2)]
+        counts[:] = [5 + rank, 15 + rank]
+        results.append(uc.exchange_counts(counts).tolist())
+        results += [uc.exchange_counts(torch.tensor([rank, 10 + rank])).tolist() for _ in range(2)]
+        results.append(uc.exchange_counts([rank, 10 + rank]).tolist())
+    return results
+
+
+def test_exchange_counts_from_memory() -> None:
+    results = uc.testing.spawn(exchange_counts_remembered, W, backend="gloo", timeout=60)
+    assert results == [
+        [[0, 1], [0, 1], [5, 6], [0, 1], [0, 1], [0, 1]],
+        [[10, 11], [10, 11], [15, 16], [10, 11], [10, 11], [10, 11]],
+    ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -27,10 +27,11 @@ from .arrays import DTYPES, dtype_name
 from .backends.base import Backend
 from .errors import CrossRankMismatchError
 from .group import Group
-from .spec import OPS, Call
+from .spec import ALL_GATHER, ALLTOALL_SINGLE, EXCHANGE_COUNTS, GLOBAL_GATHER, GLOBAL_SCATTER, SPECS, Call, OpSpec
 
-#: Every entry point check mode describes, by its index in the header.
-ENTRY_POINTS: tuple[str, ...] = (*OPS, "exchange_counts", "barrier", "new_group")
+#: Every entry point check mode describes, by its index in the header: those with a spec, then
+#: barrier and new_group.
+ENTRY_POINTS: tuple[str, ...] = (*SPECS, "barrier", "new_group")
 
 MAX_TRAILING_DIMS = 8
 # header: entry point, issuing thread, call number, dtype, number of trailing dims, the dims (padded with -1),
@@ -123,79 +124,86 @@ def _gather(
     return backend.gather_ints(payload, group)
 
 
-def _moe(backend: Backend, call: Call, op: str) -> None:
+def _scatter_mismatch(r: int, c: int, e: int, expects: int, sends: int) -> str:
+    return f"rank {r} expects {expects} row(s) from rank {c} for expert {e}, but rank {c} sends {sends}"
+
+
+def _gather_mismatch(r: int, c: int, e: int, expects: int, sends: int) -> str:
+    return f"rank {c} expects {sends} row(s) back from rank {r} for expert {e}, but rank {r} returns {expects}"
+
+
+def _moe(op: str, call: Call, mismatch: Callable[[int, int, int, int, int], str]) -> None:
+    """Rank r's global_count against every rank c's local_count; ``mismatch(r, c, e, expects,
+    sends)`` words a disagreement."""
     world = call.W
-    both = _gather(backend, call.group, call.x, op, np.concatenate([call.local_count, call.global_count]), inline=False)
+    payload = np.concatenate([call.local_count, call.global_count])
+    both = _gather(call.backend, call.group, call.x, op, payload, inline=False)
     local, glob = both[:, : both.shape[1] // 2], both[:, both.shape[1] // 2 :]
     experts = local.shape[1] // world
     for r in range(world):  # rank r receives (scatter) or returns (gather) rows of rank c
         for c in range(world):
             for e in range(experts):
                 expects, sends = glob[r, c * experts + e], local[c, r * experts + e]
-                if expects == sends:
-                    continue
-                if op == "global_scatter":
-                    message = (
-                        f"rank {r} expects {expects} row(s) from rank {c} for expert {e}, but rank {c} sends {sends}"
-                    )
-                else:
-                    message = (
-                        f"rank {c} expects {sends} row(s) back from rank {r} for expert {e}, "
-                        f"but rank {r} returns {expects}"
-                    )
-                raise _fail(op, message)
+                if expects != sends:
+                    raise _fail(op, mismatch(r, c, e, expects, sends))
 
 
-def _alltoall(backend: Backend, call: Call, in_splits: list[int], out_splits: list[int] | None) -> None:
+def _global_scatter(op: str, call: Call) -> None:
+    _moe(op, call, _scatter_mismatch)
+
+
+def _global_gather(op: str, call: Call) -> None:
+    _moe(op, call, _gather_mismatch)
+
+
+def _alltoall_single(op: str, call: Call, in_splits: list[int], out_splits: list[int] | None) -> None:
     world = call.W
     out = np.full(world, _UNKNOWN, np.int64) if out_splits is None else np.array(out_splits, np.int64)
-    sizes = _gather(
-        backend, call.group, call.in_tensor, "alltoall_single", np.concatenate([in_splits, out]), inline=True
-    )
+    sizes = _gather(call.backend, call.group, call.in_tensor, op, np.concatenate([in_splits, out]), inline=True)
     sent, received = sizes[:, :world], sizes[:, world:]
     for r in range(world):
         for c in range(world):
             expects, sends = received[r, c], sent[c, r]
             if expects != _UNKNOWN and expects != sends:
-                raise _fail(
-                    "alltoall_single", f"rank {r} expects {expects} row(s) from rank {c}, but rank {c} sends {sends}"
-                )
+                raise _fail(op, f"rank {r} expects {expects} row(s) from rank {c}, but rank {c} sends {sends}")
 
 
-def _all_gather(backend: Backend, call: Call, expected_rows: list[int] | None) -> None:
-    world, rows = call.W, int(call.tensor.shape[0])
-    expected = np.full(world, _UNKNOWN, np.int64) if expected_rows is None else np.array(expected_rows, np.int64)
-    sizes = _gather(backend, call.group, call.tensor, "all_gather", np.concatenate([[rows], expected]), inline=True)
+def _all_gather(op: str, call: Call, rows: list[int] | None) -> None:
+    world, here = call.W, int(call.tensor.shape[0])
+    expected = np.full(world, _UNKNOWN, np.int64) if rows is None else np.array(rows, np.int64)
+    sizes = _gather(call.backend, call.group, call.tensor, op, np.concatenate([[here], expected]), inline=True)
     sends, expects = sizes[:, 0], sizes[:, 1:]
     for r in range(world):
         for c in range(world):
             if expects[r, c] != _UNKNOWN and expects[r, c] != sends[c]:
-                raise _fail(
-                    "all_gather",
-                    f"rank {r} expects {expects[r, c]} row(s) from rank {c}, but rank {c} sends {sends[c]}",
-                )
+                raise _fail(op, f"rank {r} expects {expects[r, c]} row(s) from rank {c}, but rank {c} sends {sends[c]}")
 
 
-def verify(op: str, call: Call, **resolved: object) -> None:
-    """Run the cross-rank check of ``op`` for a prepared ``call``; raises on every rank alike.
+def _exchange_counts(op: str, call: Call) -> None:
+    """Every rank passes as many counts (the all-to-all of counts of different lengths would
+    crash gloo and read garbage on MPI)."""
+    counts = call.local_count
+    _gather(call.backend, call.group, counts, op, _NO_ROWS, inline=True, length=counts.size)
+
+
+#: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``.
+CHECKS: dict[OpSpec, Callable[..., None]] = {
+    GLOBAL_SCATTER: _global_scatter,
+    GLOBAL_GATHER: _global_gather,
+    ALLTOALL_SINGLE: _alltoall_single,
+    ALL_GATHER: _all_gather,
+    EXCHANGE_COUNTS: _exchange_counts,
+}
+
+
+def verify(spec: OpSpec, call: Call, **resolved: object) -> None:
+    """Run the cross-rank check of ``spec`` for a prepared ``call``; raises on every rank alike.
 
     ``resolved`` carries what the front end derived locally: for alltoall_single the
     ``in_splits`` and the ``out_splits`` it will use (None when they are exchanged), for
     all_gather the ``rows`` it expects from each rank (None when they are exchanged).
     """
-    backend = call.backend
-    if op in ("global_scatter", "global_gather"):
-        _moe(backend, call, op)
-    elif op == "alltoall_single":
-        _alltoall(backend, call, resolved["in_splits"], resolved["out_splits"])
-    else:
-        _all_gather(backend, call, resolved["rows"])
-
-
-def verify_exchange_counts(backend: Backend, group: Group, counts: np.ndarray) -> None:
-    """Check mode for ``exchange_counts``: every rank passes as many counts (the all-to-all
-    of counts of different lengths would crash gloo and read garbage on MPI)."""
-    _gather(backend, group, counts, "exchange_counts", _NO_ROWS, inline=True, length=counts.size)
+    CHECKS[spec](spec.name, call, **resolved)
 
 
 def verify_barrier(backend: Backend, group: Group) -> None:

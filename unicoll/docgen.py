@@ -1,5 +1,5 @@
-"""Generate the API reference page (``docs/api.md``) from the operator specs and the
-registered backends' capability tables.
+"""Generate the API reference page (``docs/api.md``) from the specs (:data:`unicoll.spec.SPECS`)
+and the registered backends' capability tables.
 
     python -m unicoll.docgen docs/api.md     # rewrite the page
     python -m unicoll.docgen                 # print it
@@ -11,19 +11,7 @@ import sys
 
 from . import registry
 from .arrays import DTYPES
-from .spec import OPS, REQUIRED, OpSpec, Param
-
-#: What the front end checks for each parameter kind before the spec's own rules.
-KIND_CHECKS = {
-    "array": "TypeError unless an array of a library the backend moves, of one of its dtypes; "
-    "ValueError if 0-d or on a device the backend does not serve.",
-    "optional_output": "as an input array, and ValueError unless C-contiguous and writable.",
-    "gather_output": "each array as an input array, and ValueError unless C-contiguous and writable.",
-    "counts": "TypeError unless an int32/int64 array or a sequence of ints; ValueError unless 1-D and non-negative.",
-    "optional_counts": "as counts, when given.",
-    "group": "TypeError unless a Group or None; ValueError if this rank is not a member or it predates init().",
-    "flag": "TypeError unless True or False.",
-}
+from .spec import OPS, REQUIRED, SPECS, OpSpec, Param
 
 
 def _default(param: Param) -> str:
@@ -47,7 +35,7 @@ def render_op(op: OpSpec) -> list[str]:
         lines.append(f"| `{p.name}` | {_escape(p.annotation)} | {default} | {_escape(p.doc)} |")
     lines += ["", "Checked on every rank before any communication (W is the group size):", ""]
     for p in op.params:
-        lines.append(f"- `{p.name}`: {KIND_CHECKS[p.kind]}")
+        lines.append(f"- `{p.name}`: {p.kind.doc}")
     for rule in op.rules:
         expected = rule.expected.replace("{W}", "W")
         lines.append(f"- `{rule.param}`: {rule.error.__name__} unless {expected}.")
@@ -79,7 +67,7 @@ def render() -> str:
         "Errors read `<operator>: <parameter>: expected <what>, got <what was given>`.",
         "",
     ]
-    for op in OPS.values():
+    for op in SPECS.values():
         lines += render_op(op)
     lines += render_capabilities()
     return "\n".join(lines).rstrip() + "\n"

@@ -1,4 +1,5 @@
-"""The four operators: validate from the spec, run on the backend, hand back the caller's kind.
+"""The four operators and exchange_counts: validate from the spec, run on the backend, hand
+back the caller's kind.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
 this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
@@ -15,15 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from . import runtime
 from .arrays import library_of, overlaps
 from .backends.base import Backend, Pending
-from .check import count_call, verify, verify_exchange_counts
-from .counts import Counts, as_counts
+from .check import verify
+from .counts import Counts
 from .entry import enter, exclusive, leave
-from .errors import bad_input, reported, translated
+from .errors import reported, translated
 from .group import Group
-from .spec import ALL_GATHER, ALLTOALL_SINGLE, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec, length_multiple
+from .spec import ALL_GATHER, ALLTOALL_SINGLE, EXCHANGE_COUNTS, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec
 from .task import Task
 from .validate import prepare
 
@@ -66,16 +66,16 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
     return lambda result: call.backend.from_native(result, library)
 
 
-def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: str) -> Any:
+def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
     """global_scatter or global_gather (``spec``); the other one, ``inverse``, is its backward."""
     call = prepare(spec, arguments)
     backend = call.backend
     lc, gc, grp = call.local_count, call.global_count, call.group
-    forward, backward = getattr(backend, spec.name), getattr(backend, inverse)
+    forward, backward = getattr(backend, spec.name), getattr(backend, inverse.name)
 
     def issue() -> Pending:
         if call.check:
-            verify(spec.name, call)
+            verify(spec, call)
         return forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op, call.use_calc_stream)
 
     finish = _functional(spec.name, call, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
@@ -115,7 +115,7 @@ def global_scatter(
     >>> uc.global_scatter(x, [1, 0, 2, 1], [1, 0, 0, 2])   # doctest: +SKIP
     array([ 0, 10, 11])
     """
-    return _moe(GLOBAL_SCATTER, locals(), inverse="global_gather")
+    return _moe(GLOBAL_SCATTER, locals(), inverse=GLOBAL_GATHER)
 
 
 @exclusive
@@ -132,7 +132,7 @@ def global_gather(
     ``x`` is laid out as global_scatter's output; the result holds ``sum(local_count)``
     rows in the original order, so ``global_gather(global_scatter(x, lc, gc), lc, gc) == x``.
     """
-    return _moe(GLOBAL_GATHER, locals(), inverse="global_scatter")
+    return _moe(GLOBAL_GATHER, locals(), inverse=GLOBAL_SCATTER)
 
 
 @exclusive
@@ -170,7 +170,7 @@ def alltoall_single(
     def issue() -> Pending:
         nonlocal out_splits
         if call.check:
-            verify("alltoall_single", call, in_splits=in_splits, out_splits=out_splits)
+            verify(ALLTOALL_SINGLE, call, in_splits=in_splits, out_splits=out_splits)
         if out_splits is None:
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
         out_native = None if out_tensor is None else backend.to_native(out_tensor)
@@ -185,9 +185,9 @@ def alltoall_single(
         )
 
     if out_tensor is not None:
-        return _run("alltoall_single", call, issue, lambda _: out_tensor)
+        return _run(ALLTOALL_SINGLE.name, call, issue, lambda _: out_tensor)
     backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
-    return _run("alltoall_single", call, issue, _functional("alltoall_single", call, in_tensor, backward))
+    return _run(ALLTOALL_SINGLE.name, call, issue, _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward))
 
 
 @exclusive
@@ -222,7 +222,7 @@ def all_gather(
     def issue() -> Pending:
         nonlocal rows
         if call.check:
-            verify("all_gather", call, rows=rows)
+            verify(ALL_GATHER, call, rows=rows)
         if rows is None:
             rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
         out = target if target is not None and not isinstance(target, list) else None
@@ -237,10 +237,10 @@ def all_gather(
             received = backend.alltoall_single(None, g, [rows_here] * len(rows), rows, grp, False)
             return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
 
-        return _run("all_gather", call, issue, _functional("all_gather", call, tensor, backward))
+        return _run(ALL_GATHER.name, call, issue, _functional(ALL_GATHER.name, call, tensor, backward))
     if not isinstance(target, list):
-        return _run("all_gather", call, issue, lambda _: target)
-    return _run("all_gather", call, issue, lambda result: _fill_list(backend, target, result, rows, tensor))
+        return _run(ALL_GATHER.name, call, issue, lambda _: target)
+    return _run(ALL_GATHER.name, call, issue, lambda result: _fill_list(backend, target, result, rows, tensor))
 
 
 def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
@@ -265,23 +265,13 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
 
     >>> global_count = uc.exchange_counts(local_count)   # doctest: +SKIP
     """
-    state = runtime.state("exchange_counts")
-    grp = runtime.resolve_group(group, "exchange_counts")
-    if state.check:
-        count_call(grp)
-    counts = as_counts(local_count, "exchange_counts", "local_count")
-    given = length_multiple(counts, grp.world_size)
-    if given is not None:
-        raise bad_input(
-            "exchange_counts",
-            "local_count",
-            f"a length that is a positive multiple of the group size {grp.world_size}",
-            given,
-        )
-    with translated("exchange_counts", grp, state.timeout):
-        if state.check:
-            verify_exchange_counts(state.backend, grp, counts)
-        received = state.backend.exchange_ints(counts, grp)
+    call = prepare(EXCHANGE_COUNTS, locals())
+    backend, grp = call.backend, call.group
+    with translated(EXCHANGE_COUNTS.name, grp, call.timeout):
+        if call.check:
+            verify(EXCHANGE_COUNTS, call)
+        # a copy: a remembered call's counts are read-only, and a transport may wrap them in a tensor
+        received = backend.exchange_ints(call.local_count.copy(), grp)
     library = library_of(local_count)
     if library == "torch":
         import torch

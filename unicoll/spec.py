@@ -1,11 +1,13 @@
-"""Each operator described once: its parameters, its validation rules, its reference and backward.
+"""Each operator described once: its parameters, its validation rules and its backward.
 
 The front end validates calls from these specs (:mod:`unicoll.validate`), the API page of
-the docs is generated from them (:mod:`unicoll.docgen`), and the conformance tests iterate
-over them together with each backend's capability table.
+the docs is generated from them (:mod:`unicoll.docgen`), check mode is keyed by them
+(:mod:`unicoll.check`), and the conformance tests iterate over the data operators together
+with each backend's capability table.
 
-A rule states what is expected of one parameter. Its check returns None when the call
-meets it, else a description of what was given, and the error reads
+A parameter's kind (:mod:`unicoll.kinds`) says how it is read, remembered and documented. A
+rule states what is expected of one parameter. Its check returns None when the call meets
+it, else a description of what was given, and the error reads
 ``"<op>: <param>: expected <expected>, got <given>"``. ``{W}`` in ``expected`` is the
 group size.
 """
@@ -14,23 +16,76 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
+from .kinds import ARRAY, COUNTS, FLAG, GATHER_OUTPUT, GROUP, OPTIONAL_COUNTS, OPTIONAL_OUTPUT, Kind
 
-#: The prepared arguments of one call, by parameter name, plus ``W`` (the group size).
-Call = SimpleNamespace
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .backends.base import Backend
+    from .group import Group
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """The prepared arguments of one call, as :func:`unicoll.validate.prepare` returns them.
+
+    Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
+    ``timeout`` and whether ``check`` mode is on; the other fields are the parameters of the
+    entry points (counts as host int64 arrays), None where the entry point has no such parameter.
+    """
+
+    W: int
+    group: Group
+    backend: Backend
+    timeout: float
+    check: bool
+    x: Any = None
+    local_count: np.ndarray | None = None
+    global_count: np.ndarray | None = None
+    out_tensor: Any = None
+    in_tensor: Any = None
+    out_split_sizes: np.ndarray | None = None
+    in_split_sizes: np.ndarray | None = None
+    tensor_or_tensor_list: Any = None
+    tensor: Any = None
+    sync_op: bool | None = None
+    use_calc_stream: bool | None = None
+
+    def copy(self) -> Call:
+        """A shallow copy: the same values in a new call."""
+        return Call(
+            self.W,
+            self.group,
+            self.backend,
+            self.timeout,
+            self.check,
+            self.x,
+            self.local_count,
+            self.global_count,
+            self.out_tensor,
+            self.in_tensor,
+            self.out_split_sizes,
+            self.in_split_sizes,
+            self.tensor_or_tensor_list,
+            self.tensor,
+            self.sync_op,
+            self.use_calc_stream,
+        )
+
 
 REQUIRED = object()
 
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter: ``kind`` says how the front end reads it (see :mod:`unicoll.validate`)."""
+    """One parameter: its ``kind`` says how the front end reads, remembers and documents it."""
 
     name: str
-    kind: str
+    kind: Kind
     annotation: str
     doc: str
     default: Any = REQUIRED
@@ -46,23 +101,40 @@ class Rule:
     error: type[Exception] = ValueError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class OpSpec:
-    """An operator: what it does, its parameters and rules, how its gradient flows."""
+    """An entry point: what it does, its parameters and rules, how its gradient flows.
+
+    ``in_capabilities``: whether backends list it in their capability table
+    (:attr:`unicoll.backends.base.Capabilities.ops`); the data operators are, while
+    ``exchange_counts`` runs on every backend's integer exchange. Specs compare by identity,
+    as check mode keys its comparisons by them.
+    """
 
     name: str
     summary: str
     params: tuple[Param, ...]
     rules: tuple[Rule, ...]
     backward: str
-    reference: str
+    in_capabilities: bool = True
+
+    @cached_property
+    def signed(self) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+        """``(name, signature function)`` of each parameter that goes into the key of an
+        accepted call (every one but the group), computed once."""
+        return tuple((p.name, p.kind.sign) for p in self.params if p.kind.sign is not None)
+
+    @cached_property
+    def passed_through(self) -> tuple[str, ...]:
+        """Names of the parameters whose value the call carries as given, computed once."""
+        return tuple(p.name for p in self.params if p.kind.passed_through)
 
 
 def _rows(a: Any) -> int:
     return int(a.shape[0])
 
 
-def length_multiple(counts: Any, world: int) -> str | None:
+def _length_multiple(counts: Any, world: int) -> str | None:
     """None when ``counts`` has a positive length divisible by ``world``, else its length."""
     n = len(counts)
     return None if n > 0 and n % world == 0 else f"length {n}"
@@ -84,15 +156,16 @@ def _stream_rule() -> Rule:
     )
 
 
+_GROUP = Param("group", GROUP, "Group | None", "The ranks taking part; None is the whole world.", None)
+
+
 def _common_params(use_calc_stream: bool) -> tuple[Param, ...]:
     return (
-        Param("group", "group", "Group | None", "The ranks taking part; None is the whole world.", None),
-        Param(
-            "sync_op", "flag", "bool", "True returns the result; False returns a Task whose wait() returns it.", True
-        ),
+        _GROUP,
+        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.", True),
         Param(
             "use_calc_stream",
-            "flag",
+            FLAG,
             "bool",
             "Run on the caller's current stream (only with sync_op=True); no effect on CPU backends.",
             use_calc_stream,
@@ -103,13 +176,13 @@ def _common_params(use_calc_stream: bool) -> tuple[Param, ...]:
 _MOE_COUNTS = (
     Param(
         "local_count",
-        "counts",
+        COUNTS,
         "int array | Sequence[int]",
         "Length W*E: local_count[c*E+e] rows of x go to expert e of rank c, in that order.",
     ),
     Param(
         "global_count",
-        "counts",
+        COUNTS,
         "int array | Sequence[int]",
         "Length W*E: global_count[c*E+e] rows arrive from rank c for this rank's expert e.",
     ),
@@ -117,7 +190,7 @@ _MOE_COUNTS = (
 
 _MOE_COUNT_RULES = (
     Rule("local_count", "a length that is a positive multiple of the group size {W} (W * n_expert)",
-         lambda c: length_multiple(c.local_count, c.W)),
+         lambda c: _length_multiple(c.local_count, c.W)),
     Rule("global_count", "the same length as local_count",
          lambda c: None if len(c.global_count) == len(c.local_count)
          else f"length {len(c.global_count)} and local_count of length {len(c.local_count)}"),
@@ -130,7 +203,7 @@ GLOBAL_SCATTER = OpSpec(
         "sum(global_count) rows ordered expert-major, then source rank."
     ),
     params=(
-        Param("x", "array", "array", "Rows ordered by destination (rank, expert); rows are dimension 0."),
+        Param("x", ARRAY, "array", "Rows ordered by destination (rank, expert); rows are dimension 0."),
         *_MOE_COUNTS,
         *_common_params(use_calc_stream=True),
     ),
@@ -142,7 +215,6 @@ GLOBAL_SCATTER = OpSpec(
         _stream_rule(),
     ),
     backward="global_gather of the output gradient with the same counts",
-    reference="global_scatter",
 )  # fmt: skip
 
 GLOBAL_GATHER = OpSpec(
@@ -152,7 +224,7 @@ GLOBAL_GATHER = OpSpec(
         "the output holds sum(local_count) rows in x's original order."
     ),
     params=(
-        Param("x", "array", "array", "Rows ordered expert-major, then source rank (global_scatter's output)."),
+        Param("x", ARRAY, "array", "Rows ordered expert-major, then source rank (global_scatter's output)."),
         *_MOE_COUNTS,
         *_common_params(use_calc_stream=True),
     ),
@@ -164,7 +236,6 @@ GLOBAL_GATHER = OpSpec(
         _stream_rule(),
     ),
     backward="global_scatter of the output gradient with the same counts",
-    reference="global_gather",
 )  # fmt: skip
 
 
@@ -201,13 +272,13 @@ ALLTOALL_SINGLE = OpSpec(
         "and receives out_split_sizes[c] rows from each rank c, in rank order."
     ),
     params=(
-        Param("out_tensor", "optional_output", "array | None",
+        Param("out_tensor", OPTIONAL_OUTPUT, "array | None",
               "Filled in place when given; None allocates the output (receive sizes are exchanged first "
               "when only in_split_sizes is given)."),
-        Param("in_tensor", "array", "array", "The rows to send."),
-        Param("out_split_sizes", "optional_counts", "int array | Sequence[int] | None",
+        Param("in_tensor", ARRAY, "array", "The rows to send."),
+        Param("out_split_sizes", OPTIONAL_COUNTS, "int array | Sequence[int] | None",
               "Rows received from each rank; None means an even split of out_tensor.", None),
-        Param("in_split_sizes", "optional_counts", "int array | Sequence[int] | None",
+        Param("in_split_sizes", OPTIONAL_COUNTS, "int array | Sequence[int] | None",
               "Rows sent to each rank; None means an even split of in_tensor.", None),
         *_common_params(use_calc_stream=False),
     ),
@@ -220,7 +291,6 @@ ALLTOALL_SINGLE = OpSpec(
         _stream_rule(),
     ),
     backward="alltoall_single of the output gradient with the split sizes swapped",
-    reference="alltoall_single",
 )  # fmt: skip
 
 
@@ -252,10 +322,10 @@ ALL_GATHER = OpSpec(
         "(with a None or list output)."
     ),
     params=(
-        Param("tensor_or_tensor_list", "gather_output", "array | list | None",
+        Param("tensor_or_tensor_list", GATHER_OUTPUT, "array | list | None",
               "None returns all ranks' rows concatenated; an array of W * rows rows is filled in place; "
               "an empty list gets W arrays appended; a list of W arrays is filled in place."),
-        Param("tensor", "array", "array", "This rank's rows."),
+        Param("tensor", ARRAY, "array", "This rank's rows."),
         *_common_params(use_calc_stream=False),
     ),
     rules=(
@@ -267,8 +337,32 @@ ALL_GATHER = OpSpec(
         _stream_rule(),
     ),
     backward="each rank's gradient is the sum of every rank's output gradient for its rows (a reduce-scatter)",
-    reference="all_gather",
 )  # fmt: skip
 
-#: Every operator, by name, in the order the docs list them.
-OPS: dict[str, OpSpec] = {op.name: op for op in (GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER)}
+EXCHANGE_COUNTS = OpSpec(
+    name="exchange_counts",
+    summary=(
+        "The global_count that goes with local_count, by one all-to-all of the counts: on rank r the result is "
+        "[local_count on rank c][r*E+e] for every rank c and expert e, the same kind of array as local_count "
+        "(numpy for a sequence)."
+    ),
+    params=(
+        Param("local_count", COUNTS, "int array | Sequence[int]",
+              "Length W*E: local_count[c*E+e] rows go from this rank to expert e of rank c."),
+        _GROUP,
+    ),
+    rules=(
+        Rule("local_count", "a length that is a positive multiple of the group size {W}",
+             lambda c: _length_multiple(c.local_count, c.W)),
+    ),
+    backward="none (counts are integers, outside autograd)",
+    in_capabilities=False,
+)  # fmt: skip
+
+#: Every entry point with a spec, by name, in the order the docs list them.
+SPECS: dict[str, OpSpec] = {
+    op.name: op for op in (GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, EXCHANGE_COUNTS)
+}
+
+#: The data operators, which backends list in their capability tables, by name.
+OPS: dict[str, OpSpec] = {name: op for name, op in SPECS.items() if op.in_capabilities}

@@ -1,0 +1,193 @@
+"""The kinds of parameter an operator takes, each one object: how the front end reads it, how
+it remembers it, and how the API page documents it.
+
+A :class:`Kind` holds
+
+- ``read``: the reader, which checks a value and returns it as the call carries it (counts
+  become host int64 arrays); it raises naming the operator and the parameter;
+- ``sign``: the signature of a value for the memory of accepted calls
+  (:mod:`unicoll.validate`);
+- ``passed_through``: whether the call carries the caller's value itself (arrays), which the
+  memory therefore never keeps;
+- ``holds_counts``: whether the read value is a counts array, which the memory copies;
+- ``doc``: what the API page says is checked.
+
+A call whose arguments have the signatures of a call accepted before is accepted again
+without reading them: every reader and rule depends only on what a signature holds (library,
+dtype, device, shape and fillability of arrays; the type, shape and values of counts; the
+type and value of flags). A signature of None marks a value that is not remembered (a list
+of outputs, counts on a GPU, anything unexpected): the call is then read in full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .arrays import NON_NATIVE, describe, is_fillable, kind_of, library_of
+from .counts import as_counts
+from .errors import bad_input
+
+if TYPE_CHECKING:
+    from .backends.base import Capabilities
+
+    #: ``read(op, param, value, capabilities, backend_name)``: the value as the call carries it.
+    Reader = Callable[[str, str, Any, Capabilities, str], Any]
+
+
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """One kind of parameter (see the module's docstring).
+
+    The group is the one kind without a reader or a signature: :func:`unicoll.validate.prepare`
+    resolves it before anything else, and the memory's key holds the resolved group.
+    """
+
+    doc: str
+    read: Reader | None
+    sign: Callable[[Any], Any] | None
+    passed_through: bool = False
+    holds_counts: bool = False
+
+
+# -- readers -----------------------------------------------------------------------------------
+
+
+def _read_array(op: str, param: str, x: Any, caps: Capabilities, backend: str) -> Any:
+    if library_of(x) not in caps.libraries:
+        libraries = " or ".join(sorted(caps.libraries))
+        raise bad_input(op, param, f"a {libraries} array (backend {backend!r})", describe(x), TypeError)
+    if x.ndim < 1:
+        raise bad_input(op, param, "an array with at least one dimension (rows are dimension 0)", describe(x))
+    kind = kind_of(x)
+    if kind.dtype.endswith(NON_NATIVE):
+        expected = "an array in native byte order (convert it with x.astype(x.dtype.newbyteorder('=')))"
+        raise bad_input(op, param, expected, describe(x), TypeError)
+    if kind.dtype not in caps.dtypes:
+        raise bad_input(op, param, f"one of the dtypes {', '.join(sorted(caps.dtypes))}", describe(x), TypeError)
+    if kind.device not in caps.devices:
+        raise bad_input(
+            op, param, f"an array on {' or '.join(sorted(caps.devices))} (backend {backend!r})", describe(x)
+        )
+    return x
+
+
+def _read_output(op: str, param: str, x: Any, caps: Capabilities, backend: str) -> Any:
+    _read_array(op, param, x, caps, backend)
+    if not is_fillable(x):
+        raise bad_input(op, param, "a C-contiguous, writable array to fill in place", f"{describe(x)} that is not")
+    return x
+
+
+def _read_optional_output(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    return None if value is None else _read_output(op, param, value, caps, backend)
+
+
+def _read_gather_output(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if isinstance(value, list):
+        return [_read_output(op, f"{param}[{i}]", v, caps, backend) for i, v in enumerate(value)]
+    return _read_optional_output(op, param, value, caps, backend)
+
+
+def _read_counts(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    return as_counts(value, op, param)
+
+
+def _read_optional_counts(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    return None if value is None else as_counts(value, op, param)
+
+
+def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if value is not True and value is not False:
+        raise bad_input(op, param, "True or False", describe(value), TypeError)
+    return value
+
+
+# -- signatures: what a reader's verdict depends on --------------------------------------------
+
+
+def _sign_array(x: Any) -> Any:
+    return (kind_of(x), x.shape) if library_of(x) is not None else None
+
+
+def _sign_optional_output(x: Any) -> Any:
+    if x is None:
+        return ()
+    return (kind_of(x), x.shape, is_fillable(x)) if library_of(x) is not None else None
+
+
+def _sign_gather_output(value: Any) -> Any:
+    return None if isinstance(value, list) else _sign_optional_output(value)
+
+
+def _sign_counts(value: Any) -> Any:
+    if value is None:
+        return ()
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return (kind, tuple(value), tuple(map(type, value)))
+    library = library_of(value)
+    if library == "numpy":
+        return (kind_of(value), value.shape, value.tobytes())
+    if library == "torch" and value.device.type == "cpu":
+        return (kind_of(value), value.shape, value.numpy().tobytes())
+    return None
+
+
+def _sign_flag(value: Any) -> Any:
+    return value if type(value) is bool else None
+
+
+# -- the kinds ---------------------------------------------------------------------------------
+
+ARRAY = Kind(
+    doc="TypeError unless an array of a library the backend moves, of one of its dtypes; "
+    "ValueError if 0-d or on a device the backend does not serve.",
+    read=_read_array,
+    sign=_sign_array,
+    passed_through=True,
+)
+"""An input array."""
+
+OPTIONAL_OUTPUT = Kind(
+    doc="as an input array, and ValueError unless C-contiguous and writable.",
+    read=_read_optional_output,
+    sign=_sign_optional_output,
+    passed_through=True,
+)
+"""An array to fill in place, or None."""
+
+GATHER_OUTPUT = Kind(
+    doc="each array as an input array, and ValueError unless C-contiguous and writable.",
+    read=_read_gather_output,
+    sign=_sign_gather_output,
+    passed_through=True,
+)
+"""An array to fill in place, a list of them, or None."""
+
+COUNTS = Kind(
+    doc="TypeError unless an int32/int64 array or a sequence of ints; ValueError unless 1-D and non-negative.",
+    read=_read_counts,
+    sign=_sign_counts,
+    holds_counts=True,
+)
+"""Counts or split sizes: an int array of any library or a sequence of ints."""
+
+OPTIONAL_COUNTS = Kind(
+    doc="as counts, when given.",
+    read=_read_optional_counts,
+    sign=_sign_counts,
+    holds_counts=True,
+)
+"""Counts, or None."""
+
+GROUP = Kind(
+    doc="TypeError unless a Group or None; ValueError if this rank is not a member or it predates init().",
+    read=None,
+    sign=None,
+)
+"""A :class:`~unicoll.Group` or None (the world)."""
+
+FLAG = Kind(doc="TypeError unless True or False.", read=_read_flag, sign=_sign_flag)
+"""True or False."""
