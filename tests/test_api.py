@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import unicoll as uc
-from unicoll import docgen
-from unicoll.spec import OPS, REQUIRED
+from unicoll import check, docgen, kinds
+from unicoll.spec import OPS, REQUIRED, SPECS, Call
 
 PUBLIC = {
     "BackendUnavailableError": None,
@@ -69,8 +69,8 @@ def test_public_signatures_are_pinned() -> None:
 
 
 def test_specs_describe_the_functions() -> None:
-    """Each operator's spec lists exactly the function's parameters and defaults."""
-    for name, op in OPS.items():
+    """Each entry point's spec lists exactly the function's parameters and defaults."""
+    for name, op in SPECS.items():
         params = inspect.signature(getattr(uc, name)).parameters
         assert [p.name for p in op.params] == list(params), name
         for p in op.params:
@@ -78,6 +78,26 @@ def test_specs_describe_the_functions() -> None:
             assert (default is inspect.Parameter.empty) == (p.default is REQUIRED), (name, p.name)
             if p.default is not REQUIRED:
                 assert default == p.default, (name, p.name)
+
+
+def test_data_operators_are_the_specs_in_capability_tables() -> None:
+    """OPS (what capability tables and the conformance matrix list) holds the data operators;
+    SPECS holds every entry point with a spec, exchange_counts included."""
+    assert all(SPECS[name] is op and op.in_capabilities for name, op in OPS.items())
+    assert [name for name in SPECS if name not in OPS] == ["exchange_counts"]
+
+
+def test_every_spec_has_kinds_and_a_check_mode_comparison() -> None:
+    for op in SPECS.values():
+        assert all(isinstance(p.kind, kinds.Kind) and p.name in Call.__slots__ for p in op.params), op.name
+    assert set(check.CHECKS) == set(SPECS.values())
+    assert check.ENTRY_POINTS == (*SPECS, "barrier", "new_group")
+
+
+def test_call_copy_keeps_every_field() -> None:
+    values = {name: object() for name in Call.__slots__}
+    copied = Call(**values).copy()
+    assert {name: getattr(copied, name) for name in Call.__slots__} == values
 
 
 def test_api_page_is_generated_from_the_specs() -> None:
@@ -89,3 +109,13 @@ def test_import_loads_no_framework() -> None:
     code = "import sys, unicoll; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_import_starts_no_process_machinery() -> None:
+    """``uc.testing`` (multiprocessing, subprocess) loads on first use, not with ``import unicoll``."""
+    code = (
+        "import sys, unicoll; print(sorted(m for m in ('multiprocessing', 'subprocess') if m in sys.modules)); "
+        "unicoll.testing.spawn; print('multiprocessing' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True"]

@@ -19,7 +19,7 @@ import pytest
 
 import unicoll as uc
 from unicoll.backends.mpi import MpiFactory
-from unicoll.launcher import free_port, world_env
+from unicoll.launch.local import free_port, world_env
 
 SCRIPT = Path(__file__).parent / "faults" / "inject.py"
 TIMEOUT = 4  # UNICOLL_TIMEOUT for these worlds, seconds

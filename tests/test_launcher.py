@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from unicoll import cli, launcher
+from unicoll import cli
+from unicoll.launch import local as launcher
 
-REPO_ROOT = Path(launcher.__file__).resolve().parents[1]
+REPO_ROOT = Path(launcher.__file__).resolve().parents[2]
 
 ENV_NAMES = [
     "RANK",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import backends, reference, testing
+from . import backends, reference
 from .errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
@@ -43,6 +43,17 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
 del backends, version, PackageNotFoundError
+
+
+def __getattr__(name: str) -> object:
+    """``uc.testing`` imported on first use: it loads multiprocessing and subprocess, which a
+    training program does not need."""
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module 'unicoll' has no attribute {name!r}")
+
 
 __all__ = [
     "BackendUnavailableError",

@@ -1,7 +1,7 @@
 """``unicoll bench``: nccl-tests-style timings of unicoll's operators beside the raw transport.
 
-:func:`run` (the command) starts N ranks with :func:`unicoll.launcher.run` (on ``mpi``, as an
-MPI job with :func:`unicoll.mpirun.run`), each running
+:func:`run` (the command) starts N ranks with :func:`unicoll.launch.local.run` (on ``mpi``, as an
+MPI job with :func:`unicoll.launch.mpi.run`), each running
 ``python -m unicoll.bench sweep CONFIG RESULT PROGRESS``. For every operator and message size
 each rank builds one :class:`_Case` (the same buffers for unicoll's call and the raw call of
 the transport, :mod:`unicoll.bench_baselines`), checks both results against
@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from . import launcher, mpirun
+from .launch import local as launcher
+from .launch import mpi as mpirun
+from .launch.process import write_atomically
 
 OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather")
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -475,15 +477,15 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         )
         done += 1
         if w.rank == 0:
-            _write(progress_path, f"{done} {op} {case.nbytes}")
+            write_atomically(progress_path, f"{done} {op} {case.nbytes}")
     if w.rank == 0:
-        _write(result_path, json.dumps({**_environment(w), "config": asdict(config), "rows": rows}))
+        write_atomically(result_path, json.dumps({**_environment(w), "config": asdict(config), "rows": rows}))
 
 
 def _single(config: Config, result_path: str) -> None:
     """On a world of one: the front end (:func:`_frontend`) and the memory copy (:func:`_copy`)."""
     w = _World(config)
-    _write(result_path, json.dumps({"frontend": _frontend(w), "copy": _copy(config)}))
+    write_atomically(result_path, json.dumps({"frontend": _frontend(w), "copy": _copy(config)}))
 
 
 def _copy(config: Config) -> list[dict[str, float]]:
@@ -585,13 +587,6 @@ def _environment(w: _World) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "threads_per_rank": torch.get_num_threads(),
     }
-
-
-def _write(path: str, text: str) -> None:
-    """Replace ``path`` atomically, so a reader never sees half a file."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def _worker(argv: Sequence[str]) -> None:

@@ -2,8 +2,8 @@
 ``unicoll bench`` times the operators (see :mod:`unicoll.bench`).
 
 ``unicoll run -n 4 train.py --lr 1e-3`` runs ``train.py`` as 4 ranks on this machine (see
-:mod:`unicoll.launcher`); ``unicoll run -n 4 -m package.module`` runs a module instead, and
-``unicoll run --mpi -n 4 train.py`` starts the ranks as an MPI job (see :mod:`unicoll.mpirun`).
+:mod:`unicoll.launch.local`); ``unicoll run -n 4 -m package.module`` runs a module instead, and
+``unicoll run --mpi -n 4 train.py`` starts the ranks as an MPI job (see :mod:`unicoll.launch.mpi`).
 ``unicoll info`` prints the backends available here. Nothing heavy is imported before a
 subcommand needs it, so the command starts at once.
 """
@@ -14,7 +14,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import launcher, mpirun
+from .launch import local as launcher
+from .launch import mpi as mpirun
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 MPI processes join a world only when an MPI launcher starts them, so the parent writes the
 function and its arguments to a job file (pickled by the parent, read back by its own
 children: no rank ever unpickles another rank's data) and starts
-``mpiexec -n N python -m unicoll.testing_mpi JOB`` (:mod:`unicoll.mpirun`). Each rank runs
+``mpiexec -n N python -m unicoll.testing.mpi JOB`` (:mod:`unicoll.launch.mpi`). Each rank runs
 the function between ``unicoll.init`` and ``unicoll.finalize`` and writes its report next to
 the job file; the parent collects the reports, and stops the job at the first failure or at
 the timeout.
@@ -21,14 +21,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import mpirun
-from .testing import SpawnError, SpawnTimeout, _Report
+from ..launch import mpi as mpirun
+from ..launch.process import GRACE_S, write_atomically
+from .report import Report, SpawnError, SpawnTimeout
 
 _POLL_S = 0.01
 """How often the parent looks for reports."""
-
-_GRACE_S = 5.0
-"""How long the job has to exit once every rank has reported."""
 
 
 def spawn_mpi(
@@ -47,7 +45,7 @@ def spawn_mpi(
         proc = mpirun.start(world_size, ["-m", __name__, str(job)], env=env)
         try:
             results = _collect(proc, Path(tmp), world_size, timeout)
-            proc.wait(_GRACE_S)
+            proc.wait(GRACE_S)
             return results
         finally:
             mpirun.stop(proc)
@@ -60,7 +58,7 @@ def _report_path(directory: Path, rank: int) -> Path:
 def _collect(proc: Any, directory: Path, world_size: int, timeout: float) -> list[Any]:
     """Every rank's result by rank; raise for the first rank to fail, or after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    reports: dict[int, _Report] = {}
+    reports: dict[int, Report] = {}
     while True:
         for rank in range(world_size):
             path = _report_path(directory, rank)
@@ -100,11 +98,11 @@ def _rank_main(job_path: str) -> None:
     unicoll.init(job["backend"])
     rank = unicoll.get_rank()
     try:
-        report = _Report(True, fn(rank, *args), 0.0)
+        report = Report(True, fn(rank, *args), 0.0)
     except BaseException:
-        report = _Report(False, traceback.format_exc(), time.time())
+        report = Report(False, traceback.format_exc(), time.time())
     # Report before finalize: finalize may wait for peers that wait for this rank.
-    _write(_report_path(Path(job_path).parent, rank), pickle.dumps(report))
+    write_atomically(_report_path(Path(job_path).parent, rank), pickle.dumps(report))
     if not report.ok:
         os._exit(1)  # the MPI launcher stops the other ranks
     unicoll.finalize()
@@ -114,13 +112,6 @@ def _rank_main(job_path: str) -> None:
 
     MPI.Finalize()
     os._exit(0)  # skip the interpreter's teardown, which takes about a second with torch loaded
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Replace ``path`` atomically, so the parent never reads half a report."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

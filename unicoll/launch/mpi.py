@@ -4,7 +4,7 @@
 The command is ``MPIEXEC -n N python ARGV...``. MPIEXEC is the one given, else the
 ``mpiexec`` installed beside this Python (the MPICH wheel of the ``mpi`` extra puts it there,
 next to the libmpi that mpi4py loads), else the first ``mpiexec`` on ``PATH`` (a system MPI).
-The ranks get ``UNICOLL_BACKEND=mpi`` and, as with :func:`unicoll.launcher.run`, their
+The ranks get ``UNICOLL_BACKEND=mpi`` and, as with :func:`unicoll.launch.local.run`, their
 share of the cores in ``OMP_NUM_THREADS``; variables already set win. The MPI launcher
 forwards output and stops every rank when one fails. The module imports nothing heavy.
 """
@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .launcher import sigterm_raises_system_exit, thread_share
-
-_GRACE_S = 5.0
-"""How long the MPI launcher has to stop its ranks after SIGTERM before it gets SIGKILL."""
+from .process import sigterm_raises_system_exit, stop_sessions, thread_share
 
 
 def find_mpiexec(mpiexec: str | None = None) -> str:
@@ -72,22 +68,8 @@ def start(
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the MPI job if it still runs: SIGTERM to its session, SIGKILL after the grace time."""
-    if proc.poll() is not None:
-        return
-    _signal_session(proc, signal.SIGTERM)
-    try:
-        proc.wait(_GRACE_S)
-    except subprocess.TimeoutExpired:
-        _signal_session(proc, signal.SIGKILL)
-        proc.wait()
-
-
-def _signal_session(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Stop the MPI job: SIGTERM to its session, SIGKILL after the grace time."""
+    stop_sessions([proc])
 
 
 def run(nprocs: int, argv: Sequence[str], *, mpiexec: str | None = None, env: Mapping[str, str] | None = None) -> int:

@@ -7,24 +7,21 @@ The first rank to fail stops the whole world, so a crash never leaves its peers 
 collective. The module imports nothing heavy, so ``unicoll run`` starts at once.
 
 Each rank runs in its own session (process group); stopping a rank signals its group, which
-also reaches the worker processes it started. This relies on POSIX process groups.
+also reaches the worker processes it started (:mod:`unicoll.launch.process`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-_GRACE_S = 5.0
-"""How long a rank has to exit after SIGTERM before it gets SIGKILL."""
+from .process import sigterm_raises_system_exit, stop_sessions, thread_share
 
 _POLL_S = 0.05
 """How often the launcher checks whether a rank has exited."""
@@ -58,13 +55,6 @@ def world_env(rank: int, world_size: int, master_addr: str, master_port: int) ->
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
-
-
-def thread_share(nprocs: int) -> dict[str, str]:
-    """``OMP_NUM_THREADS`` giving each of ``nprocs`` ranks its share of this machine's cores, as
-    torchrun does; a value already in the environment wins. Without it every rank starts one
-    OpenMP thread per core, and N ranks oversubscribe the machine and stall one another."""
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nprocs))}
 
 
 def run(
@@ -102,7 +92,7 @@ def run(
                 readers += _forward_output(procs[-1], rank)
             failure = _wait_first_failure(procs)
     finally:
-        _stop(procs)
+        stop_sessions(procs)
         for reader in readers:
             reader.join(_READER_JOIN_S)
     if failure is None:
@@ -178,51 +168,3 @@ def _wait_first_failure(procs: Sequence[subprocess.Popen[str]]) -> tuple[int, in
             running.discard(rank)
         time.sleep(_POLL_S)
     return None
-
-
-def _stop(procs: Sequence[subprocess.Popen[str]]) -> None:
-    """Stop every rank still running: SIGTERM to its group, then SIGKILL after the grace time.
-
-    The groups of ranks that already exited are signalled too, so workers they left behind
-    stop with them.
-    """
-    for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
-    """Send ``sig`` to the process group that ``proc`` leads, if any of it is still alive."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-@contextmanager
-def sigterm_raises_system_exit() -> Iterator[None]:
-    """Turn SIGTERM into ``SystemExit(143)`` for the duration, so the ranks are cleaned up.
-
-    The ranks run in their own sessions and do not see signals sent to this process's group;
-    without this, a scheduler's SIGTERM would orphan them. Signal handlers can only be set in
-    the main thread; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    """Signal handler: leave the launcher the way SIGTERM's default action would report."""
-    raise SystemExit(128 + signum)

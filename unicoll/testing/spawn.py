@@ -3,7 +3,7 @@
 :func:`spawn` starts one process per rank (multiprocessing's "spawn" start method), places it
 in the world through the environment, calls ``unicoll.init``, runs the function and sends its
 return value back. On the ``mpi`` backend the world is an MPI job instead, started by
-mpiexec (:mod:`unicoll.testing_mpi`). The first rank to fail stops the world and its traceback is raised here as
+mpiexec (:mod:`unicoll.testing.mpi`). The first rank to fail stops the world and its traceback is raised here as
 :class:`SpawnError`, so a failing test shows the remote error instead of a hang.
 """
 
@@ -18,49 +18,11 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, NamedTuple
+from typing import Any
 
-from .launcher import free_port, world_env
-
-_GRACE_S = 5.0
-"""How long a process has to exit (after finishing, or after SIGTERM) before it is killed."""
-
-
-class SpawnError(RuntimeError):
-    """A rank of :func:`spawn` raised or died; ``rank`` says which one.
-
-    ``remote_traceback`` is the rank's formatted traceback, or None when the process died
-    without reporting one (then ``exitcode`` is its exit code).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int,
-        remote_traceback: str | None = None,
-        exitcode: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.exitcode = exitcode
-
-
-class SpawnTimeout(SpawnError):
-    """:func:`spawn` ran past its timeout; ``ranks`` lists the ranks that had not finished."""
-
-    def __init__(self, message: str, *, ranks: Sequence[int]) -> None:
-        super().__init__(message, rank=ranks[0])
-        self.ranks = list(ranks)
-
-
-class _Report(NamedTuple):
-    """What a rank sends back: its return value, or the traceback and time of its failure."""
-
-    ok: bool
-    value: Any
-    failed_at: float
+from ..launch.local import free_port, world_env
+from ..launch.process import GRACE_S
+from .report import Report, SpawnError, SpawnTimeout
 
 
 def spawn(
@@ -91,7 +53,7 @@ def spawn(
     if world_size < 1:
         raise ValueError(f"spawn: world_size: expected a positive integer, got {world_size}")
     if (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi":
-        from .testing_mpi import spawn_mpi
+        from .mpi import spawn_mpi
 
         return spawn_mpi(fn, world_size, args, backend, timeout, env)
     ctx = multiprocessing.get_context("spawn")
@@ -112,7 +74,7 @@ def spawn(
                 proc.start()
             procs.append(proc)
         results = _collect(procs, conns, timeout)
-        _join(procs, time.monotonic() + _GRACE_S)
+        _join(procs, time.monotonic() + GRACE_S)
         return results
     finally:
         _stop(procs)
@@ -134,7 +96,7 @@ def _child_main(
         result = _run_in_world(conn, fn, rank, args, backend)
         # Plain pickle, not the Connection's ForkingPickler: torch registers reducers there
         # that share tensors through this process, which exits right after sending.
-        payload = pickle.dumps(_Report(True, result, 0.0))
+        payload = pickle.dumps(Report(True, result, 0.0))
     except BaseException:
         if not conn.closed:
             _send_failure(conn)
@@ -169,7 +131,7 @@ def _run_in_world(
 
 def _send_failure(conn: Connection) -> None:
     """Send the exception being handled, with the time it is reported, and close ``conn``."""
-    report = _Report(False, traceback.format_exc(), time.time())
+    report = Report(False, traceback.format_exc(), time.time())
     conn.send_bytes(pickle.dumps(report))
     conn.close()
 
@@ -201,18 +163,18 @@ def _collect(procs: Sequence[BaseProcess], conns: Sequence[Connection], timeout:
     return [results[rank] for rank in range(len(procs))]
 
 
-def _receive(conn: Connection, proc: BaseProcess) -> _Report:
+def _receive(conn: Connection, proc: BaseProcess) -> Report:
     """Read the report of ``proc``; when it exited without one, wait for its exit code."""
     try:
         if conn.poll():
             return pickle.loads(conn.recv_bytes())
     except EOFError:
         pass
-    proc.join(_GRACE_S)
-    return _Report(False, None, time.time())
+    proc.join(GRACE_S)
+    return Report(False, None, time.time())
 
 
-def _rank_error(rank: int, report: _Report, proc: BaseProcess) -> SpawnError:
+def _rank_error(rank: int, report: Report, proc: BaseProcess) -> SpawnError:
     """Build the exception for a failed rank from its traceback or its exit code."""
     if report.value is not None:
         return SpawnError(f"spawn: rank {rank} raised:\n{report.value}", rank=rank, remote_traceback=report.value)
@@ -234,7 +196,7 @@ def _stop(procs: Sequence[BaseProcess]) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    _join(procs, time.monotonic() + _GRACE_S)
+    _join(procs, time.monotonic() + GRACE_S)
     for proc in procs:
         if proc.is_alive():
             proc.kill()
