@@ -14,13 +14,7 @@ import unicoll as uc
 from unicoll import registry
 from unicoll.backends.gloo import GlooFactory
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ("UNICOLL_BACKEND", "UNICOLL_TIMEOUT", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    uc.finalize()
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_selection_order(monkeypatch) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import unicoll as uc
-from conformance import cases, run_cases
+from helpers.conformance import cases, run_cases
 from unicoll import registry
 
 CPU_BACKENDS = ("gloo", "mpi")

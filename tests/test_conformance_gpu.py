@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import unicoll as uc
-from conformance import cases, run_cases
-from gpu_backends import GPU_BACKENDS, marks
+from helpers.conformance import cases, run_cases
+from helpers.gpu_backends import GPU_BACKENDS, marks
 from unicoll import registry
 
 STREAMS = ("calc", "comm")

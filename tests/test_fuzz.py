@@ -13,7 +13,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import unicoll as uc
-from conformance import MISSING_DTYPES, to_library, to_numpy
+from helpers.conformance import MISSING_DTYPES, to_library, to_numpy
 from unicoll import reference
 from unicoll.arrays import DTYPES
 

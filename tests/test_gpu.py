@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import unicoll as uc
-from gpu_backends import params
-from test_autograd import gradients
+from helpers.gpu_backends import params
+from helpers.gradients import gradients
 
 ROWS = 1 << 16  # 256 KiB of float32 per operand
 BUSY_CYCLES = 400_000_000  # a few hundred ms of one GPU thread spinning, on any current GPU

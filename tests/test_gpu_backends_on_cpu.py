@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import unicoll as uc
-from conformance import cases, run_cases
+from helpers.conformance import cases, run_cases
 from unicoll import registry
 from unicoll.backends import cupy_nccl, torch_nccl
 from unicoll.backends.base import Capabilities
@@ -22,12 +22,7 @@ from unicoll.backends.torch_dist import TorchDistBackend, TorchNcclBackend, issu
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ("UNICOLL_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    uc.finalize()
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 # -- probes and init -------------------------------------------------------------------------

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_reliability import MISMATCHES, async_in_any_order, mismatches
 
 import unicoll as uc
-from test_autograd import OPS as GRADIENT_OPS
-from test_autograd import gradients
+from helpers.gradients import OPS as GRADIENT_OPS
+from helpers.gradients import gradients
+from helpers.worlds import MISMATCHES, async_in_any_order, mismatches
 from unicoll.backends.mpi import MpiFactory
 from unicoll.testing import SpawnError
 

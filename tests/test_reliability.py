@@ -9,44 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import unicoll as uc
-from unicoll import reference
+from helpers.worlds import MISMATCHES, X, async_in_any_order, mismatches
 from unicoll.backends.mpi import MpiFactory
-
-X = np.arange(12, dtype=np.float32).reshape(6, 2)
-
-# (label, what rank 0 calls, what the other ranks call, the message every rank must see)
-MISMATCHES = [
-    ("dtype", lambda: uc.all_gather(None, X), lambda: uc.all_gather(None, X.astype(np.float64)),
-     "all_gather: ranks disagree (check mode): rank 0 sends float32 rows but rank 1 sends float64"),
-    ("trailing shape", lambda: uc.all_gather(None, X), lambda: uc.all_gather(None, X.reshape(6, 2, 1)),
-     "rank 0's rows have trailing shape (2,) but rank 1's have (2, 1)"),
-    ("operator", lambda: uc.all_gather(None, X), lambda: uc.alltoall_single(None, X),
-     "rank 0 calls all_gather but rank 1 calls alltoall_single"),
-    ("MoE against another operator", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.all_gather(None, X),
-     "rank 0 calls global_scatter but rank 1 calls all_gather"),
-    ("experts per rank", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.global_scatter(X, [1, 2, 1, 2], [1, 2, 1, 2]),
-     "global_scatter: ranks disagree (check mode): rank 0 passes 4 counts or sizes but rank 1 passes 8"),
-    ("split sizes", lambda: uc.alltoall_single(None, X, [2, 4], [1, 5]), lambda: uc.alltoall_single(None, X, [5, 1], [4, 2]),
-     "alltoall_single: ranks disagree (check mode): rank 0 expects 2 row(s) from rank 0, but rank 0 sends 1"),
-    ("gather rows", lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((5, 2), np.float32)], X),
-     lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((6, 2), np.float32)], X),
-     "all_gather: ranks disagree (check mode): rank 0 expects 5 row(s) from rank 1, but rank 1 sends 6"),
-    ("gather back", lambda: uc.global_gather(X, [2, 1, 1, 2], [3, 0, 2, 1]), lambda: uc.global_gather(X, [3, 0, 2, 1], [2, 1, 1, 2]),
-     "global_gather: ranks disagree (check mode): rank 0 expects 2 row(s) back from rank 0 for expert 0, but rank 0 returns 3"),
-]  # fmt: skip
-
-
-def mismatches(rank: int) -> list[str]:
-    seen = []
-    for _, mine, others, _ in MISMATCHES:
-        with pytest.raises(uc.CrossRankMismatchError) as info:
-            (mine if rank == 0 else others)()
-        seen.append(str(info.value))
-        assert uc.all_gather(None, X).shape == (12, 2)  # the world is still in step
-    return seen
 
 
 def test_check_mode_names_the_disagreement_on_every_rank() -> None:
@@ -57,45 +23,13 @@ def test_check_mode_names_the_disagreement_on_every_rank() -> None:
 
 def test_check_mode_agrees_with_the_whole_matrix() -> None:
     """No false alarms: the conformance matrix of 3 ranks passes with check mode on."""
-    from conformance import cases, run_cases
+    from helpers.conformance import cases, run_cases
     from unicoll.backends.gloo import CAPABILITIES
 
     matrix = cases(CAPABILITIES, 3)
     for outcome in uc.testing.spawn(run_cases, 3, matrix, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=240):
         failures = [f for f in outcome.values() if f]
         assert not failures, failures[0]
-
-
-def async_in_any_order(rank: int) -> str:
-    world = uc.get_world_size()
-    rng = np.random.default_rng(0)
-    local = rng.integers(0, 4, (world, world * 2))
-    xs = [rng.standard_normal((int(n), 3)) for n in local.sum(1)]
-    glob = reference.global_counts(list(local))
-    tasks = {
-        "scatter": uc.global_scatter(xs[rank], local[rank], glob[rank], sync_op=False, use_calc_stream=False),
-        "alltoall": uc.alltoall_single(None, torch.arange(4.0 * world) + rank, sync_op=False),
-        "gather": uc.global_gather(
-            reference.global_scatter(xs, list(local))[rank],
-            local[rank],
-            glob[rank],
-            sync_op=False,
-            use_calc_stream=False,
-        ),
-        "all_gather": uc.all_gather(np.empty(world, np.int64), np.array([rank]), sync_op=False),
-    }
-    expected = {
-        "scatter": reference.global_scatter(xs, list(local))[rank],
-        "alltoall": reference.alltoall_single([np.arange(4.0 * world) + r for r in range(world)])[rank],
-        "gather": xs[rank],
-        "all_gather": np.arange(world),
-    }
-    for name in ("all_gather", "gather", "scatter", "alltoall"):  # not the order issued
-        result = tasks[name].wait()
-        assert tasks[name].is_completed()
-        np.testing.assert_array_equal(np.asarray(result), expected[name], err_msg=name)
-        assert tasks[name].wait() is result  # waiting again returns the same result
-    return "ok"
 
 
 def test_async_operators_waited_in_any_order() -> None:

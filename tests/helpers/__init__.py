@@ -1,0 +1,1 @@
+"""What several test modules share: case tables, the conformance runner, worlds to spawn."""
