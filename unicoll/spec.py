@@ -1,7 +1,7 @@
 """Each operator described once: its parameters, its validation rules and its backward.
 
 The front end validates calls from these specs (:mod:`unicoll.validate`), the API page of
-the docs is generated from them (:mod:`unicoll.docgen`), check mode is keyed by them
+the docs is generated from them (``tools/docgen.py``), check mode is keyed by them
 (:mod:`unicoll.check`), and the conformance tests iterate over the data operators together
 with each backend's capability table.
 
