@@ -112,7 +112,7 @@ def test_cupy_nccl_imports_no_torch_and_no_cupy_until_it_starts() -> None:
 
     code = (
         "import sys, unicoll\n"
-        "from unicoll.backends import cupy_nccl, schedule, store\n"
+        "from unicoll.backends import cupy_nccl, rendezvous, schedule, torch_errors\n"
         "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

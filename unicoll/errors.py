@@ -1,9 +1,15 @@
-"""Exceptions raised by unicoll, and the one helper that formats their messages."""
+"""Exceptions raised by unicoll, the transport errors that backends raise, and how the front end
+reports those: by their type (:func:`reported`, :func:`translated`), never by their words."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class NotInitializedError(RuntimeError, ValueError):
@@ -44,25 +50,37 @@ class CrossRankMismatchError(ValueError):
 
 
 class TransportError(RuntimeError):
-    """What a backend raises for a failure of its transport (a timeout, a lost peer, an error
-    of the library underneath). Not raised to users: the front end reports it as the
-    :class:`CommunicationError` its message calls for."""
+    """What a backend raises for a failure of its transport. Every backend converts its
+    library's exceptions into this class (a failure of no particular kind) or one of its
+    subclasses (a kind) where it calls the library (:func:`converting`), so that the front end
+    tells the kinds apart by type (:func:`reported`). Not raised to users: the front end
+    reports it as the :class:`CommunicationError` of its kind."""
 
 
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
-_TIMED_OUT = ("timed out", "timeout")
+class TransportPeerLostError(TransportError):
+    """What a backend raises when a peer is gone: its process exited or closed the connection
+    (reported as :class:`PeerLostError`)."""
 
 
-def transport_error(exc: Exception, op: str, group: object, timeout: float) -> CommunicationError:
-    """The unicoll error for an exception the transport raised while running ``op`` on ``group``."""
+class TransportTimeoutError(TransportError):
+    """What a backend raises when a transfer or the rendezvous did not complete in time
+    (reported as :class:`CollectiveTimeoutError`)."""
+
+
+def reported(exc: TransportError, op: str, group: object, timeout: float) -> CommunicationError:
+    """The :class:`CommunicationError` that reports ``exc``, raised by a backend while running
+    ``op`` on ``group``: its kind by ``exc``'s type, followed by the first line of its message.
+
+    >>> str(reported(TransportTimeoutError("gloo: timed out"), "barrier", "Group(ranks=[0, 1])", 5.0))[:60]
+    'barrier on Group(ranks=[0, 1]): did not complete within the '
+    """
     text = str(exc)
     first_line = text.splitlines()[0] if text else type(exc).__name__
-    lowered = text.lower()
-    if any(marker in lowered for marker in _PEER_LOST):
+    if isinstance(exc, TransportPeerLostError):
         return PeerLostError(
             f"{op} on {group}: a peer is gone (its process exited or closed the connection): {first_line}"
         )
-    if any(marker in lowered for marker in _TIMED_OUT):
+    if isinstance(exc, TransportTimeoutError):
         return CollectiveTimeoutError(
             f"{op} on {group}: did not complete within the timeout of {timeout:g} s "
             f"(init(timeout=...) or $UNICOLL_TIMEOUT); a peer may not have called it: {first_line}"
@@ -70,44 +88,50 @@ def transport_error(exc: Exception, op: str, group: object, timeout: float) -> C
     return CommunicationError(f"{op} on {group}: the transport failed: {first_line}")
 
 
-def init_error(exc: RuntimeError, backend: str, rank: int, world_size: int, timeout: float, hint: str) -> Exception:
-    """What ``init`` raises for ``exc``, raised while rank ``rank`` of ``world_size`` started
-    ``backend``: the :class:`CommunicationError` naming ``init``, the backend and ``hint`` (what
-    to check) when ``exc`` is a transport failure, else ``exc`` itself.
-
-    >>> str(init_error(TransportError("store: timed out"), "gloo", 1, 2, 5.0, "check rank 0"))[:80]
-    "init on backend 'gloo' (rank 1 of 2): did not complete within the timeout of 5 s"
-    """
-    error = reported(exc, "init", f"backend {backend!r} (rank {rank} of {world_size})", timeout)
-    if error is exc:
-        return exc
-    return type(error)(f"{error}; {hint}")
-
-
 @contextmanager
 def translated(op: str, group: object, timeout: float) -> Iterator[None]:
-    """Turn a transport failure inside the block into the matching :class:`CommunicationError`.
-
-    Exceptions that are not transport failures (bugs, bad input) pass through unchanged.
-    """
+    """A :class:`TransportError` inside the block leaves it as the :class:`CommunicationError`
+    that :func:`reported` makes of it (``exc`` chained as its ``__cause__``); every other
+    exception (bugs, bad input, unicoll's own errors) passes through unchanged."""
     try:
         yield
-    except RuntimeError as exc:
+    except TransportError as exc:
         raise reported(exc, op, group, timeout) from exc
 
 
-def reported(exc: RuntimeError, op: str, group: object, timeout: float) -> Exception:
-    """What to raise for ``exc``: its :class:`CommunicationError` when it is a transport
-    failure, else ``exc`` itself (bugs and bad input pass through unchanged)."""
-    if isinstance(exc, CommunicationError) or not is_transport_failure(exc):
-        return exc
-    return transport_error(exc, op, group, timeout)
+def init_error(
+    exc: TransportError, backend: str, rank: int, world_size: int, timeout: float, hint: str
+) -> CommunicationError:
+    """What ``init`` raises for ``exc``, raised while rank ``rank`` of ``world_size`` started
+    ``backend``: the :class:`CommunicationError` naming ``init`` and the backend, and ``hint``
+    (what to check).
+
+    >>> str(init_error(TransportTimeoutError("store: timed out"), "gloo", 1, 2, 5.0, "check rank 0"))[:80]
+    "init on backend 'gloo' (rank 1 of 2): did not complete within the timeout of 5 s"
+    """
+    error = reported(exc, "init", f"backend {backend!r} (rank {rank} of {world_size})", timeout)
+    return type(error)(f"{error}; {hint}")
 
 
-def is_transport_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the transport: a backend's :class:`TransportError`,
-    torch.distributed's and cupy's NCCL errors, or gloo's messages."""
-    if isinstance(exc, TransportError) or any(cls.__name__ in ("DistError", "NcclError") for cls in type(exc).__mro__):
-        return True
-    text = str(exc).lower()
-    return "gloo" in text or any(marker in text for marker in _PEER_LOST + _TIMED_OUT)
+def converting(convert: Callable[[Exception], TransportError | None]) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A decorator for the functions at a backend's boundary: an exception raised inside that
+    ``convert`` (the backend's knowledge of its library) turns into a :class:`TransportError`
+    leaves as that error, chained to it; a :class:`TransportError` and every exception that
+    ``convert`` maps to None pass through unchanged."""
+
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(fn)
+        def converted(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return fn(*args, **kwargs)
+            except TransportError:
+                raise
+            except Exception as exc:
+                error = convert(exc)
+                if error is None:
+                    raise
+                raise error from exc
+
+        return converted
+
+    return decorate

@@ -21,7 +21,7 @@ from .backends.base import Backend, Pending
 from .check import verify
 from .counts import Counts
 from .entry import enter, exclusive, leave
-from .errors import reported, translated
+from .errors import TransportError, reported, translated
 from .group import Group
 from .spec import ALL_GATHER, ALLTOALL_SINGLE, EXCHANGE_COUNTS, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec
 from .task import Task
@@ -32,15 +32,12 @@ def _run(op: str, call: Call, issue: Callable[[], Pending], finish: Callable[[An
     """Issue the transfers, then run ``finish(native_result)`` now (``sync_op=True``) or at
     ``Task.wait()``; transport failures become :class:`~unicoll.CommunicationError` naming
     ``op`` and the group."""
-    try:  # not the translated() context manager: this is every call's hot path
+    try:  # translated() inlined: this is every call's hot path
         pending = issue()
         if call.sync_op:
             return finish(pending.finish())
-    except RuntimeError as exc:
-        error = reported(exc, op, call.group, call.timeout)
-        if error is exc:
-            raise
-        raise error from exc
+    except TransportError as exc:
+        raise reported(exc, op, call.group, call.timeout) from exc
     return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op, call.group)
 
 

@@ -45,10 +45,13 @@ class Task:
         join_session(group.session, self)
 
     def is_completed(self) -> bool:
-        """Whether the transfers are done (``wait()`` will not block on communication)."""
-        if self._result is _PENDING:
-            self._check_session()
-        return self._result is not _PENDING or all(work.is_completed() for work in self._works)
+        """Whether the transfers are done (``wait()`` will not block on communication).
+        Raises the :class:`~unicoll.CommunicationError` of a transfer that failed."""
+        if self._result is not _PENDING:
+            return True
+        self._check_session()
+        with translated(self._op, self._group, self._timeout):
+            return all(work.is_completed() for work in self._works)
 
     def _end_session(self, reason: str, keep_handles: bool) -> None:
         """The session ended (see :func:`unicoll.session.end_session`): let go of the transfers,

@@ -61,7 +61,16 @@ def issued(work: Work | None, finish: Callable[[], Any]) -> Pending:
 
 
 class Backend(ABC):
-    """A running backend, bound to this process's rank in the world."""
+    """A running backend, bound to this process's rank in the world.
+
+    For a failure of its transport, a backend's primitives and its works' ``wait`` and
+    ``is_completed`` raise only :class:`~unicoll.errors.TransportError` or one of its kinds
+    (:class:`~unicoll.errors.TransportPeerLostError`, :class:`~unicoll.errors.TransportTimeoutError`):
+    the backend converts its library's exceptions where it calls the library
+    (:func:`~unicoll.errors.converting`), and the front end reports each kind by its type. Its
+    constructor raises what :func:`~unicoll.errors.init_error` makes of such a failure. Every
+    other exception (a bug, bad input) passes through unchanged.
+    """
 
     name: str
     capabilities: Capabilities

@@ -1,9 +1,10 @@
-"""The ``cupy-nccl`` transport: CuPy's NCCL bindings, without torch.
+"""The ``cupy-nccl`` transport: CuPy's NCCL bindings; torch only for the rendezvous store.
 
-- **Rendezvous.** The ranks meet at a :class:`~unicoll.backends.store.StoreServer` that rank 0
-  serves on ``MASTER_ADDR:MASTER_PORT``; each communicator's NCCL unique id travels through
-  it. Every group, the world and each ``new_group``, is its own NCCL communicator with its
-  own communication stream.
+- **Rendezvous.** A world of more than one rank meets at torch's TCPStore, which rank 0 hosts
+  on ``MASTER_ADDR:MASTER_PORT`` (:func:`~unicoll.backends.rendezvous.open_store`, as the
+  torch backends do; torch is imported then, and only then); each communicator's NCCL unique
+  id travels through it as bytes. Every group, the world and each ``new_group``, is its own
+  NCCL communicator with its own communication stream.
 - **Bytes.** Arrays move as raw bytes (``ncclInt8`` counts), so every dtype of the same size
   moves alike, bool included. The uneven all-to-all is the grouped send/recv that
   :func:`~unicoll.backends.schedule.alltoallv_schedule` lists (zero sizes skipped on both
@@ -16,6 +17,9 @@
 - **Host waits.** Where the host needs a result (the integer exchanges, ``barrier``,
   ``finalize``) it polls a CUDA event, checks NCCL for asynchronous errors (a peer gone),
   and gives up after the ``init`` timeout, aborting that communicator.
+- **Errors.** Every way in from the front end is :func:`_cupy_boundary`: cupy's ``NcclError``
+  and CUDA runtime errors leave as unicoll's :class:`~unicoll.errors.TransportError` kinds
+  (:func:`_failure`), the store's as :mod:`~unicoll.backends.rendezvous` converts them.
 - **Torch tensors** cross in and out through DLPack, zero-copy, ordered against cupy's current
   stream by the DLPack stream handshake.
 """
@@ -31,13 +35,38 @@ import cupy
 import numpy as np
 from cupy.cuda import nccl
 
+from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting, init_error
 from .base import Backend, Capabilities, Work
-from .rendezvous import master_address
+from .rendezvous import init_hint, open_store, share_bytes
 from .schedule import Transfer, alltoallv_schedule
-from .store import StoreClient, StoreServer
 
 if TYPE_CHECKING:
     from ..group import Group
+
+
+_NCCL_REMOTE_ERROR = 6
+"""``ncclRemoteError`` (nccl.h): a peer's process exited, or the network to it failed."""
+
+
+def _failure(exc: Exception) -> TransportError | None:
+    """The TransportError of cupy's ``exc``: an ``NcclError`` by its NCCL status
+    (:func:`_nccl_failure`), a CUDA runtime error of no particular kind; None for anything else
+    (a bug, bad input)."""
+    if isinstance(exc, nccl.NcclError):
+        return _nccl_failure(exc)
+    if isinstance(exc, cupy.cuda.runtime.CUDARuntimeError):
+        return TransportError(str(exc))
+    return None
+
+
+def _nccl_failure(exc: nccl.NcclError) -> TransportError:
+    """TransportPeerLostError for ``ncclRemoteError``, else a TransportError of no particular kind."""
+    kind = TransportPeerLostError if exc.status == _NCCL_REMOTE_ERROR else TransportError
+    return kind(str(exc))
+
+
+_cupy_boundary = converting(_failure)
+"""The decorator of every way in from the front end (see the module)."""
 
 
 class _Communicator:
@@ -48,7 +77,7 @@ class _Communicator:
         self.size = size
         self.rank = rank
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.failure: str | None = None  # why it was aborted
+        self.failure: TransportError | None = None  # why it was aborted
 
 
 class _EventWork:
@@ -59,17 +88,19 @@ class _EventWork:
         self._done = done
         self._arrays = arrays
 
+    @_cupy_boundary
     def wait(self, timeout: float) -> None:
         cupy.cuda.get_current_stream().wait_event(self._done)
         self._arrays = ()
 
+    @_cupy_boundary
     def is_completed(self) -> bool:
         return self._done.done
 
 
-def _abort(comm: _Communicator, reason: str) -> None:
+def _abort(comm: _Communicator, failure: TransportError) -> None:
     """Abort ``comm`` (its kernels in flight exit) and remember why; it is not used again."""
-    comm.failure = reason
+    comm.failure = failure
     comm.nccl.abort()
 
 
@@ -112,37 +143,43 @@ class CupyNcclBackend(Backend):
     name = "cupy-nccl"
 
     def __init__(self, capabilities: Capabilities, *, rank: int, world_size: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         self.capabilities = capabilities
         self.rank = rank
         self.world_size = world_size
         self._timeout = timeout
-        self._server: StoreServer | None = None
-        self._store: StoreClient | None = None
-        if world_size > 1:
-            addr, port = master_address(world_size)
-            if rank == 0:
-                self._server = StoreServer(addr, port)
-            self._store = StoreClient(addr, port, timeout)
+        self._store: Any = None  # torch's TCPStore, for a world of more than one rank
         self._groups_made = 0
         self._communicators: list[_Communicator] = []
-        world = self._communicator(tuple(range(world_size)))
+        try:
+            self._world = self._start(deadline)
+        except RuntimeError as exc:
+            self.finalize()
+            if isinstance(exc, TransportError):
+                raise init_error(exc, self.name, rank, world_size, timeout, init_hint(world_size)) from exc
+            raise
+
+    @_cupy_boundary
+    def _start(self, deadline: float) -> _Communicator:
+        """Meet the other ranks (by ``deadline``, a ``time.monotonic()`` value) and make the
+        world's communicator."""
+        if self.world_size > 1:
+            self._store = open_store(self.rank, self.world_size, self._timeout, deadline).store
+        world = self._communicator(tuple(range(self.world_size)))
         assert world is not None  # every rank is in the world
-        self._world = world
+        return world
 
     def _communicator(self, members: tuple[int, ...]) -> _Communicator | None:
         """The NCCL communicator of ``members`` (every world rank calls this, in the same order);
-        None on a rank outside them."""
+        None on a rank outside them. Its first member makes the unique id and shares it."""
         key = f"unicoll/nccl-id/{self._groups_made}"
         self._groups_made += 1
         if self.rank not in members:
             return None
         position = members.index(self.rank)
-        if position == 0:
-            unique_id = nccl.get_unique_id()
-            if len(members) > 1:
-                self._store.set(key, unique_id)
-        else:
-            unique_id = self._store.get(key)
+        unique_id = nccl.get_unique_id() if position == 0 else None
+        if len(members) > 1:
+            unique_id = share_bytes(self._store, key, unique_id)
         comm = _Communicator(len(members), unique_id, position)
         self._communicators.append(comm)
         return comm
@@ -150,7 +187,7 @@ class CupyNcclBackend(Backend):
     def _comm(self, group: Group) -> _Communicator:
         comm = self._world if group.handle is None else group.handle
         if comm.failure is not None:
-            raise RuntimeError(f"the NCCL communicator of {group} was aborted: {comm.failure}")
+            raise type(comm.failure)(f"the NCCL communicator of {group} was aborted: {comm.failure}")
         return comm
 
     # -- arrays ----------------------------------------------------------------------------
@@ -196,6 +233,7 @@ class CupyNcclBackend(Backend):
         caller.wait_event(done)
         return None
 
+    @_cupy_boundary
     def alltoallv(
         self,
         out: Any,
@@ -210,6 +248,7 @@ class CupyNcclBackend(Backend):
         plan = alltoallv_schedule(comm.rank, comm.size, in_splits, out_splits, _row_bytes(x))
         return self._issue(comm, lambda s: _run_plan(comm, plan, x, out, s), (out, x), async_op, calc_stream)
 
+    @_cupy_boundary
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         comm = self._comm(group)
 
@@ -222,18 +261,22 @@ class CupyNcclBackend(Backend):
     # -- small host exchanges --------------------------------------------------------------
 
     def _wait_host(self, comm: _Communicator, done: cupy.cuda.Event) -> None:
-        """Block the host until ``done``; an NCCL error or the timeout aborts ``comm`` and raises."""
+        """Block the host until ``done``; an NCCL error or the timeout aborts ``comm`` and
+        raises the TransportError of its kind."""
         deadline = time.monotonic() + self._timeout
         pause = 1e-5
         while not done.done:
             try:
                 comm.nccl.check_async_error()  # raises NcclError once a peer has failed
-            except Exception as exc:
-                _abort(comm, f"NCCL reported an error: {exc}")
-                raise
+            except nccl.NcclError as exc:
+                error = _nccl_failure(exc)
+                _abort(comm, type(error)(f"NCCL reported an error: {exc}"))
+                raise error from exc
             if time.monotonic() > deadline:
-                _abort(comm, f"an operation timed out after {self._timeout:g} s")
-                raise RuntimeError(f"NCCL: {comm.failure}; a peer may not have called it (communicator aborted)")
+                _abort(comm, TransportTimeoutError(f"an operation timed out after {self._timeout:g} s"))
+                raise TransportTimeoutError(
+                    f"NCCL: {comm.failure}; a peer may not have called it (communicator aborted)"
+                )
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
 
@@ -244,6 +287,7 @@ class CupyNcclBackend(Backend):
         self._wait_host(comm, comm.stream.record())
         return result.get(stream=comm.stream)
 
+    @_cupy_boundary
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         comm = self._comm(group)
         k = len(values) // comm.size
@@ -257,6 +301,7 @@ class CupyNcclBackend(Backend):
 
         return self._on_host(comm, launch)
 
+    @_cupy_boundary
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         comm = self._comm(group)
 
@@ -270,6 +315,7 @@ class CupyNcclBackend(Backend):
 
     # -- groups and lifetime ---------------------------------------------------------------
 
+    @_cupy_boundary
     def new_group(self, ranks: Sequence[int]) -> _Communicator | None:
         return self._communicator(tuple(ranks))
 
@@ -278,7 +324,8 @@ class CupyNcclBackend(Backend):
 
     def finalize(self) -> None:
         """Let every communicator finish its queued work (up to the timeout), then destroy it;
-        one that fails or times out is aborted instead. The store closes last."""
+        one that fails or times out is aborted instead. The store closes last (on rank 0, its
+        server with it)."""
         for comm in self._communicators:
             if comm.failure is not None:
                 continue
@@ -287,9 +334,6 @@ class CupyNcclBackend(Backend):
                 comm.nccl.destroy()
             except Exception as exc:  # NcclError and the timeout abort in _wait_host; else abort here
                 if comm.failure is None:
-                    _abort(comm, f"finalize failed: {exc}")
+                    _abort(comm, TransportError(f"finalize failed: {exc}"))
         self._communicators = []
-        if self._store is not None:
-            self._store.close()
-        if self._server is not None:
-            self._server.close()
+        self._store = None

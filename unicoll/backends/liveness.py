@@ -23,12 +23,11 @@ import selectors
 import socket
 import struct
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
 
-from ..errors import TransportError
-from .rendezvous import listen
+from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError
+from .rendezvous import listen, remaining
 
 _GREETING = struct.Struct(">qi")
 """What a rank sends rank 0 once connected: the token rank 0 shared over gloo, and its rank."""
@@ -143,8 +142,9 @@ def start_watch(
     """Connect this rank to the watch: rank 0 listens on ``addr`` (``MASTER_ADDR``), and
     ``share`` (a broadcast from rank 0 over the process group) hands its port and a random
     token to the others, which connect and greet it. Every rank must call this. None, on every
-    rank, when rank 0 cannot listen on ``addr``. TransportError when the ranks have not all
-    connected by ``deadline`` (a ``time.monotonic()`` value)."""
+    rank, when rank 0 cannot listen on ``addr``. TransportTimeoutError when the ranks have not
+    all connected by ``deadline`` (a ``time.monotonic()`` value); a rank that cannot connect
+    raises the TransportError of its socket's failure (:func:`_connect_failure`)."""
     listener = _listener(addr) if rank == 0 else None
     mine = [listener.getsockname()[1], secrets.randbits(63)] if listener is not None else [0, 0]
     port, token = share(mine)
@@ -153,11 +153,22 @@ def start_watch(
     if listener is not None:
         return PeerWatch(rank, _accept_peers(listener, world_size, token, deadline))
     try:
-        conn = socket.create_connection((addr, port), timeout=_remaining(deadline))
+        conn = socket.create_connection((addr, port), timeout=remaining(deadline))
         conn.sendall(_GREETING.pack(token, rank))
     except OSError as exc:
-        raise TransportError(f"peer watch: rank {rank} cannot connect to rank 0 at {addr}:{port}: {exc}") from exc
+        kind = _connect_failure(exc)
+        raise kind(f"peer watch: rank {rank} cannot connect to rank 0 at {addr}:{port}: {exc}") from exc
     return PeerWatch(rank, {0: conn})
+
+
+def _connect_failure(exc: OSError) -> type[TransportError]:
+    """The kind of a failure to reach rank 0, by the socket's exception: rank 0 timed out, or
+    refused or dropped the connection (it is gone), or something else failed."""
+    if isinstance(exc, TimeoutError):
+        return TransportTimeoutError
+    if isinstance(exc, ConnectionError):
+        return TransportPeerLostError
+    return TransportError
 
 
 def _listener(addr: str) -> socket.socket | None:
@@ -171,18 +182,18 @@ def _listener(addr: str) -> socket.socket | None:
 
 def _accept_peers(listener: socket.socket, world_size: int, token: int, deadline: float) -> dict[int, socket.socket]:
     """Rank 0: accept a connection from every other rank, each greeting with ``token`` and its
-    rank; connections that do not are closed. TransportError at ``deadline``."""
+    rank; connections that do not are closed. TransportTimeoutError at ``deadline``."""
     peers: dict[int, socket.socket] = {}
     with listener:
         while len(peers) < world_size - 1:
             try:
-                listener.settimeout(_remaining(deadline))
+                listener.settimeout(remaining(deadline))
                 conn, _ = listener.accept()
-                conn.settimeout(_remaining(deadline))
+                conn.settimeout(remaining(deadline))
                 greeting = _read_greeting(conn)
             except TimeoutError:
                 missing = sorted(set(range(1, world_size)) - set(peers))
-                raise TransportError(
+                raise TransportTimeoutError(
                     f"peer watch: rank(s) {missing} did not connect to rank 0 at {listener.getsockname()}; timed out"
                 ) from None
             if greeting is None or greeting[0] != token or not 0 < greeting[1] < world_size or greeting[1] in peers:
@@ -205,9 +216,3 @@ def _read_greeting(conn: socket.socket) -> tuple[int, int] | None:
             return None
         data += chunk
     return _GREETING.unpack(data)
-
-
-def _remaining(deadline: float) -> float:
-    """Seconds left until ``deadline`` as a socket timeout: at least a millisecond, since a
-    timeout of 0 would make the socket non-blocking instead of timing out at once."""
-    return max(deadline - time.monotonic(), 1e-3)

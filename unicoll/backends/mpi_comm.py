@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import TransportError
+from ..errors import TransportError, TransportTimeoutError
 from .base import Backend, Capabilities, Pending, Work, issued
 
 if TYPE_CHECKING:
@@ -61,8 +61,9 @@ def yield_after(world_size: int) -> float:
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
-    """Return once ``request`` completes; TransportError after ``timeout`` seconds. Polls back
-    to back for ``spin`` seconds, then yields the CPU between polls."""
+    """Return once ``request`` completes; TransportTimeoutError after ``timeout`` seconds, and
+    the TransportError of an MPI error (:func:`_failure`). Polls back to back for ``spin``
+    seconds, then yields the CPU between polls."""
     try:
         if request.Test():
             return
@@ -70,7 +71,7 @@ def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
         while not request.Test():
             waited = time.monotonic() - start
             if waited > timeout:
-                raise TransportError(
+                raise TransportTimeoutError(
                     f"mpi: {what} timed out after {timeout:g} s (a rank of the communicator has not called it)"
                 )
             if waited > spin:
@@ -80,6 +81,8 @@ def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
 
 
 def _failure(exc: MPI.Exception, what: str) -> TransportError:
+    """The TransportError for MPI's error ``exc`` in ``what``: MPICH reports no lost peer (the
+    launcher stops the job), so every MPI error is of no particular kind."""
     return TransportError(f"mpi: {what} failed: {exc.Get_error_string().splitlines()[0]}")
 
 

@@ -1,7 +1,12 @@
-"""Where the ranks of a multi-process world meet: ``MASTER_ADDR:MASTER_PORT``, read once.
+"""Where the ranks of a multi-process world meet: ``MASTER_ADDR:MASTER_PORT``, read once, and
+torch's TCPStore there.
 
-Shared by the torch.distributed backends (whose TCPStore binds there) and ``cupy-nccl``
-(whose own key-value store does); neither imports a framework here.
+Shared by the torch.distributed backends (whose process group starts from the store) and
+``cupy-nccl`` (whose NCCL unique ids travel through it: :func:`share_bytes`). Rank 0 hosts the
+store on a socket it binds to ``MASTER_ADDR:MASTER_PORT`` itself (:func:`listen`), so a loopback
+address (the launcher's default) is never reachable from another machine. Nothing here imports
+torch until a store is opened, and the store's failures leave as unicoll's
+:class:`~unicoll.errors.TransportError` kinds.
 """
 
 from __future__ import annotations
@@ -9,6 +14,24 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import time
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+from ..errors import TransportError, TransportTimeoutError
+from .torch_errors import torch_boundary
+
+_POLL_S = 0.05
+"""How often a rank retries connecting to rank 0's store while rank 0 is not listening yet."""
+
+
+class Meeting(NamedTuple):
+    """An opened rendezvous: the store, the address the ranks meet at and, on rank 0, the
+    descriptor of the store's listening socket (None elsewhere)."""
+
+    store: Any  # torch.distributed.TCPStore
+    addr: str
+    listen_fd: int | None
 
 
 def master_address(world_size: int) -> tuple[str, int]:
@@ -39,3 +62,72 @@ def is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), at least a millisecond:
+    torch counts milliseconds, and a socket's timeout of 0 would make it non-blocking instead."""
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+def init_hint(world_size: int) -> str:
+    """What to check when ``init`` fails on a world that meets here: the ranks and the address."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return (
+        f"check that all {world_size} ranks start and call init() with the same MASTER_ADDR:MASTER_PORT "
+        f"({where}), and that rank 0 can be reached there"
+    )
+
+
+@torch_boundary
+def open_store(rank: int, world_size: int, timeout: float, deadline: float) -> Meeting:
+    """The store every rank of the world meets at, by ``deadline`` (a ``time.monotonic()``
+    value); its operations then wait at most ``timeout`` seconds.
+
+    Rank 0 hosts a TCPStore on a socket it binds itself (see the module). It does not wait for
+    the other ranks there: what comes next (the process group's creation, the first id) does.
+    The other ranks wait for rank 0 to listen before they make their client, whose own retries
+    could run past the deadline.
+    """
+    import torch.distributed as dist
+
+    addr, port = master_address(world_size)
+    if rank == 0:
+        try:
+            listen_fd = listen(addr, port).detach()
+        except OSError as exc:
+            raise TransportError(f"rendezvous: rank 0 cannot listen on {addr}:{port}: {exc}") from exc
+        store = dist.TCPStore(
+            addr, port, world_size, True, timedelta(seconds=timeout), master_listen_fd=listen_fd, wait_for_workers=False
+        )
+        return Meeting(store, addr, listen_fd)
+    _await_listener(addr, port, deadline)
+    store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=remaining(deadline)))
+    store.set_timeout(timedelta(seconds=timeout))
+    return Meeting(store, addr, None)
+
+
+def _await_listener(addr: str, port: int, deadline: float) -> None:
+    """Return once something accepts connections at ``addr:port`` (rank 0's store); a
+    TransportTimeoutError naming the address at ``deadline``."""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=remaining(deadline)).close()
+            return
+        except OSError:
+            if time.monotonic() + _POLL_S >= deadline:
+                raise TransportTimeoutError(
+                    f"rendezvous: rank 0's store at {addr}:{port} was not listening; timed out"
+                ) from None
+            time.sleep(_POLL_S)
+
+
+@torch_boundary
+def share_bytes(store: Any, key: str, value: bytes | None) -> bytes:
+    """``value``, given by the one rank that has it (None on the others), on every rank that
+    calls this with ``key``: set in ``store``, or waited for there (at most the store's timeout).
+    The bytes travel as they are: nothing is unpickled."""
+    if value is not None:
+        store.set(key, value)
+        return value
+    return store.get(key)

@@ -13,12 +13,16 @@ transfer it is in the middle of when a peer dies.
 ``init`` carries one deadline, the timeout, through the rendezvous store, the creation of the
 process group and the watch's connections, so a rank that never starts fails the others within
 the timeout; the process group keeps the whole timeout for its collectives.
+
+Every way in from the front end is a :func:`~unicoll.backends.torch_errors.torch_boundary`:
+``_issue``, :func:`issue_on_stream` and ``_new_pg``, which every primitive goes through, the
+works' ``wait`` and ``init``. torch's transport failures leave this module as unicoll's
+:class:`~unicoll.errors.TransportError` kinds.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -29,14 +33,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from ..errors import TransportError, init_error
+from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError, init_error
 from ..forking import keep_forever
 from .base import Backend, Capabilities, Work
 from .liveness import PeerWatch, start_watch
-from .rendezvous import is_loopback, listen, master_address
+from .rendezvous import init_hint, is_loopback, open_store, remaining
+from .torch_errors import torch_boundary, torch_failure
 
 if TYPE_CHECKING:
     from ..group import Group
+
+_REJOIN_S = 0.05
+"""How long a rank waits before it meets rank 0's store again after the store closed under it."""
 
 _SLICE_S = 0.05
 """How long a gloo wait runs before it looks whether a peer is gone: what a dead peer costs a
@@ -48,12 +56,6 @@ _GRACE = timedelta(seconds=0.1)
 """How long a transfer may still complete once a rank of its group is seen gone: a peer that
 finished the call and exited normally may have rows still on their way here."""
 
-_SLICE_EXPIRED = "Operation timed out"
-"""How torch's ``Work.wait(timeout)`` starts the error it raises while the work still runs."""
-
-_POLL_S = 0.05
-"""How often a rank retries connecting to rank 0's store while rank 0 is not listening yet."""
-
 
 def _wait_for(seconds: float) -> timedelta:
     """``seconds`` as a timeout for torch's ``Work.wait``: at least a millisecond, since torch
@@ -63,8 +65,9 @@ def _wait_for(seconds: float) -> timedelta:
 
 def wait_gloo(work: Any, timeout: float, watch: PeerWatch | None, ranks: Sequence[int]) -> None:
     """Return once the gloo ``work`` completes, waiting in slices of :data:`_SLICE_S`; between
-    slices, TransportError when one of the world ``ranks`` is gone (``watch``) or ``timeout``
-    seconds have passed. gloo's own errors (a closed connection, its timeout) pass through."""
+    slices, TransportPeerLostError when one of the world ``ranks`` is gone (``watch``), and
+    TransportTimeoutError once ``timeout`` seconds have passed. gloo's own errors (a closed
+    connection, its timeout) pass through, for the caller's boundary to convert."""
     step = _SLICE if timeout >= _SLICE_S else _wait_for(timeout)
     if not _expired(work, step):  # most calls end here: no clock, no watch
         return
@@ -74,29 +77,31 @@ def wait_gloo(work: Any, timeout: float, watch: PeerWatch | None, ranks: Sequenc
         if gone is not None:
             _last_chance(work, gone)
             return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransportError(f"gloo: the transfer timed out after {timeout:g} s")
-        if not _expired(work, _SLICE if remaining >= _SLICE_S else _wait_for(remaining)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeoutError(f"gloo: the transfer timed out after {timeout:g} s")
+        if not _expired(work, _SLICE if left >= _SLICE_S else _wait_for(left)):
             return
 
 
 def _expired(work: Any, step: timedelta) -> bool:
-    """Wait for ``work`` at most ``step``: False once it completed, True while it still runs."""
+    """Wait for ``work`` at most ``step``: False once it completed, True while it still runs.
+    torch's ``Work.wait`` raises both when the time runs out and when the work failed; a work
+    that has completed is waited for again, which raises its failure."""
     try:
         work.wait(step)
-    except RuntimeError as exc:
-        if not str(exc).startswith(_SLICE_EXPIRED):
-            raise
-        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return True
+        work.wait()
     return False
 
 
 def _last_chance(work: Any, gone: int) -> None:
     """Wait :data:`_GRACE` more for ``work`` now that world rank ``gone`` is gone; a
-    TransportError saying so when it still runs."""
+    TransportPeerLostError saying so when it still runs."""
     if _expired(work, _GRACE):
-        raise TransportError(
+        raise TransportPeerLostError(
             f"gloo: world rank {gone} closed its connections (connection closed by peer) "
             "while this rank waited for the transfer"
         )
@@ -108,6 +113,7 @@ class _TorchWork:
     def __init__(self, work: Any) -> None:
         self._work = work
 
+    @torch_boundary
     def wait(self, timeout: float) -> Any:
         return self._work.wait(_wait_for(timeout))
 
@@ -123,6 +129,7 @@ class _GlooWork:
         self._backend = backend
         self._ranks = ranks
 
+    @torch_boundary
     def wait(self, timeout: float) -> None:
         self._backend._wait(self._work, timeout, self._ranks)
 
@@ -140,6 +147,7 @@ class _StreamWork:
     def __init__(self, work: Any) -> None:
         self._work = work
 
+    @torch_boundary
     def wait(self, timeout: float) -> Any:
         return self._work.wait()
 
@@ -147,6 +155,7 @@ class _StreamWork:
         return self._work.is_completed()
 
 
+@torch_boundary
 def issue_on_stream(launch: Callable[[bool], Any], async_op: bool, calc_stream: bool) -> Work | None:
     """Run ``launch(async_op)`` (a torch.distributed call) on the stream the call asks for.
 
@@ -189,51 +198,6 @@ def _from_torch(t: torch.Tensor, library: str) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _rendezvous(rank: int, world_size: int, timeout: timedelta, deadline: float) -> tuple[dist.Store, str, int | None]:
-    """The store every rank meets at, the address the ranks listen on and, on rank 0, the
-    descriptor of the store's listening socket, by ``deadline`` (a ``time.monotonic()`` value);
-    the store keeps ``timeout`` for what comes later.
-
-    Rank 0 hosts a TCPStore on a socket it binds to ``MASTER_ADDR:MASTER_PORT`` itself, so a
-    loopback address (the launcher's default) is never reachable from another machine. It does
-    not wait for the other ranks there: the process group's creation does, within the deadline.
-    The other ranks wait for rank 0 to listen before they make their client, whose own retries
-    could run past the deadline.
-    """
-    addr, port = master_address(world_size)
-    if rank == 0:
-        try:
-            listen_fd = listen(addr, port).detach()
-        except OSError as exc:
-            raise TransportError(f"rendezvous: rank 0 cannot listen on {addr}:{port}: {exc}") from exc
-        store = dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=listen_fd, wait_for_workers=False)
-        return store, addr, listen_fd
-    _await_listener(addr, port, deadline)
-    store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=_remaining(deadline)))
-    store.set_timeout(timeout)
-    return store, addr, None
-
-
-def _await_listener(addr: str, port: int, deadline: float) -> None:
-    """Return once something accepts connections at ``addr:port`` (rank 0's store); a
-    TransportError naming the address at ``deadline``."""
-    while True:
-        try:
-            socket.create_connection((addr, port), timeout=_remaining(deadline)).close()
-            return
-        except OSError:
-            if time.monotonic() + _POLL_S >= deadline:
-                raise TransportError(
-                    f"rendezvous: rank 0's store at {addr}:{port} was not listening; timed out"
-                ) from None
-            time.sleep(_POLL_S)
-
-
-def _remaining(deadline: float) -> float:
-    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), at least a millisecond."""
-    return max(deadline - time.monotonic(), 1e-3)
-
-
 def _gloo_options(addr: str) -> Any:
     """Gloo options that keep its connections on loopback when the rendezvous is on loopback
     (unless ``GLOO_SOCKET_IFNAME`` says otherwise); None leaves gloo's own choice."""
@@ -242,15 +206,6 @@ def _gloo_options(addr: str) -> Any:
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     return options
-
-
-def _init_hint(world_size: int) -> str:
-    """What to check when ``init`` fails: the ranks and where they meet."""
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    return (
-        f"check that all {world_size} ranks start and call init() with the same MASTER_ADDR:MASTER_PORT "
-        f"({where}), and that rank 0 can be reached there"
-    )
 
 
 class TorchDistBackend(Backend):
@@ -275,12 +230,15 @@ class TorchDistBackend(Backend):
             self._start(rank, world_size, deadline)
         except RuntimeError as exc:
             self.finalize()
-            raise init_error(exc, name, rank, world_size, timeout, _init_hint(world_size)) from exc
+            if isinstance(exc, TransportError):
+                raise init_error(exc, name, rank, world_size, timeout, init_hint(world_size)) from exc
+            raise
 
+    @torch_boundary
     def _start(self, rank: int, world_size: int, deadline: float) -> None:
         """Join the default group (or adopt it), make the world's group and connect the watch."""
         if self._owns_default_group:
-            self._start_default_group(self._pg_backend, rank, world_size, deadline)
+            self._join_default_group(rank, world_size, deadline)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if dist.get_backend() == self._pg_backend:
@@ -290,6 +248,20 @@ class TorchDistBackend(Backend):
         if self._pg_backend == "gloo" and self.world_size > 1 and "MASTER_ADDR" in os.environ:
             share = lambda values: self._broadcast(values, deadline)  # noqa: E731
             self._watch = start_watch(self.rank, self.world_size, os.environ["MASTER_ADDR"], deadline, share)
+
+    def _join_default_group(self, rank: int, world_size: int, deadline: float) -> None:
+        """:meth:`_start_default_group`, tried again until ``deadline`` on a rank other than 0
+        whose store closed under it: after ``finalize()`` and ``init()`` again, such a rank can
+        reach rank 0's store of the old session, still open while rank 0 finalizes."""
+        while True:
+            try:
+                self._start_default_group(self._pg_backend, rank, world_size, deadline)
+                return
+            except RuntimeError as exc:
+                lost = isinstance(torch_failure(exc), TransportPeerLostError)
+                if rank == 0 or not lost or time.monotonic() + _REJOIN_S >= deadline:
+                    raise
+            time.sleep(_REJOIN_S)
 
     def _start_default_group(self, pg_backend: str, rank: int, world_size: int, deadline: float) -> None:
         """Create torch's default group: in-process for a world of one, through torchrun's
@@ -303,10 +275,10 @@ class TorchDistBackend(Backend):
             )
             return
         else:
-            store, addr, self._listen_fd = _rendezvous(rank, world_size, self._timeout, deadline)
+            store, addr, self._listen_fd = open_store(rank, world_size, self._seconds, deadline)
             self._options = _gloo_options(addr) if pg_backend == "gloo" else None
         bounded = pg_backend == "gloo" and world_size > 1
-        creation = timedelta(seconds=_remaining(deadline)) if bounded else self._timeout
+        creation = timedelta(seconds=remaining(deadline)) if bounded else self._timeout
         dist.init_process_group(
             pg_backend, store=store, rank=rank, world_size=world_size, timeout=creation, pg_options=self._options
         )
@@ -316,9 +288,10 @@ class TorchDistBackend(Backend):
     def _broadcast(self, values: list[int], deadline: float) -> list[int]:
         """Rank 0's ``values`` on every rank, over the world's gloo group, by ``deadline``."""
         shared = torch.tensor(values, dtype=torch.int64)
-        wait_gloo(dist.broadcast(shared, src=0, group=self._world, async_op=True), _remaining(deadline), None, ())
+        wait_gloo(dist.broadcast(shared, src=0, group=self._world, async_op=True), remaining(deadline), None, ())
         return shared.tolist()
 
+    @torch_boundary
     def _issue(self, launch: Callable[[bool], Any], group: Group, async_op: bool) -> Work | None:
         """Run ``launch(async_op)``, a torch.distributed call; on gloo it is issued
         asynchronously and waited for by :func:`wait_gloo`, now or in ``Task.wait()``."""
@@ -339,6 +312,7 @@ class TorchDistBackend(Backend):
             self._given_up = [w for w in self._given_up if not w.is_completed()] + [work]
             raise
 
+    @torch_boundary
     def _new_pg(self, ranks: Sequence[int], pg_backend: str) -> Any:
         handle = dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout, pg_options=self._options)
         self._groups.append(handle)
