@@ -3,7 +3,7 @@
     python benchmarks/gpu_reorder.py [--library torch|cupy] [--dtype float32] [--iters 50]
 
 global_scatter receives rank-major rows and reorders them expert-major with one gather of rows
-(``unicoll.layout`` computes the index on the host; the backend's ``take_rows`` moves the
+(``unicoll.backends.layout`` computes the index on the host; the backend's ``take_rows`` moves the
 rows). On one rank of ``torch-nccl`` (``--library torch``) or ``cupy-nccl`` (``--library
 cupy``), for buffers from 1 MiB to 1 GiB, this times with CUDA events the median of:
 
@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 import unicoll as uc
-from unicoll import layout, runtime
+from unicoll import runtime
+from unicoll.backends import layout
 
 WORLD, EXPERTS, HIDDEN = 8, 4, 1024  # a typical expert-parallel shape: 8 ranks x 4 experts
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import unicoll as uc
 from unicoll import registry
-from unicoll.backends.gloo import GlooFactory
+from unicoll.backends.torch.gloo import GlooFactory
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -65,7 +65,7 @@ def test_register_backend_rejects_bad_arguments() -> None:
 def test_entry_point_backend_is_listed(tmp_path) -> None:
     """A package that declares a factory in the ``unicoll.backends`` group shows up in ``unicoll info``."""
     (tmp_path / "extra_backend.py").write_text(
-        "from unicoll.backends.gloo import GlooFactory\nfactory = GlooFactory()\n"
+        "from unicoll.backends.torch.gloo import GlooFactory\nfactory = GlooFactory()\n"
     )
     info = tmp_path / "extra_backend-1.0.dist-info"
     info.mkdir()

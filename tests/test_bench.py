@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unicoll import bench, bench_report, cli, layout
+from unicoll import bench, bench_report, cli
+from unicoll.backends import layout
 
 SIZES = [1024, 2048, 4096]
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import unicoll as uc
-from unicoll.backends.mpi import MpiFactory
+from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.launch.local import free_port, world_env
 
 SCRIPT = Path(__file__).parent / "faults" / "inject.py"

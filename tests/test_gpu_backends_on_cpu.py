@@ -15,9 +15,10 @@ import torch
 import unicoll as uc
 from helpers.conformance import cases, run_cases
 from unicoll import registry
-from unicoll.backends import cupy_nccl, torch_nccl
 from unicoll.backends.base import Capabilities
-from unicoll.backends.torch_dist import TorchDistBackend, TorchNcclBackend, issue_on_stream
+from unicoll.backends.cupy import nccl as cupy_nccl
+from unicoll.backends.torch import nccl as torch_nccl
+from unicoll.backends.torch.transport import TorchDistBackend, TorchNcclBackend, issue_on_stream
 
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -112,7 +113,7 @@ def test_cupy_nccl_imports_no_torch_and_no_cupy_until_it_starts() -> None:
 
     code = (
         "import sys, unicoll\n"
-        "from unicoll.backends import cupy_nccl, rendezvous, schedule, torch_errors\n"
+        "from unicoll.backends import rendezvous\nfrom unicoll.backends.cupy import nccl, schedule\nfrom unicoll.backends.torch import errors\n"
         "print(sorted(m for m in ('torch', 'cupy') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from unicoll.backends.liveness import PeerWatch, start_watch
+from unicoll.backends.torch.liveness import PeerWatch, start_watch
 
 WORLD = 3
 

@@ -17,7 +17,7 @@ import unicoll as uc
 from helpers.gradients import OPS as GRADIENT_OPS
 from helpers.gradients import gradients
 from helpers.worlds import MISMATCHES, async_in_any_order, mismatches
-from unicoll.backends.mpi import MpiFactory
+from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.testing import SpawnError
 
 REASON = MpiFactory().probe()
@@ -123,7 +123,7 @@ def test_a_world_of_one_without_a_launcher() -> None:
 
 
 def test_waits_yield_only_on_an_oversubscribed_node(monkeypatch) -> None:
-    from unicoll.backends.mpi_comm import _LOCAL_SIZE_VARIABLES, _YIELD_AFTER_S, yield_after
+    from unicoll.backends.mpi.transport import _LOCAL_SIZE_VARIABLES, _YIELD_AFTER_S, yield_after
 
     for name in _LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)

@@ -12,7 +12,7 @@ import pytest
 
 import unicoll as uc
 from helpers.worlds import MISMATCHES, X, async_in_any_order, mismatches
-from unicoll.backends.mpi import MpiFactory
+from unicoll.backends.mpi.mpi import MpiFactory
 
 
 def test_check_mode_names_the_disagreement_on_every_rank() -> None:
@@ -24,7 +24,7 @@ def test_check_mode_names_the_disagreement_on_every_rank() -> None:
 def test_check_mode_agrees_with_the_whole_matrix() -> None:
     """No false alarms: the conformance matrix of 3 ranks passes with check mode on."""
     from helpers.conformance import cases, run_cases
-    from unicoll.backends.gloo import CAPABILITIES
+    from unicoll.backends.torch.gloo import CAPABILITIES
 
     matrix = cases(CAPABILITIES, 3)
     for outcome in uc.testing.spawn(run_cases, 3, matrix, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=240):

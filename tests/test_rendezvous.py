@@ -140,8 +140,8 @@ def _cupy_rank(
     long it took. ``failing``: see :func:`_fake_cupy`."""
     fake = _fake_cupy(failing)
     sys.modules.update(fake)
-    from unicoll.backends.cupy_nccl import CAPABILITIES
-    from unicoll.backends.cupy_transport import CupyNcclBackend
+    from unicoll.backends.cupy.nccl import CAPABILITIES
+    from unicoll.backends.cupy.transport import CupyNcclBackend
 
     start = time.monotonic()
     try:

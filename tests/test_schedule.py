@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from unicoll import reference
-from unicoll.backends import schedule
-from unicoll.backends.schedule import Transfer, alltoallv_schedule
+from unicoll.backends.cupy import schedule
+from unicoll.backends.cupy.schedule import Transfer, alltoallv_schedule
 
 
 def _simulate(xs: list[np.ndarray], splits: np.ndarray) -> list[np.ndarray]:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import unicoll as uc
-from unicoll import layout, runtime
+from unicoll import runtime
+from unicoll.backends import layout
 
 STEPS, WARMUP = 150, 20
 TOKENS, HIDDEN, EXPERTS = 4096, 256, 4
@@ -58,7 +59,7 @@ def soak(rank: int) -> dict[str, int]:
     backend = runtime.state("soak").backend
     kept = None
     if backend.name == "mpi":
-        from unicoll.backends import mpi_comm  # imports mpi4py, which starts MPI: only in an MPI rank
+        from unicoll.backends.mpi import transport as mpi_comm  # imports mpi4py, which starts MPI: only in an MPI rank
 
         kept = mpi_comm._ROW_TYPES_KEPT
     return {

@@ -1,6 +1,6 @@
 """What torch 2.13 raises for each fault of its store and of gloo's process group, measured with
 raw torch.distributed (no unicoll in the way), and the kind that
-:func:`unicoll.backends.torch_errors.torch_failure` gives each: the facts its docstring states."""
+:func:`unicoll.backends.torch.errors.torch_failure` gives each: the facts its docstring states."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicoll.backends.torch_errors import torch_failure
+from unicoll.backends.torch.errors import torch_failure
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError
 from unicoll.launch.local import free_port
 

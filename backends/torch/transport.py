@@ -7,14 +7,14 @@ on the way out.
 On gloo every transfer is issued asynchronously and waited for in slices of
 :data:`_SLICE_S` (:func:`wait_gloo`): a call that completes within the first slice costs what
 a synchronous one does; one that takes longer looks between slices whether a rank of its group
-is gone (:class:`~unicoll.backends.liveness.PeerWatch`), since gloo itself does not fail the
+is gone (:class:`~unicoll.backends.torch.liveness.PeerWatch`), since gloo itself does not fail the
 transfer it is in the middle of when a peer dies.
 
 ``init`` carries one deadline, the timeout, through the rendezvous store, the creation of the
 process group and the watch's connections, so a rank that never starts fails the others within
 the timeout; the process group keeps the whole timeout for its collectives.
 
-Every way in from the front end is a :func:`~unicoll.backends.torch_errors.torch_boundary`:
+Every way in from the front end is a :func:`~unicoll.backends.torch.errors.torch_boundary`:
 ``_issue``, :func:`issue_on_stream` and ``_new_pg``, which every primitive goes through, the
 works' ``wait`` and ``init``. torch's transport failures leave this module as unicoll's
 :class:`~unicoll.errors.TransportError` kinds.
@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError, init_error
-from ..forking import keep_forever
-from .base import Backend, Capabilities, Work
-from .liveness import PeerWatch, start_watch
-from .rendezvous import init_hint, is_loopback, open_store, remaining
-from .torch_errors import torch_boundary, torch_failure
+from unicoll.backends.base import Backend, Capabilities, Work
+from unicoll.backends.rendezvous import init_hint, is_loopback, open_store, remaining
+from unicoll.backends.torch.errors import torch_boundary, torch_failure
+from unicoll.backends.torch.liveness import PeerWatch, start_watch
+from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, init_error
+from unicoll.forking import keep_forever
 
 if TYPE_CHECKING:
-    from ..group import Group
+    from unicoll.group import Group
 
 _REJOIN_S = 0.05
 """How long a rank waits before it meets rank 0's store again after the store closed under it."""
@@ -162,7 +162,7 @@ def issue_on_stream(launch: Callable[[bool], Any], async_op: bool, calc_stream: 
     ``calc_stream`` with a synchronous call: torch's synchronous form, on the current stream.
     Otherwise torch's asynchronous form, on the group's NCCL stream; a synchronous call makes
     the current stream wait for it at once, an asynchronous one returns the work for
-    ``Task.wait()``. See :mod:`unicoll.backends.torch_nccl`.
+    ``Task.wait()``. See :mod:`unicoll.backends.torch.nccl`.
     """
     if calc_stream and not async_op:
         launch(False)

@@ -1,6 +1,6 @@
 """The ``torch-nccl`` backend: torch.distributed over NCCL, for CUDA torch tensors and cupy arrays.
 
-The transport is :class:`unicoll.backends.torch_dist.TorchNcclBackend`. Streams (docs/semantics.md,
+The transport is :class:`unicoll.backends.torch.transport.TorchNcclBackend`. Streams (docs/semantics.md,
 "use_calc_stream"):
 
 - ``use_calc_stream=True`` issues the collective with ``async_op=False``, which torch (2.7 and
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 
-from ..arrays import DTYPES
-from ..spec import OPS
-from .base import Backend, Capabilities, devices_short
+from unicoll.arrays import DTYPES
+from unicoll.backends.base import Backend, Capabilities, devices_short
+from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
@@ -52,7 +52,7 @@ class TorchNcclFactory:
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
         import torch
 
-        from .torch_dist import TorchNcclBackend
+        from unicoll.backends.torch.transport import TorchNcclBackend
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         return TorchNcclBackend("torch-nccl", "nccl", CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ..arrays import DTYPES
-from ..spec import OPS
-from .base import Backend, Capabilities
+from unicoll.arrays import DTYPES
+from unicoll.backends.base import Backend, Capabilities
+from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
@@ -52,8 +52,8 @@ class MpiFactory:
         _loopback_when_single_node()
         from mpi4py import MPI
 
-        from ..errors import TransportError, init_error
-        from .mpi_comm import MpiBackend
+        from unicoll.backends.mpi.transport import MpiBackend
+        from unicoll.errors import TransportError, init_error
 
         world = MPI.COMM_WORLD
         _check_launch(world.Get_size())

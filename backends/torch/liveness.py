@@ -26,8 +26,8 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 
-from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError
-from .rendezvous import listen, remaining
+from unicoll.backends.rendezvous import listen, remaining
+from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError
 
 _GREETING = struct.Struct(">qi")
 """What a rank sends rank 0 once connected: the token rank 0 shared over gloo, and its rank."""

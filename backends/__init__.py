@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..registry import register_backend
-from .cupy_nccl import CupyNcclFactory
-from .gloo import GlooFactory
-from .mpi import MpiFactory
-from .torch_nccl import TorchNcclFactory
+from unicoll.backends.cupy.nccl import CupyNcclFactory
+from unicoll.backends.mpi.mpi import MpiFactory
+from unicoll.backends.torch.gloo import GlooFactory
+from unicoll.backends.torch.nccl import TorchNcclFactory
+from unicoll.registry import register_backend
 
 register_backend("gloo", GlooFactory())
 register_backend("torch-nccl", TorchNcclFactory())

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import TransportError, TransportTimeoutError
-from .base import Backend, Capabilities, Pending, Work, issued
+from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
+from unicoll.errors import TransportError, TransportTimeoutError
 
 if TYPE_CHECKING:
-    from ..group import Group
+    from unicoll.group import Group
 
 _YIELD_AFTER_S = 50e-6
 """On an oversubscribed node, how long a wait polls back to back before it yields the CPU

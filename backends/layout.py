@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import BoundedCache
+from unicoll.cache import BoundedCache
 
 PLAN_CACHE_BYTES = 16 * 2**20
 """The most the plans of recent counts may hold: their reorder indices grow with the rows

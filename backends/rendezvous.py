@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from ..errors import TransportError, TransportTimeoutError
-from .torch_errors import torch_boundary
+from unicoll.backends.torch.errors import torch_boundary
+from unicoll.errors import TransportError, TransportTimeoutError
 
 _POLL_S = 0.05
 """How often a rank retries connecting to rank 0's store while rank 0 is not listening yet."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..arrays import DTYPES
-from ..spec import OPS
-from .base import Backend, Capabilities
+from unicoll.arrays import DTYPES
+from unicoll.backends.base import Backend, Capabilities
+from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
@@ -29,6 +29,6 @@ class GlooFactory:
         return None
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
-        from .torch_dist import TorchDistBackend
+        from unicoll.backends.torch.transport import TorchDistBackend
 
         return TorchDistBackend("gloo", "gloo", CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)

@@ -24,7 +24,7 @@ is classified, by which time torch is loaded.
 
 from __future__ import annotations
 
-from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting
+from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting
 
 _GLOO_SOURCE = "gloo/"
 """What the text of every exception that gloo raises contains: its source file's path."""

@@ -1,7 +1,7 @@
 """The ``cupy-nccl`` backend entry: CuPy's NCCL bindings, for cupy arrays (and CUDA torch tensors).
 
 What it can move and whether it can run here; the transport itself is
-:class:`unicoll.backends.cupy_transport.CupyNcclBackend`, imported only when it starts, so
+:class:`unicoll.backends.cupy.transport.CupyNcclBackend`, imported only when it starts, so
 this module imports neither cupy nor torch.
 
 bfloat16 is not in the table: cupy has no bfloat16 dtype, so a torch bfloat16 tensor has no
@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import warnings
 
-from ..arrays import DTYPES
-from ..spec import OPS
-from .base import Backend, Capabilities, devices_short
+from unicoll.arrays import DTYPES
+from unicoll.backends.base import Backend, Capabilities, devices_short
+from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
@@ -62,7 +62,7 @@ class CupyNcclFactory:
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
         import cupy
 
-        from .cupy_transport import CupyNcclBackend
+        from unicoll.backends.cupy.transport import CupyNcclBackend
 
         cupy.cuda.Device(int(os.environ.get("LOCAL_RANK", "0"))).use()
         return CupyNcclBackend(CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)

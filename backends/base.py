@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 from array_api_compat import array_namespace, device
 
-from .. import layout
-from ..forking import keep_forever
+from unicoll.backends import layout
+from unicoll.forking import keep_forever
 
 if TYPE_CHECKING:
-    from ..group import Group
+    from unicoll.group import Group
 
 
 @dataclass(frozen=True)

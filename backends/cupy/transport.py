@@ -7,7 +7,7 @@
   NCCL communicator with its own communication stream.
 - **Bytes.** Arrays move as raw bytes (``ncclInt8`` counts), so every dtype of the same size
   moves alike, bool included. The uneven all-to-all is the grouped send/recv that
-  :func:`~unicoll.backends.schedule.alltoallv_schedule` lists (zero sizes skipped on both
+  :func:`~unicoll.backends.cupy.schedule.alltoallv_schedule` lists (zero sizes skipped on both
   sides, this rank's own rows copied on the device).
 - **Streams.** ``calc_stream`` runs on cupy's current stream. Otherwise the group's stream
   waits for the current one, runs the transfer, and the current stream waits for it: at once
@@ -35,13 +35,13 @@ import cupy
 import numpy as np
 from cupy.cuda import nccl
 
-from ..errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting, init_error
-from .base import Backend, Capabilities, Work
-from .rendezvous import init_hint, open_store, share_bytes
-from .schedule import Transfer, alltoallv_schedule
+from unicoll.backends.base import Backend, Capabilities, Work
+from unicoll.backends.cupy.schedule import Transfer, alltoallv_schedule
+from unicoll.backends.rendezvous import init_hint, open_store, share_bytes
+from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting, init_error
 
 if TYPE_CHECKING:
-    from ..group import Group
+    from unicoll.group import Group
 
 
 _NCCL_REMOTE_ERROR = 6

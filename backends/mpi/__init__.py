@@ -1,0 +1,1 @@
+"""The ``mpi`` backend: MPI collectives through mpi4py."""
