@@ -167,7 +167,8 @@ GATHER_OUTPUT = Kind(
 """An array to fill in place, a list of them, or None."""
 
 COUNTS = Kind(
-    doc="TypeError unless an int32/int64 array or a sequence of ints; ValueError unless 1-D and non-negative.",
+    doc="TypeError unless an int32/int64 array or a sequence of ints; ValueError unless 1-D, non-negative, "
+    "on the host or a CUDA device, and summing to at most 2**63 - 1.",
     read=_read_counts,
     sign=_sign_counts,
     holds_counts=True,

@@ -107,20 +107,6 @@ def _last_chance(work: Any, gone: int) -> None:
         )
 
 
-class _TorchWork:
-    """A torch.distributed ``Work`` seen through unicoll's ``Work`` protocol (seconds, not timedelta)."""
-
-    def __init__(self, work: Any) -> None:
-        self._work = work
-
-    @torch_boundary
-    def wait(self, timeout: float) -> Any:
-        return self._work.wait(_wait_for(timeout))
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-
 class _GlooWork:
     """A gloo ``Work`` of ``backend``, waited for by its :meth:`TorchDistBackend._wait`, for ``Task.wait()``."""
 
@@ -172,10 +158,6 @@ def issue_on_stream(launch: Callable[[bool], Any], async_op: bool, calc_stream: 
         return _StreamWork(work)
     work.wait()
     return None
-
-
-def _work(work: Any) -> Work | None:
-    return None if work is None else _TorchWork(work)
 
 
 def _to_torch(x: Any) -> torch.Tensor:
@@ -295,8 +277,8 @@ class TorchDistBackend(Backend):
     def _issue(self, launch: Callable[[bool], Any], group: Group, async_op: bool) -> Work | None:
         """Run ``launch(async_op)``, a torch.distributed call; on gloo it is issued
         asynchronously and waited for by :func:`wait_gloo`, now or in ``Task.wait()``."""
-        if self._pg_backend != "gloo":
-            return _work(launch(async_op))
+        if self._pg_backend != "gloo":  # NCCL: on the current stream when synchronous
+            return issue_on_stream(launch, async_op, calc_stream=True)
         work = launch(True)
         if async_op:
             return _GlooWork(work, self, group.ranks)
