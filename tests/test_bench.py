@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unicoll import bench, bench_report, cli
+from unicoll import cli
+from unicoll.cli import bench, bench_report
 from unicoll.backends import layout
 
 SIZES = [1024, 2048, 4096]
@@ -96,3 +97,34 @@ def test_hand_written_reorder_matches_unicoll_layout() -> None:
         counts = rng.integers(0, 4, world * experts)
         expected = layout.rank_major_to_expert_major(counts.reshape(world, experts))
         np.testing.assert_array_equal(bench._expert_major_order(counts, world), expected)
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_transport_stubbed_moves_nothing_and_restores_the_backend() -> None:
+    """Inside the hook a call runs unicoll's work but leaves its output as it was; after it,
+    calls move bytes again; on more than one rank the hook refuses."""
+    import unicoll as uc
+    from unicoll import runtime
+
+    uc.init("gloo")
+    try:
+        x, out = np.arange(4.0), np.full(4, -1.0)
+        with runtime.transport_stubbed():
+            assert uc.alltoall_single(out, x) is out
+            assert out.tolist() == [-1.0] * 4
+            with pytest.raises(ValueError, match="alltoall_single: out"):
+                uc.alltoall_single(np.empty(3), x)  # validation still runs
+        assert uc.alltoall_single(out, x).tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert uc.get_backend() == "gloo" and type(runtime.state("test").backend).__name__ == "TorchDistBackend"
+    finally:
+        uc.finalize()
+    assert uc.testing.spawn(_stub_refused_on_two_ranks, 2, backend="gloo") == [True, True]
+
+
+def _stub_refused_on_two_ranks(rank: int) -> bool:
+    from unicoll import runtime
+
+    with pytest.raises(RuntimeError, match="transport_stubbed: expected a world of one rank, got 2 ranks"):
+        with runtime.transport_stubbed():
+            pass
+    return True

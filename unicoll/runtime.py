@@ -14,11 +14,13 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import forking, registry
 from .backends.base import Backend
+from .backends.stub import StubTransport
 from .cache import BoundedCache
 from .check import count_call, verify_barrier, verify_new_group
 from .entry import exclusive
@@ -193,6 +195,31 @@ def state(op: str) -> _State:
             raise NotInitializedError(_forked_message(op))
         raise NotInitializedError(f"{op}: unicoll is not initialized: call unicoll.init() first")
     return _state
+
+
+@contextmanager
+def transport_stubbed() -> Iterator[None]:
+    """Within the block, operators run all of unicoll's own work (validation, check mode,
+    planning, conversion, the result) but move no bytes: the running backend's transfers do
+    nothing and outputs keep what they held. For timing the front end on its own, as
+    ``unicoll bench`` does; a world of one rank only, since the other ranks would wait for
+    transfers that never come.
+
+    >>> with transport_stubbed():  # doctest: +SKIP
+    ...     uc.alltoall_single(out, x)  # out is left as it was
+    """
+    current = state("transport_stubbed")
+    if current.world.world_size != 1:
+        raise RuntimeError(
+            f"transport_stubbed: expected a world of one rank, got {current.world.world_size} ranks "
+            "(the others would wait for transfers that never come)"
+        )
+    real = current.backend
+    current.backend = StubTransport(real)
+    try:
+        yield
+    finally:
+        current.backend = real
 
 
 def resolve_group(group: Group | None, op: str) -> Group:

@@ -265,6 +265,20 @@ def _splits_rules(splits: str, tensor: str) -> tuple[Rule, ...]:
     )
 
 
+def _rows_to_self(c: Call) -> str | None:
+    """Whether the rows this rank receives from itself are the rows it sends itself (both
+    split sizes known here: given, or an even split of a given array)."""
+    if c.out_tensor is None and c.out_split_sizes is None:
+        return None  # the receive sizes are exchanged: they match by construction
+    me = c.group.rank
+    sent = int(c.in_split_sizes[me]) if c.in_split_sizes is not None else _rows(c.in_tensor) // c.W
+    received = int(c.out_split_sizes[me]) if c.out_split_sizes is not None else _rows(c.out_tensor) // c.W
+    if sent == received:
+        return None
+    source = "" if c.out_split_sizes is not None else " (an even split of out_tensor)"
+    return f"{received} rows from this rank (position {me}){source} while it sends itself {sent}"
+
+
 ALLTOALL_SINGLE = OpSpec(
     name="alltoall_single",
     summary=(
@@ -285,6 +299,7 @@ ALLTOALL_SINGLE = OpSpec(
     rules=(
         *_splits_rules("in_split_sizes", "in_tensor"),
         *_splits_rules("out_split_sizes", "out_tensor"),
+        Rule("out_split_sizes", "to receive from this rank the rows it sends itself", _rows_to_self),
         Rule("out_tensor", "the library, dtype and trailing shape of in_tensor",
              lambda c: None if c.out_tensor is None else _same_array_kind(c.out_tensor, c.in_tensor, "in_tensor"),
              TypeError),

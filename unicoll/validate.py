@@ -46,6 +46,7 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
             state.accepted.put(key, kept, _remembered_bytes(kept, spec))
         return call
     call = accepted.copy()
+    call.backend = state.backend  # the memory keeps none: the running one may be wrapped (transport_stubbed)
     for name in spec.passed_through:
         setattr(call, name, arguments[name])
     return call
@@ -53,8 +54,10 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
 
 def _frozen(call: Call, spec: OpSpec) -> Call:
     """A copy of ``call`` to remember: counts copied and read-only, as the caller's may change;
-    the caller's arrays left out (a call taken from memory gets the new call's arrays)."""
+    the caller's arrays and the backend left out (a call taken from memory gets the new call's
+    arrays and the running backend)."""
     kept = call.copy()
+    kept.backend = None
     for param in spec.params:
         value = getattr(call, param.name)
         if param.kind.passed_through:

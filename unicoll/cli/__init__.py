@@ -1,5 +1,5 @@
 """The ``unicoll`` command: ``unicoll run`` starts a local world, ``unicoll info`` reports,
-``unicoll bench`` times the operators (see :mod:`unicoll.bench`).
+``unicoll bench`` times the operators (see :mod:`unicoll.cli.bench`).
 
 ``unicoll run -n 4 train.py --lr 1e-3`` runs ``train.py`` as 4 ranks on this machine (see
 :mod:`unicoll.launch.local`); ``unicoll run -n 4 -m package.module`` runs a module instead, and
@@ -14,8 +14,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .launch import local as launcher
-from .launch import mpi as mpirun
+from ..launch import local as launcher
+from ..launch import mpi as mpirun
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     """``unicoll info``: print what :func:`unicoll.registry.format_info` reports."""
-    from .registry import format_info
+    from ..registry import format_info
 
     print(format_info())
     return 0

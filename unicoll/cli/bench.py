@@ -2,13 +2,13 @@
 
 :func:`run` (the command) starts N ranks with :func:`unicoll.launch.local.run` (on ``mpi``, as an
 MPI job with :func:`unicoll.launch.mpi.run`), each running
-``python -m unicoll.bench sweep CONFIG RESULT PROGRESS``. For every operator and message size
+``python -m unicoll.cli.bench sweep CONFIG RESULT PROGRESS``. For every operator and message size
 each rank builds one :class:`_Case` (the same buffers for unicoll's call and the raw call of
-the transport, :mod:`unicoll.bench_baselines`), checks both results against
+the transport, :mod:`unicoll.cli.bench_baselines`), checks both results against
 :mod:`unicoll.reference` once, then times them interleaved: every iteration runs both, in
 alternating order, each after a barrier, so drift affects both alike. A rank's figure is the
 median of its samples (blocks of back-to-back calls); the table shows the slowest rank's. A
-second, one-rank world (``python -m unicoll.bench single CONFIG RESULT``) measures the front
+second, one-rank world (``python -m unicoll.cli.bench single CONFIG RESULT``) measures the front
 end on its own: a tiny unicoll call with the backend's transfer primitives stubbed out, and the
 whole call beside the raw transfer it issues; and a single-process memory copy of each size,
 the bound that a transport within one machine is read against. docs/performance.md explains
@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from .launch import local as launcher
-from .launch import mpi as mpirun
-from .launch.process import write_atomically
+from ..launch import local as launcher
+from ..launch import mpi as mpirun
+from ..launch.process import write_atomically
 
 OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather")
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -514,14 +514,13 @@ def _frontend(w: _World) -> dict[str, Any]:
     issues (``unicoll_us``, ``raw_us`` and their ``difference_us``). For the MoE operators also
     ``frontend_fresh_counts_us``: the front end when every call brings new counts, so that
     neither the validator's memory nor the cached reorder plan can help."""
-    from unicoll import runtime
+    from unicoll.runtime import transport_stubbed
 
-    backend = runtime.state("bench").backend
     figures = {}
     for op in w.config.ops:
         case = _CASES[op](w, _FRONTEND_BYTES, False)
         uc_us, raw_us = _time(w, case, _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
-        with _without_transport(backend):
+        with transport_stubbed():
             stubbed_us, empty_us = _time(w, replace(case, raw=_none), _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
         figures[op] = {
             "frontend_us": stubbed_us - empty_us,
@@ -531,7 +530,7 @@ def _frontend(w: _World) -> dict[str, Any]:
         }
         if op in ("global_scatter", "global_gather"):
             fresh = _with_fresh_counts(op, w)
-            with _without_transport(backend):
+            with transport_stubbed():
                 fresh_us, _ = _time(w, replace(case, unicoll=fresh, raw=_none), _FRONTEND_ITERS, 0, 1, _none)
             figures[op]["frontend_fresh_counts_us"] = fresh_us - empty_us
     return {"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}
@@ -561,17 +560,6 @@ def _with_fresh_counts(op: str, w: _World) -> Callable[[], Any]:
     return fresh
 
 
-@contextmanager
-def _without_transport(backend: Any) -> Iterator[None]:
-    """Make the backend's byte-moving primitives do nothing (the output is left as it was), so
-    a call times only unicoll's own work: validation, dispatch, conversion, wrapping."""
-    backend.alltoallv = backend.all_gather_even = lambda *args: None
-    try:
-        yield
-    finally:
-        del backend.alltoallv, backend.all_gather_even
-
-
 def _environment(w: _World) -> dict[str, Any]:
     import torch
 
@@ -590,7 +578,7 @@ def _environment(w: _World) -> dict[str, Any]:
 
 
 def _worker(argv: Sequence[str]) -> None:
-    """``python -m unicoll.bench sweep CONFIG RESULT PROGRESS`` or ``... single CONFIG RESULT``."""
+    """``python -m unicoll.cli.bench sweep CONFIG RESULT PROGRESS`` or ``... single CONFIG RESULT``."""
     mode, encoded, *paths = argv
     fields = json.loads(encoded)
     config = Config(**{**fields, "ops": tuple(fields["ops"])})
