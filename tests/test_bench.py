@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from unicoll import cli
-from unicoll.cli import bench, bench_report
 from unicoll.backends import layout
+from unicoll.cli import bench, bench_report
 
 SIZES = [1024, 2048, 4096]
 
