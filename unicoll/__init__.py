@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import backends, reference
+from . import backends, moe, reference
 from .errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
@@ -77,6 +77,7 @@ __all__ = [
     "global_scatter",
     "init",
     "is_initialized",
+    "moe",
     "new_group",
     "reference",
     "register_backend",

@@ -27,7 +27,18 @@ from .arrays import DTYPES, dtype_name
 from .backends.base import Backend
 from .errors import CrossRankMismatchError
 from .group import Group
-from .spec import ALL_GATHER, ALLTOALL_SINGLE, EXCHANGE_COUNTS, GLOBAL_GATHER, GLOBAL_SCATTER, SPECS, Call, OpSpec
+from .spec import (
+    ALL_GATHER,
+    ALLTOALL_SINGLE,
+    EXCHANGE_COUNTS,
+    GLOBAL_GATHER,
+    GLOBAL_SCATTER,
+    MOE_COMBINE,
+    MOE_DISPATCH,
+    SPECS,
+    Call,
+    OpSpec,
+)
 
 #: Every entry point check mode describes, by its index in the header: those with a spec, then
 #: barrier and new_group.
@@ -132,12 +143,20 @@ def _gather_mismatch(r: int, c: int, e: int, expects: int, sends: int) -> str:
     return f"rank {c} expects {sends} row(s) back from rank {r} for expert {e}, but rank {r} returns {expects}"
 
 
-def _moe(op: str, call: Call, mismatch: Callable[[int, int, int, int, int], str]) -> None:
+def _moe(
+    op: str,
+    call: Call,
+    mismatch: Callable[[int, int, int, int, int], str],
+    rows: object = None,
+    counts: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
     """Rank r's global_count against every rank c's local_count; ``mismatch(r, c, e, expects,
-    sends)`` words a disagreement."""
+    sends)`` words a disagreement. ``rows`` and ``counts`` (local, global) default to the call's
+    ``x`` and counts."""
     world = call.W
-    payload = np.concatenate([call.local_count, call.global_count])
-    both = _gather(call.backend, call.group, call.x, op, payload, inline=False)
+    local_count, global_count = counts or (call.local_count, call.global_count)
+    payload = np.concatenate([local_count, global_count])
+    both = _gather(call.backend, call.group, call.x if rows is None else rows, op, payload, inline=False)
     local, glob = both[:, : both.shape[1] // 2], both[:, both.shape[1] // 2 :]
     experts = local.shape[1] // world
     for r in range(world):  # rank r receives (scatter) or returns (gather) rows of rank c
@@ -186,6 +205,23 @@ def _exchange_counts(op: str, call: Call) -> None:
     _gather(call.backend, call.group, counts, op, _NO_ROWS, inline=True, length=counts.size)
 
 
+def _moe_dispatch(op: str, call: Call) -> None:
+    """Every rank passes the same experts_per_rank and capacity (the counts are exchanged by
+    the call itself, so they agree by construction)."""
+    mine = np.array([call.experts_per_rank, _UNKNOWN if call.capacity is None else call.capacity], np.int64)
+    given = _gather(call.backend, call.group, call.x, op, mine, inline=True)
+    for c in range(1, call.W):
+        for i, name in enumerate(("experts_per_rank", "capacity")):
+            if given[c, i] != given[0, i]:
+                shown = lambda v: "None" if v == _UNKNOWN else int(v)  # noqa: E731
+                raise _fail(op, f"rank 0 passes {name}={shown(given[0, i])} but rank {c} passes {shown(given[c, i])}")
+
+
+def _moe_combine(op: str, call: Call) -> None:
+    """The handles' counts pair up: every rank combines with the handle of the same dispatch."""
+    _moe(op, call, _gather_mismatch, call.y, (call.handle.local_count, call.handle.global_count))
+
+
 #: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``.
 CHECKS: dict[OpSpec, Callable[..., None]] = {
     GLOBAL_SCATTER: _global_scatter,
@@ -193,6 +229,8 @@ CHECKS: dict[OpSpec, Callable[..., None]] = {
     ALLTOALL_SINGLE: _alltoall_single,
     ALL_GATHER: _all_gather,
     EXCHANGE_COUNTS: _exchange_counts,
+    MOE_DISPATCH: _moe_dispatch,
+    MOE_COMBINE: _moe_combine,
 }
 
 

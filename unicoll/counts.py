@@ -49,13 +49,7 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
         raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
     if device_kind(value) not in _HOST_OR_CUDA:
         raise bad_input(op, param, "counts on the host or a CUDA device", describe(value))
-    if lib == "torch":
-        host = value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
-    elif lib == "cupy":
-        host = value.get()
-    else:
-        host = value
-    counts = np.asarray(host, dtype=np.int64)
+    counts = np.asarray(_host(value), dtype=np.int64)
     if counts.ndim != 1:
         raise bad_input(op, param, "a 1-D array", f"shape {counts.shape}")
     if counts.size and counts.min() < 0:
@@ -89,3 +83,30 @@ def _from_sequence(value: Any, op: str, param: str) -> np.ndarray:
     if value and max(value) > INT64_MAX // len(value):  # a count or the sum might not fit in int64
         _check_total(sum(map(int, value)), op, param)
     return np.array(value, dtype=np.int64)
+
+
+def as_expert_ids(value: Any, op: str, param: str) -> np.ndarray:
+    """The router's expert ids as a host int64 array of shape ``(tokens, k)``, ``k >= 1``.
+
+    An int32/int64 array of numpy, torch or cupy (a CUDA array is copied to the host, which
+    waits for the work queued before it); the values are checked against the number of
+    experts by the caller, which knows it. Raises TypeError/ValueError naming ``op`` and ``param``.
+
+    >>> as_expert_ids(np.array([[0, 3], [-1, 1]], dtype=np.int32), "moe.dispatch", "topk_idx").dtype
+    dtype('int64')
+    """
+    if library_of(value) is None or dtype_name(value) not in _INT_DTYPES:
+        raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
+    if device_kind(value) not in _HOST_OR_CUDA:
+        raise bad_input(op, param, "expert ids on the host or a CUDA device", describe(value))
+    if value.ndim != 2 or value.shape[1] < 1:
+        raise bad_input(op, param, "a 2-D array (tokens, k) with k >= 1", describe(value))
+    return np.asarray(_host(value), dtype=np.int64)
+
+
+def _host(value: Any) -> Any:
+    """An int array of any library on the host (numpy)."""
+    library = library_of(value)
+    if library == "torch":
+        return value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
+    return value.get() if library == "cupy" else value

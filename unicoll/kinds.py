@@ -25,9 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .arrays import NON_NATIVE, describe, is_fillable, kind_of, library_of
-from .counts import as_counts
+from .counts import as_counts, as_expert_ids
 from .errors import bad_input
+from .routing import Handle
 
 if TYPE_CHECKING:
     from .backends.base import Capabilities
@@ -98,6 +101,40 @@ def _read_optional_counts(op: str, param: str, value: Any, caps: Capabilities, b
     return None if value is None else as_counts(value, op, param)
 
 
+def _read_optional_array(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    return None if value is None else _read_array(op, param, value, caps, backend)
+
+
+def _read_expert_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    return as_expert_ids(value, op, param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _read_positive_int(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if not _is_int(value):
+        raise bad_input(op, param, "an int", describe(value), TypeError)
+    if value < 1:
+        raise bad_input(op, param, "an int of at least 1", int(value))
+    return int(value)
+
+
+def _read_optional_size(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise bad_input(op, param, "an int or None", describe(value), TypeError)
+    if value < 0:
+        raise bad_input(op, param, "a non-negative int or None", int(value))
+    return int(value)
+
+
+def _read_handle(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    return value  # checked before the call is read (unicoll.moe.handle_group): its group is the call's
+
+
 def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
     if value is not True and value is not False:
         raise bad_input(op, param, "True or False", describe(value), TypeError)
@@ -137,6 +174,21 @@ def _sign_counts(value: Any) -> Any:
 
 def _sign_flag(value: Any) -> Any:
     return value if type(value) is bool else None
+
+
+def _sign_optional_array(x: Any) -> Any:
+    return () if x is None else _sign_array(x)
+
+
+def _sign_int(value: Any) -> Any:
+    if value is None:
+        return ()
+    return (type(value), int(value)) if _is_int(value) else None
+
+
+def _sign_handle(handle: Any) -> Any:
+    """What combine's rules read of a handle: the rows it expects, its arrays' kind, its weights."""
+    return (handle.received, handle.library, handle.device, handle.weighted) if isinstance(handle, Handle) else None
 
 
 # -- the kinds ---------------------------------------------------------------------------------
@@ -192,3 +244,37 @@ GROUP = Kind(
 
 FLAG = Kind(doc="TypeError unless True or False.", read=_read_flag, sign=_sign_flag)
 """True or False."""
+
+OPTIONAL_ARRAY = Kind(
+    doc="as an input array, when given.",
+    read=_read_optional_array,
+    sign=_sign_optional_array,
+    passed_through=True,
+)
+"""An input array, or None."""
+
+EXPERT_IDS = Kind(
+    doc="TypeError unless an int32/int64 array (numpy, torch or cupy); ValueError unless 2-D (tokens, k) "
+    "with k >= 1, on the host or a CUDA device (read on the host).",
+    read=_read_expert_ids,
+    sign=None,  # the values are checked, and they change every step: such a call is read in full
+)
+"""The router's global expert ids, ``(tokens, k)``, read into a host int64 array."""
+
+POSITIVE_INT = Kind(
+    doc="TypeError unless an int; ValueError unless at least 1.", read=_read_positive_int, sign=_sign_int
+)
+"""A positive int."""
+
+OPTIONAL_SIZE = Kind(
+    doc="TypeError unless an int or None; ValueError if negative.", read=_read_optional_size, sign=_sign_int
+)
+"""A non-negative int, or None."""
+
+HANDLE = Kind(
+    doc="TypeError unless a handle returned by moe.dispatch; ValueError once its session ended (finalize()).",
+    read=_read_handle,
+    sign=_sign_handle,
+    passed_through=True,
+)
+"""A :class:`~unicoll.routing.Handle`."""

@@ -35,6 +35,8 @@ __all__ = [
     "alltoall_single",
     "all_gather",
     "all_gather_backward",
+    "moe_dispatch",
+    "moe_combine",
 ]
 
 
@@ -278,3 +280,96 @@ def all_gather_backward(grads: Sequence[np.ndarray], rows: Sequence[int]) -> lis
     _check_rows(arrays, np.full(len(arrays), total), "grads", "sum(rows)")
     summed = np.stack(arrays).sum(axis=0, dtype=arrays[0].dtype)
     return [part.copy() for part in _split(summed, sizes)]
+
+
+def _kept_slots(ids: np.ndarray, capacity: int | None) -> list[tuple[int, int, int]]:
+    """``(token, slot, expert)`` of every kept slot of one rank, in slot order ``t * k + j``:
+    -1 drops a slot, and each expert takes at most ``capacity`` slots, the first ones."""
+    taken: dict[int, int] = {}
+    kept = []
+    for t, row in enumerate(ids):
+        for j, expert in enumerate(row.tolist()):
+            if expert < 0 or (capacity is not None and taken.get(expert, 0) >= capacity):
+                continue
+            taken[expert] = taken.get(expert, 0) + 1
+            kept.append((t, j, expert))
+    return kept
+
+
+def _moe_layout(
+    topk_idxs: Sequence[ArrayLike], experts_per_rank: int, capacity: int | None
+) -> list[list[tuple[int, int, int]]]:
+    """For each destination rank, its rows in order as ``(source rank, token, slot)``:
+    expert-major, then source rank, then slot order."""
+    ids = [np.asarray(i, dtype=np.int64).reshape(len(i), -1) for i in topk_idxs]
+    world, experts = len(ids), experts_per_rank
+    for r, a in enumerate(ids):
+        if a.size and (a.min() < -1 or a.max() >= world * experts):
+            raise ValueError(f"topk_idxs[{r}] holds an expert id outside -1 .. {world * experts - 1}")
+    kept = [_kept_slots(a, capacity) for a in ids]
+    return [
+        [(c, t, j) for e in range(experts) for c in range(world) for t, j, i in kept[c] if i == r * experts + e]
+        for r in range(world)
+    ]
+
+
+def moe_dispatch(
+    xs: Sequence[np.ndarray], topk_idxs: Sequence[ArrayLike], experts_per_rank: int, capacity: int | None = None
+) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Top-k dispatch over the whole world: every rank's rows and rows per local expert.
+
+    ``topk_idxs[c][t, j]`` is the global expert (``rank * experts_per_rank + e``) of slot j of
+    token t on rank c, or -1 (dropped); with ``capacity``, rank c sends each expert at most
+    that many slots, the lowest ``t * k + j`` first. Rank r receives row t of ``xs[c]`` for
+    each kept slot routed to it, ordered expert-major, then source rank c, then slot.
+
+    Example (W=2, E=1, top-2)::
+
+        >>> xs = [np.array([0, 1, 2]), np.array([10, 11])]
+        >>> rows, per_expert = moe_dispatch(xs, [[[0, 1], [1, -1], [0, 0]], [[1, 0], [-1, -1]]], 1)
+        >>> [r.tolist() for r in rows], per_expert
+        ([[0, 2, 2, 10], [0, 1, 10]], [[4], [3]])
+    """
+    arrays = _as_arrays(xs, "xs")
+    layout = _moe_layout(topk_idxs, experts_per_rank, capacity)
+    rows = []
+    for order in layout:
+        taken = [arrays[c][t] for c, t, _ in order]
+        rows.append(np.stack(taken) if taken else arrays[0][:0].copy())
+    per_expert = [
+        [sum(1 for c, t, j in order if topk_idxs[c][t][j] % experts_per_rank == e) for e in range(experts_per_rank)]
+        for order in layout
+    ]
+    return rows, per_expert
+
+
+def moe_combine(
+    ys: Sequence[np.ndarray],
+    topk_idxs: Sequence[ArrayLike],
+    experts_per_rank: int,
+    topk_weights: Sequence[ArrayLike] | None = None,
+    capacity: int | None = None,
+) -> list[np.ndarray]:
+    """Top-k combine over the whole world: ``out_c[t] = sum_j w_c[t, j] * (output for slot (t, j))``.
+
+    ``ys[r]`` is laid out like rank r's :func:`moe_dispatch` rows; a dropped slot contributes
+    zero, ``w`` is 1 without weights. Sums are taken in int64 or float64 and the result has
+    ``ys``'s dtype and trailing shape, one row per token of ``topk_idxs[c]``.
+
+    Example (the dispatch example, each expert output doubled, unweighted)::
+
+        >>> ids = [[[0, 1], [1, -1], [0, 0]], [[1, 0], [-1, -1]]]
+        >>> [o.tolist() for o in moe_combine([np.array([0, 4, 4, 20]), np.array([0, 2, 20])], ids, 1)]
+        [[0, 2, 8], [40, 0]]
+    """
+    arrays = _as_arrays(ys, "ys")
+    layout = _moe_layout(topk_idxs, experts_per_rank, capacity)
+    wide = np.int64 if np.issubdtype(arrays[0].dtype, np.integer) else np.float64
+    trailing = arrays[0].shape[1:]
+    outs = [np.zeros((len(ids), *trailing), dtype=wide) for ids in topk_idxs]
+    _check_rows(arrays, np.array([len(order) for order in layout]), "ys", "the number of rows dispatched to rank {r}")
+    for r, order in enumerate(layout):
+        for row, (c, t, j) in zip(arrays[r], order):
+            weight = 1 if topk_weights is None else np.float64(np.asarray(topk_weights[c])[t, j])
+            outs[c][t] += row.astype(wide) * weight
+    return [out.astype(arrays[0].dtype) for out in outs]

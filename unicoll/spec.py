@@ -20,13 +20,28 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
-from .kinds import ARRAY, COUNTS, FLAG, GATHER_OUTPUT, GROUP, OPTIONAL_COUNTS, OPTIONAL_OUTPUT, Kind
+from .kinds import (
+    ARRAY,
+    COUNTS,
+    EXPERT_IDS,
+    FLAG,
+    GATHER_OUTPUT,
+    GROUP,
+    HANDLE,
+    OPTIONAL_ARRAY,
+    OPTIONAL_COUNTS,
+    OPTIONAL_OUTPUT,
+    OPTIONAL_SIZE,
+    POSITIVE_INT,
+    Kind,
+)
 
 if TYPE_CHECKING:
     import numpy as np
 
     from .backends.base import Backend
     from .group import Group
+    from .routing import Handle
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +69,12 @@ class Call:
     tensor: Any = None
     sync_op: bool | None = None
     use_calc_stream: bool | None = None
+    topk_idx: np.ndarray | None = None
+    topk_weights: Any = None
+    experts_per_rank: int | None = None
+    capacity: int | None = None
+    y: Any = None
+    handle: Handle | None = None
 
     def copy(self) -> Call:
         """A shallow copy: the same values in a new call."""
@@ -74,6 +95,12 @@ class Call:
             self.tensor,
             self.sync_op,
             self.use_calc_stream,
+            self.topk_idx,
+            self.topk_weights,
+            self.experts_per_rank,
+            self.capacity,
+            self.y,
+            self.handle,
         )
 
 
@@ -89,6 +116,7 @@ class Param:
     annotation: str
     doc: str
     default: Any = REQUIRED
+    keyword_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -374,9 +402,114 @@ EXCHANGE_COUNTS = OpSpec(
     in_capabilities=False,
 )  # fmt: skip
 
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
+
+
+def _expert_ids_in_range(c: Call) -> str | None:
+    ids, experts = c.topk_idx, c.W * c.experts_per_rank
+    if ids.size == 0:
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    if low >= -1 and high < experts:
+        return None
+    bad = ids.argmin() if low < -1 else ids.argmax()
+    t, j = divmod(int(bad), ids.shape[1])
+    return f"{int(ids[t, j])} at [{t}, {j}] (W * experts_per_rank = {experts})"
+
+
+def _same_place(a: Any, x: Any, what: str) -> str | None:
+    """Library and device of ``a`` against ``x``'s; None when they agree."""
+    kind_a, kind_x = kind_of(a), kind_of(x)
+    if kind_a.library == kind_x.library and getattr(a, "device", None) == getattr(x, "device", None):
+        return None
+    return f"{describe(a)} for {what} {describe(x)}"
+
+
+MOE_DISPATCH = OpSpec(
+    name="moe.dispatch",
+    summary=(
+        "Top-k token dispatch: every kept slot (t, j) of topk_idx sends row t of x to global expert "
+        "topk_idx[t, j] = rank * experts_per_rank + e. Returns (rows, rows_per_expert, handle): the rows this "
+        "rank's experts receive, expert-major, then source rank, then slot t * k + j (global_scatter's "
+        "layout); rows_per_expert, host ints; and the handle that moe.combine, the backward passes and later "
+        "layers with the same routing reuse (no new count exchange). -1 drops a slot; with capacity, each rank "
+        "sends each expert at most capacity rows, the lowest slots t * k + j first."
+    ),
+    params=(
+        Param("x", ARRAY, "array", "The tokens, one per row (rows are dimension 0)."),
+        Param("topk_idx", EXPERT_IDS, "int array", "(tokens, k) global expert ids; -1 drops that slot."),
+        Param("topk_weights", OPTIONAL_ARRAY, "array | None",
+              "(tokens, k) weights that moe.combine applies to each slot; kept by the handle. None: unweighted.",
+              None),
+        Param("experts_per_rank", POSITIVE_INT, "int", "E, the experts each rank holds (the same on every rank).",
+              keyword_only=True),
+        _GROUP,
+        Param("sync_op", FLAG, "bool",
+              "True returns the result; False returns a Task whose wait() returns it (the counts are "
+              "exchanged before it returns, the rows in flight).", True),
+        Param("capacity", OPTIONAL_SIZE, "int | None",
+              "The most rows this rank sends to each expert (the same on every rank); None: no limit.", None),
+    ),
+    rules=(
+        Rule("topk_idx", "as many rows as x (one row of expert ids per token)",
+             lambda c: None if _rows(c.topk_idx) == _rows(c.x)
+             else f"shape {c.topk_idx.shape} for x with {_rows(c.x)} rows"),
+        Rule("topk_idx", "expert ids from -1 (a dropped slot) to W * experts_per_rank - 1", _expert_ids_in_range),
+        Rule("topk_weights", "a floating dtype (" + ", ".join(_FLOATING) + ")",
+             lambda c: None if c.topk_weights is None or kind_of(c.topk_weights).dtype in _FLOATING
+             else describe(c.topk_weights), TypeError),
+        Rule("topk_weights", "the library and device of x",
+             lambda c: None if c.topk_weights is None else _same_place(c.topk_weights, c.x, "x"), TypeError),
+        Rule("topk_weights", "the shape of topk_idx (one weight per slot)",
+             lambda c: None if c.topk_weights is None or tuple(c.topk_weights.shape) == c.topk_idx.shape
+             else f"shape {tuple(c.topk_weights.shape)} for topk_idx of shape {c.topk_idx.shape}"),
+    ),
+    backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "
+    "each token's slots",
+    in_capabilities=False,
+)  # fmt: skip
+
+
+def _combine_place(c: Call) -> str | None:
+    kind, handle = kind_of(c.y), c.handle
+    if kind.library == handle.library and getattr(c.y, "device", None) == handle.device:
+        return None
+    return f"{describe(c.y)} for x of {handle.library} on {handle.device or 'cpu'}"
+
+
+MOE_COMBINE = OpSpec(
+    name="moe.combine",
+    summary=(
+        "Top-k combine: y holds the expert outputs in moe.dispatch's layout; each row goes back to the rank it "
+        "came from, and token t's result is the sum over its slots j of the output for slot (t, j) times "
+        "topk_weights[t, j] (unweighted without weights); dropped slots contribute zero. The result has "
+        "tokens rows, y's dtype and trailing shape."
+    ),
+    params=(
+        Param("y", ARRAY, "array", "Expert outputs: as many rows as the handle's dispatch returned, in its order."),
+        Param("handle", HANDLE, "moe.Handle", "What moe.dispatch returned with the rows."),
+        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
+              True, keyword_only=True),
+    ),
+    rules=(
+        Rule("y", "as many rows as the handle's dispatch returned",
+             lambda c: None if _rows(c.y) == c.handle.received else f"{_rows(c.y)} rows for {c.handle.received}"),
+        Rule("y", "the library and device of the dispatched x", _combine_place, TypeError),
+        Rule("y", "a dtype that sums (not bool)",
+             lambda c: describe(c.y) if kind_of(c.y).dtype == "bool" else None, TypeError),
+        Rule("y", "a floating dtype (" + ", ".join(_FLOATING) + ") when dispatch was given topk_weights",
+             lambda c: describe(c.y) if c.handle.weighted and kind_of(c.y).dtype not in _FLOATING else None,
+             TypeError),
+    ),
+    backward="to y: the result's gradient times each slot's weight, sent to the experts (global_scatter with "
+    "the handle's counts); to topk_weights: the gradient's dot product with each slot's expert output",
+    in_capabilities=False,
+)  # fmt: skip
+
 #: Every entry point with a spec, by name, in the order the docs list them.
 SPECS: dict[str, OpSpec] = {
-    op.name: op for op in (GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, EXCHANGE_COUNTS)
+    op.name: op
+    for op in (GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, EXCHANGE_COUNTS, MOE_DISPATCH, MOE_COMBINE)
 }
 
 #: The data operators, which backends list in their capability tables, by name.

@@ -1,0 +1,166 @@
+"""Top-k token dispatch and combine: the step every MoE layer takes around its experts.
+
+``dispatch`` sends each token to the experts the router picked (``topk_idx``, global ids
+``rank * E + e``, ``-1`` to drop a slot) and hands back the rows each local expert receives,
+grouped by expert, with a handle; ``combine`` sends the experts' outputs back and sums each
+token's slots, weighted by ``topk_weights``. Built on the backends' ``global_scatter`` and
+``global_gather``, so every backend and array library runs it; the layout is in
+docs/semantics.md ("Top-k dispatch and combine").
+
+>>> import unicoll as uc
+>>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, topk_weights, experts_per_rank=2)  # doctest: +SKIP
+>>> outputs = [expert(part) for expert, part in zip(experts, split(rows, rows_per_expert))]       # doctest: +SKIP
+>>> y = uc.moe.combine(concat(outputs), handle)                                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from array_api_compat import array_namespace, device
+
+from .arrays import describe, library_of
+from .backends.base import Pending
+from .check import verify
+from .entry import enter, leave
+from .errors import bad_input
+from .group import Group
+from .ops import _functional, _run
+from .routing import Handle, route
+from .spec import MOE_COMBINE, MOE_DISPATCH, Call
+from .validate import prepare
+
+__all__ = ["Handle", "combine", "dispatch"]
+
+
+def dispatch(
+    x: Any,
+    topk_idx: Any,
+    topk_weights: Any | None = None,
+    *,
+    experts_per_rank: int,
+    group: Group | None = None,
+    sync_op: bool = True,
+    capacity: int | None = None,
+) -> tuple[Any, list[int], Handle] | Any:
+    """Send each token (row of ``x``) to its top-k experts; returns ``(rows, rows_per_expert, handle)``.
+
+    ``topk_idx[t, j]`` is the global expert ``rank * experts_per_rank + e`` of token t's slot j,
+    or -1 to drop it. ``rows`` holds what this rank's experts receive, expert-major, then
+    source rank, then slot ``t * k + j`` (``global_scatter``'s layout); ``rows_per_expert[e]``
+    (host ints) says how many rows expert e got, so ``rows`` splits on it. ``capacity``: each
+    rank sends each expert at most that many rows, the lowest slots first. ``sync_op=False``
+    returns a :class:`~unicoll.Task` whose ``wait()`` returns the same tuple.
+
+    >>> # W=2, E=1, rank 0: tokens 0 1 2 with top-2 experts [[0, 1], [1, -1], [0, 1]]
+    >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, experts_per_rank=1)  # doctest: +SKIP
+    >>> rows_per_expert                                                                     # doctest: +SKIP
+    [3]
+    """
+    enter(MOE_DISPATCH.name)
+    try:
+        return _dispatch(prepare(MOE_DISPATCH, locals()))
+    finally:
+        leave()
+
+
+def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any:
+    """Send expert outputs back and sum each token's slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
+
+    ``y`` holds one output row per row that :func:`dispatch` returned, in the same order (its
+    trailing shape may differ from x's). The weights are dispatch's ``topk_weights`` (1 without
+    them); dropped slots contribute zero. The result has one row per token, y's dtype.
+
+    >>> out = uc.moe.combine(expert_outputs, handle)   # doctest: +SKIP
+    """
+    enter(MOE_COMBINE.name)
+    try:
+        arguments = dict(y=y, handle=handle, sync_op=sync_op, group=handle_group(handle))
+        return _combine(prepare(MOE_COMBINE, arguments))
+    finally:
+        leave()
+
+
+def handle_group(handle: Any) -> Group:
+    """The group of a usable handle; TypeError for anything but a handle, ValueError once its
+    session ended (checked before the call is read: the handle's group is the call's)."""
+    if not isinstance(handle, Handle):
+        raise bad_input(MOE_COMBINE.name, "handle", "a handle returned by moe.dispatch", describe(handle), TypeError)
+    if handle.ended is not None:
+        given = f"one that can no longer be used: {handle.ended}"
+        raise bad_input(MOE_COMBINE.name, "handle", "a handle of the running session", given)
+    return handle.group
+
+
+def _dispatch(call: Call) -> Any:
+    backend, grp, x = call.backend, call.group, call.x
+    routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
+    local_count, shape = routing.local_count, call.topk_idx.shape
+    xp, where = array_namespace(x), device(x)
+    send_tokens = xp.asarray(routing.send_tokens, device=where)
+    slot_rows = xp.asarray(routing.slot_rows, device=where)
+    kept = None
+    if routing.dropped and call.topk_weights is not None:
+        kept = xp.asarray((routing.slot_rows < routing.send_tokens.size).reshape(shape), device=where)
+    sent = xp.take(x, send_tokens, axis=0)  # in x's library: autograd sums each token's slots
+    global_count = None
+
+    def issue() -> Pending:
+        nonlocal global_count
+        if call.check:
+            verify(MOE_DISPATCH, call)
+        global_count = backend.exchange_ints(local_count.copy(), grp)
+        native = backend.to_native(sent)
+        return backend.global_scatter(native, local_count, global_count, grp, not call.sync_op, call.sync_op)
+
+    def backward(grad: Any) -> Any:
+        return backend.global_gather(grad, local_count, global_count, grp, False).finish()
+
+    received = _functional(MOE_DISPATCH.name, call, sent, backward)
+
+    def finish(result: Any) -> tuple[Any, list[int], Handle]:
+        indices = (send_tokens, slot_rows, kept)
+        handle = Handle(
+            routing, global_count, grp, shape, call.topk_weights, library_of(x), getattr(x, "device", None), indices
+        )
+        return received(result), handle.rows_per_expert, handle
+
+    return _run(MOE_DISPATCH.name, call, issue, finish)
+
+
+def _combine(call: Call) -> Any:
+    backend, grp, y, handle = call.backend, call.group, call.y, call.handle
+    local_count, global_count = handle.local_count, handle.global_count
+
+    def issue() -> Pending:
+        if call.check:
+            verify(MOE_COMBINE, call)
+        native = backend.to_native(y)
+        return backend.global_gather(native, local_count, global_count, grp, not call.sync_op, call.sync_op)
+
+    def backward(grad: Any) -> Any:
+        return backend.global_scatter(grad, local_count, global_count, grp, False).finish()
+
+    returned = _functional(MOE_COMBINE.name, call, y, backward)
+    weights, (_, slot_rows, kept) = handle._weights, handle._indices
+
+    def finish(result: Any) -> Any:
+        return _sum_slots(returned(result), handle, weights, slot_rows, kept)
+
+    return _run(MOE_COMBINE.name, call, issue, finish)
+
+
+def _sum_slots(back: Any, handle: Handle, weights: Any, slot_rows: Any, kept: Any) -> Any:
+    """Each token's rows (``back``, in send order) weighted and summed over its k slots, in
+    back's library (so torch's autograd follows), as back's dtype."""
+    xp = array_namespace(back)
+    trailing = tuple(back.shape[1:])
+    if handle.dropped:  # dropped slots read a zero row
+        back = xp.concat([back, xp.zeros((1, *trailing), dtype=back.dtype, device=device(back))], axis=0)
+    rows = xp.reshape(xp.take(back, slot_rows, axis=0), (handle.tokens, handle.topk, *trailing))
+    if weights is not None:
+        rows = rows * xp.reshape(weights, (handle.tokens, handle.topk, *(1,) * len(trailing)))
+        if kept is not None:  # a dropped slot contributes zero whatever its weight (inf, nan)
+            rows = xp.where(xp.reshape(kept, (*kept.shape, *(1,) * len(trailing))), rows, xp.zeros_like(rows))
+    out = xp.sum(rows, axis=1)
+    return out if out.dtype == back.dtype else xp.astype(out, back.dtype)

@@ -1,0 +1,123 @@
+"""The layout of a top-k dispatch, computed on the host from the router's expert ids, and the
+handle that keeps it for the combine, the backward passes and later layers.
+
+A token's ``k`` slots are numbered ``s = t * k + j`` (token ``t``, slot ``j``). A kept slot
+sends one copy of its token's row; the rows leave in *send order*: by global expert id
+``i = rank * E + e``, then by slot number (so the lowest token index first), which is the
+order ``global_scatter`` expects. ``-1`` drops a slot, and so does ``capacity``: each rank
+sends each expert at most ``capacity`` rows, the lowest slot numbers first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .session import join_session
+
+if TYPE_CHECKING:
+    from .group import Group
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Where each slot's row goes, as host int64 arrays (see the module's docstring).
+
+    ``local_count[i]``: rows this rank sends to global expert ``i`` (length ``W*E``).
+    ``send_tokens[n]``: the token whose row is the ``n``-th row sent.
+    ``slot_rows[s]``: the position of slot ``s``'s row among the rows sent, or
+    ``len(send_tokens)`` for a dropped slot. ``dropped``: whether any slot is dropped.
+    """
+
+    local_count: np.ndarray
+    send_tokens: np.ndarray
+    slot_rows: np.ndarray
+    dropped: bool
+
+
+def route(topk_idx: np.ndarray, experts: int, capacity: int | None) -> Routing:
+    """The :class:`Routing` of validated expert ids ``topk_idx`` (host int64, shape ``(T, k)``,
+    values from -1 to ``len(local_count) - 1``) for ``experts`` global experts.
+
+    >>> r = route(np.array([[1, 0], [1, -1], [0, 1]]), 2, capacity=None)
+    >>> r.local_count.tolist(), r.send_tokens.tolist(), r.slot_rows.tolist()
+    ([2, 3], [0, 2, 0, 1, 2], [2, 0, 3, 5, 1, 4])
+    >>> route(np.array([[1, 0], [1, -1], [0, 1]]), 2, capacity=1).slot_rows.tolist()
+    [1, 0, 2, 2, 2, 2]
+    """
+    tokens, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    slots = np.flatnonzero(flat >= 0)
+    destinations = flat[slots]
+    order = np.argsort(destinations, kind="stable")  # by expert, then by slot number
+    sent = slots[order]
+    local_count = np.bincount(destinations, minlength=experts).astype(np.int64, copy=False)
+    if capacity is not None and sent.size and int(local_count.max()) > capacity:
+        starts = np.cumsum(local_count) - local_count
+        place = np.arange(sent.size, dtype=np.int64) - np.repeat(starts, local_count)
+        sent = sent[place < capacity]
+        local_count = np.minimum(local_count, capacity)
+    slot_rows = np.full(tokens * k, sent.size, dtype=np.int64)
+    slot_rows[sent] = np.arange(sent.size, dtype=np.int64)
+    return Routing(local_count, sent // k, slot_rows, sent.size < tokens * k)
+
+
+class Handle:
+    """What :func:`unicoll.moe.dispatch` hands back for the matching :func:`unicoll.moe.combine`:
+    the layout of one routing (counts on both sides, the rows' order, each slot's row), so a
+    combine, the backward passes and a second layer with the same routing exchange no counts.
+
+    It keeps the caller's ``topk_weights`` (combine weighs by them, and their gradient flows
+    through it) and nothing else of the caller's: no token rows, no expert ids. Once the
+    session that made it ends (``finalize()``) it refuses to be used and lets go of the weights.
+
+    >>> y, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, w, experts_per_rank=2)  # doctest: +SKIP
+    >>> handle.rows_per_expert == rows_per_expert, handle.tokens, handle.topk              # doctest: +SKIP
+    (True, 4, 2)
+    """
+
+    def __init__(
+        self,
+        routing: Routing,
+        global_count: np.ndarray,
+        group: Group,
+        topk_idx_shape: tuple[int, int],
+        weights: Any,
+        library: str,
+        device: Any,
+        indices: tuple[Any, Any, Any],
+    ) -> None:
+        self.local_count = routing.local_count
+        self.global_count = global_count
+        self.group = group
+        self.tokens, self.topk = topk_idx_shape
+        self.dropped = routing.dropped
+        self.library = library
+        self.device = device
+        self.received = int(global_count.sum())
+        self.sent = int(routing.send_tokens.size)
+        self.rows_per_expert: list[int] = global_count.reshape(group.world_size, -1).sum(0).tolist()
+        self._weights = weights
+        self._indices = indices  # send_tokens, slot_rows and the kept-slot mask, in x's library and device
+        self._ended: str | None = None
+        join_session(group.session, self)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether dispatch was given ``topk_weights`` (combine then weighs each slot by its own)."""
+        return self._weights is not None
+
+    @property
+    def ended(self) -> str | None:
+        """Why the handle cannot be used any more (its session ended), or None while it can."""
+        return self._ended
+
+    def _end_session(self, reason: str, keep_handles: bool) -> None:
+        self._ended = reason
+        self._weights = self._indices = None
+
+    def __repr__(self) -> str:
+        state = f"ended: {self._ended}" if self._ended else f"rows per expert {self.rows_per_expert}"
+        return f"<unicoll.moe.Handle {self.tokens} tokens x top-{self.topk}, {state}>"
