@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import operator
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ PUBLIC = {
     "Task": None,
     "__version__": None,
     "reference": None,
+    "moe": None,
     "testing": None,
     "init": "(backend=None, *, timeout=None, check=None)",
     "finalize": "()",
@@ -43,6 +45,10 @@ PUBLIC = {
 
 TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None)"}
 TASK = {"wait": "(self, timeout=None)", "is_completed": "(self)"}
+MOE = {
+    "dispatch": "(x, topk_idx, topk_weights=None, *, experts_per_rank, group=None, sync_op=True, capacity=None)",
+    "combine": "(y, handle, *, sync_op=True)",
+}
 
 
 def bare(fn) -> str:
@@ -65,6 +71,9 @@ def test_public_signatures_are_pinned() -> None:
         assert bare(getattr(uc.testing, name)) == expected, name
     for name, expected in TASK.items():
         assert bare(getattr(uc.Task, name)) == expected, name
+    for name, expected in MOE.items():
+        assert bare(getattr(uc.moe, name)) == expected, name
+    assert sorted(uc.moe.__all__) == ["Handle", *sorted(MOE)]
     group = uc.Group((0, 2), handle=None, world_rank=2, session=0)
     assert (group.ranks, group.rank, group.world_size) == ((0, 2), 1, 2)
 
@@ -72,9 +81,10 @@ def test_public_signatures_are_pinned() -> None:
 def test_specs_describe_the_functions() -> None:
     """Each entry point's spec lists exactly the function's parameters and defaults."""
     for name, op in SPECS.items():
-        params = inspect.signature(getattr(uc, name)).parameters
+        params = inspect.signature(operator.attrgetter(name)(uc)).parameters
         assert [p.name for p in op.params] == list(params), name
         for p in op.params:
+            assert p.keyword_only == (params[p.name].kind is inspect.Parameter.KEYWORD_ONLY), (name, p.name)
             default = params[p.name].default
             assert (default is inspect.Parameter.empty) == (p.default is REQUIRED), (name, p.name)
             if p.default is not REQUIRED:
@@ -85,7 +95,7 @@ def test_data_operators_are_the_specs_in_capability_tables() -> None:
     """OPS (what capability tables and the conformance matrix list) holds the data operators;
     SPECS holds every entry point with a spec, exchange_counts included."""
     assert all(SPECS[name] is op and op.in_capabilities for name, op in OPS.items())
-    assert [name for name in SPECS if name not in OPS] == ["exchange_counts"]
+    assert [name for name in SPECS if name not in OPS] == ["exchange_counts", "moe.dispatch", "moe.combine"]
 
 
 def test_every_spec_has_kinds_and_a_check_mode_comparison() -> None:

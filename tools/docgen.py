@@ -21,8 +21,14 @@ def _default(param: Param) -> str:
 
 
 def signature(op: OpSpec) -> str:
-    """``name(p1, p2=default, ...)`` as the spec describes it."""
-    return f"{op.name}({', '.join(p.name + _default(p) for p in op.params)})"
+    """``name(p1, p2=default, *, p3, ...)`` as the spec describes it."""
+    names, star = [], False
+    for p in op.params:
+        if p.keyword_only and not star:
+            names.append("*")
+            star = True
+        names.append(p.name + _default(p))
+    return f"{op.name}({', '.join(names)})"
 
 
 def _escape(text: str) -> str:

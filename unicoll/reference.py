@@ -301,9 +301,11 @@ def _moe_layout(
 ) -> list[list[tuple[int, int, int]]]:
     """For each destination rank, its rows in order as ``(source rank, token, slot)``:
     expert-major, then source rank, then slot order."""
-    ids = [np.asarray(i, dtype=np.int64).reshape(len(i), -1) for i in topk_idxs]
+    ids = [np.asarray(i, dtype=np.int64) for i in topk_idxs]
     world, experts = len(ids), experts_per_rank
     for r, a in enumerate(ids):
+        if a.ndim != 2:
+            raise ValueError(f"topk_idxs[{r}] must be 2-D (tokens, k), got shape {a.shape}")
         if a.size and (a.min() < -1 or a.max() >= world * experts):
             raise ValueError(f"topk_idxs[{r}] holds an expert id outside -1 .. {world * experts - 1}")
     kept = [_kept_slots(a, capacity) for a in ids]

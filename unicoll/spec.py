@@ -15,7 +15,7 @@ group size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -443,12 +443,13 @@ MOE_DISPATCH = OpSpec(
               None),
         Param("experts_per_rank", POSITIVE_INT, "int", "E, the experts each rank holds (the same on every rank).",
               keyword_only=True),
-        _GROUP,
+        replace(_GROUP, keyword_only=True),
         Param("sync_op", FLAG, "bool",
               "True returns the result; False returns a Task whose wait() returns it (the counts are "
-              "exchanged before it returns, the rows in flight).", True),
+              "exchanged before it returns, the rows in flight).", True, keyword_only=True),
         Param("capacity", OPTIONAL_SIZE, "int | None",
-              "The most rows this rank sends to each expert (the same on every rank); None: no limit.", None),
+              "The most rows this rank sends to each expert (the same on every rank); None: no limit.", None,
+              keyword_only=True),
     ),
     rules=(
         Rule("topk_idx", "as many rows as x (one row of expert ids per token)",

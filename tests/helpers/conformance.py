@@ -5,6 +5,11 @@ table: every operator it provides x every array library and dtype it moves x syn
 world group and a sub-group, each with a layout variant of the operator. Every case draws
 random whole-world inputs from its own seed (zero counts, empty ranks, several trailing
 shapes), runs on each rank of a spawned world, and is compared with ``unicoll.reference``.
+
+Top-k dispatch and combine (``unicoll.moe``, on every backend) run as one case each: four
+settings of E, k, sync/async and world/sub-group (:data:`MOE_VARIANTS`) x every library and
+dtype; random expert ids with dropped slots, duplicates, tokenless ranks and now and then a
+capacity.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "alltoall_single": ("splits", "exchange", "even", "out"),
     "all_gather": ("new", "array", "empty_list", "filled_list"),
 }
+
+#: The top-k cases: (experts per rank, k, synchronous, on the sub-group); E = 1 and 3, k = 1, 2 and 4.
+MOE_VARIANTS = ((1, 1, True, False), (1, 4, False, True), (3, 2, False, False), (3, 4, True, True))
 
 TRAILING = ((), (3,), (2, 2))
 
@@ -66,7 +74,7 @@ def subgroup_ranks(world_size: int) -> list[int]:
 def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] = (None,)) -> list[Case]:
     """Every case of the matrix for a backend with capability table ``caps``; synchronous
     calls once per entry of ``streams`` (asynchronous ones always use the communication stream)."""
-    return [
+    operators = [
         Case(op, variant, library, dtype, sync, subgroup, world_size, stream)
         for op in OPS
         if op in caps.ops
@@ -77,6 +85,13 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         for stream in (streams if sync else (None,))
         for subgroup in (False, True)
     ]
+    topk = [
+        Case("moe", f"E{experts}-k{k}", library, dtype, sync, subgroup, world_size)
+        for experts, k, sync, subgroup in MOE_VARIANTS
+        for library in sorted(caps.libraries)
+        for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
+    ]
+    return operators + topk
 
 
 # -- inputs and expected outputs -------------------------------------------------------------
@@ -98,10 +113,39 @@ def _counts(rng: np.random.Generator, world: int, experts: int) -> np.ndarray:
     return counts.astype(np.int64)
 
 
+FLOATING = ("float16", "bfloat16", "float32", "float64")
+
+
+def _moe_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[int, ...]) -> dict[str, Any]:
+    """Top-k routing of a few tokens per rank (some ranks have none), about a fifth of the
+    slots dropped; dispatch's rows and, but for bool, a combine of outputs that differ from
+    them (weighted for floating dtypes). Values stay small so every sum is exact, bfloat16 too."""
+    experts, k = (int(part[1:]) for part in case.variant.split("-"))
+    wide = "float32" if case.dtype == "bfloat16" else case.dtype
+    tokens = [int(rng.integers(0, 6)) * (rng.random() > 0.15) for _ in range(world)]
+    ids = [np.where(rng.random((t, k)) < 0.2, -1, rng.integers(0, world * experts, (t, k))) for t in tokens]
+    capacity = int(rng.integers(0, 3)) if rng.random() < 0.3 else None
+    high = 2 if case.dtype == "bool" else 8
+    xs = [rng.integers(0, high, (t, *trailing)).astype(wide) for t in tokens]
+    rows, per_expert = reference.moe_dispatch(xs, ids, experts, capacity)
+    args = [dict(x=xs[r], topk_idx=ids[r], experts_per_rank=experts, capacity=capacity) for r in range(world)]
+    expected: list[Any] = [dict(rows=rows[r], rows_per_expert=per_expert[r]) for r in range(world)]
+    if case.dtype != "bool":
+        ys = [(r + np.arange(len(r)).reshape(-1, *(1,) * len(trailing)) % 4).astype(wide) for r in rows]
+        weights = [rng.choice([0.5, 1.0, 2.0], (t, k)).astype(wide) for t in tokens] if case.dtype in FLOATING else None
+        combined = reference.moe_combine(ys, ids, experts, weights, capacity)
+        for r in range(world):
+            args[r].update(y=ys[r], topk_weights=None if weights is None else weights[r])
+            expected[r]["combined"] = combined[r]
+    return dict(args=args, expected=expected)
+
+
 def world_case(case: Case, world: int) -> dict[str, Any]:
     """Whole-world inputs (``args``: one dict per group position) and ``expected`` outputs."""
     rng = np.random.default_rng(case.seed)
     trailing = TRAILING[rng.integers(len(TRAILING))]
+    if case.op == "moe":
+        return _moe_case(case, world, rng, trailing)
     if case.op in ("global_scatter", "global_gather"):
         experts = 1 if case.variant == "one_expert" else int(rng.integers(2, 4))
         local = _counts(rng, world, experts)
@@ -164,6 +208,8 @@ def _empty(like: Any, rows: int) -> Any:
 
 def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[Any, Any]:
     """Run the case's operator; returns (result, the in-place target or None)."""
+    if case.op == "moe":
+        return _moe_call(case, a, group, device), None
     kw = dict(group=group) if case.sync else dict(group=group, sync_op=False, use_calc_stream=False)
     if case.stream is not None:
         kw["use_calc_stream"] = case.stream == "calc"
@@ -190,7 +236,37 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
     return uc.all_gather(target, x, **kw), target
 
 
-def _check(case: Case, a: dict[str, Any], result: Any, target: Any, expected: np.ndarray) -> None:
+def _moe_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> dict[str, Any]:
+    """dispatch, then (but for bool) combine; each waited for when asynchronous."""
+    x = to_library(a["x"], case.library, case.dtype, device)
+    ids = to_library(a["topk_idx"], case.library, "int64", device)
+    weights = a.get("topk_weights")
+    weights = None if weights is None else to_library(weights, case.library, case.dtype, device)
+    kw = dict(group=group, sync_op=case.sync, capacity=a["capacity"])
+    dispatched = uc.moe.dispatch(x, ids, weights, experts_per_rank=a["experts_per_rank"], **kw)
+    rows, rows_per_expert, handle = dispatched if case.sync else _waited(dispatched)
+    result = dict(rows=rows, rows_per_expert=rows_per_expert)
+    if "y" in a:
+        combined = uc.moe.combine(to_library(a["y"], case.library, case.dtype, device), handle, sync_op=case.sync)
+        result["combined"] = combined if case.sync else _waited(combined)
+    return result
+
+
+def _waited(task: Any) -> Any:
+    assert isinstance(task, uc.Task), f"sync_op=False returned {type(task).__name__}"
+    return task.wait()
+
+
+def _check(case: Case, a: dict[str, Any], result: Any, target: Any, expected: Any) -> None:
+    if case.op == "moe":
+        assert result["rows_per_expert"] == expected["rows_per_expert"], (
+            f"rows_per_expert {result['rows_per_expert']}, expected {expected['rows_per_expert']}"
+        )
+        assert all(type(n) is int for n in result["rows_per_expert"]), "rows_per_expert must be host ints"
+        _check_array(result["rows"], expected["rows"], case)
+        if "combined" in expected:
+            _check_array(result["combined"], expected["combined"], case)
+        return
     if target is not None:
         assert result is target, "the in-place form must return its target"
     if not isinstance(result, list):
@@ -227,7 +303,7 @@ def run_cases(rank: int, all_cases: list[Case], device: str = "cpu") -> dict[str
         a = inputs["args"][position]
         try:
             result, target = _call(case, a, group, device)
-            if not case.sync:
+            if not case.sync and case.op != "moe":
                 assert isinstance(result, uc.Task), f"sync_op=False returned {type(result).__name__}"
                 result = result.wait()
             _check(case, a, result, target, inputs["expected"][position])
