@@ -14,6 +14,7 @@ import unicoll as uc
 
 W = 2  # the world the table below is written for
 X = np.arange(8, dtype=np.float32).reshape(4, 2)
+IDS = np.array([[0, 1], [3, -1], [2, 2], [-1, -1]])  # top-2 expert ids for X's rows, E = 2
 
 # (label, the bad call, exception type, words the message must contain)
 BAD_CALLS = [
@@ -87,6 +88,31 @@ BAD_CALLS = [
      TypeError, ["all_gather: tensor:", "native byte order", "non-native byte order"]),
     ("big-endian output", lambda: uc.alltoall_single(np.empty((4, 2), ">f4"), X),
      TypeError, ["alltoall_single: out_tensor:", "native byte order", "non-native byte order"]),
+    ("expert id past the last", lambda: uc.moe.dispatch(X, IDS + 1, experts_per_rank=2),
+     ValueError, ["moe.dispatch: topk_idx:", "expert ids from -1 (a dropped slot) to W * experts_per_rank - 1",
+                  "got 4 at [1, 0] (W * experts_per_rank = 4)"]),
+    ("expert id below -1", lambda: uc.moe.dispatch(X, IDS - 1, experts_per_rank=2),
+     ValueError, ["moe.dispatch: topk_idx:", "got -2 at [1, 1]"]),
+    ("k of weights and ids differ", lambda: uc.moe.dispatch(X, IDS, np.ones((4, 3), np.float32), experts_per_rank=2),
+     ValueError, ["moe.dispatch: topk_weights:", "the shape of topk_idx", "shape (4, 3) for topk_idx of shape (4, 2)"]),
+    ("integer weights", lambda: uc.moe.dispatch(X, IDS, np.ones((4, 2), np.int64), experts_per_rank=2),
+     TypeError, ["moe.dispatch: topk_weights:", "a floating dtype", "numpy int64 (4, 2)"]),
+    ("weights of another library", lambda: uc.moe.dispatch(X, IDS, torch.ones(4, 2), experts_per_rank=2),
+     TypeError, ["moe.dispatch: topk_weights:", "the library and device of x", "torch float32 (4, 2) on cpu for x numpy"]),
+    ("fewer ids than tokens", lambda: uc.moe.dispatch(X, IDS[:3], experts_per_rank=2),
+     ValueError, ["moe.dispatch: topk_idx:", "as many rows as x", "shape (3, 2) for x with 4 rows"]),
+    ("float ids", lambda: uc.moe.dispatch(X, IDS.astype(np.float32), experts_per_rank=2),
+     TypeError, ["moe.dispatch: topk_idx:", "int32 or int64", "float32"]),
+    ("1-D ids", lambda: uc.moe.dispatch(X, IDS[:, 0], experts_per_rank=2),
+     ValueError, ["moe.dispatch: topk_idx:", "2-D array (tokens, k)", "(4,)"]),
+    ("no experts", lambda: uc.moe.dispatch(X, IDS, experts_per_rank=0),
+     ValueError, ["moe.dispatch: experts_per_rank:", "at least 1", "got 0"]),
+    ("experts_per_rank a bool", lambda: uc.moe.dispatch(X, IDS, experts_per_rank=True),
+     TypeError, ["moe.dispatch: experts_per_rank:", "an int", "bool"]),
+    ("negative capacity", lambda: uc.moe.dispatch(X, IDS, experts_per_rank=2, capacity=-1),
+     ValueError, ["moe.dispatch: capacity:", "non-negative", "got -1"]),
+    ("combine without a handle", lambda: uc.moe.combine(X, "handle"),
+     TypeError, ["moe.combine: handle:", "a handle returned by moe.dispatch", "str"]),
 ]  # fmt: skip
 
 
@@ -163,7 +189,11 @@ def near_twins_of_accepted_calls(rank: int) -> list:
     differs from an accepted one in one thing its checks read, and must still be refused."""
     lc, gc, changing = np.array([1, 1, 1, 1]), np.array([1, 1, 1, 1]), np.array([1, 1, 1, 1])
     out = np.empty_like(X)
+    _, _, handle = uc.moe.dispatch(X, IDS, experts_per_rank=2)
+    expert_rows = np.zeros((handle.received, 2), np.float32)
     accepted = [
+        lambda: uc.moe.dispatch(X, IDS, experts_per_rank=2),
+        lambda: uc.moe.combine(expert_rows, handle),
         lambda: uc.global_scatter(X, lc, gc),
         lambda: uc.global_scatter(X, changing, gc),
         lambda: uc.global_scatter(X, [1, 1, 1, 1], [1, 1, 1, 1]),
@@ -175,6 +205,9 @@ def near_twins_of_accepted_calls(rank: int) -> list:
     frozen = out.copy()
     frozen.flags.writeable = False
     twins = [
+        (lambda: uc.moe.dispatch(X, IDS + 3, experts_per_rank=2), ValueError, "got 6 at [1, 0]"),
+        (lambda: uc.moe.combine(expert_rows.astype(bool), handle), TypeError, "not bool"),
+        (lambda: uc.moe.combine(expert_rows[1:], handle), ValueError, "as many rows as the handle's dispatch returned"),
         (lambda: uc.global_scatter(X, [1.0, 1, 1, 1], [1, 1, 1, 1]), TypeError, "sequence of ints"),
         (lambda: uc.global_scatter(X, [1, 1, True, 1], [1, 1, 1, 1]), TypeError, "bool"),
         (lambda: uc.global_scatter(X, lc.astype(np.float64), gc), TypeError, "int32 or int64"),

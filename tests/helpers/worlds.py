@@ -24,14 +24,30 @@ MISMATCHES = [
      "rank 0 calls global_scatter but rank 1 calls all_gather"),
     ("experts per rank", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.global_scatter(X, [1, 2, 1, 2], [1, 2, 1, 2]),
      "global_scatter: ranks disagree (check mode): rank 0 passes 4 counts or sizes but rank 1 passes 8"),
-    ("split sizes", lambda: uc.alltoall_single(None, X, [2, 4], [1, 5]), lambda: uc.alltoall_single(None, X, [5, 1], [4, 2]),
-     "alltoall_single: ranks disagree (check mode): rank 0 expects 2 row(s) from rank 0, but rank 0 sends 1"),
+    ("split sizes", lambda: uc.alltoall_single(None, X, [1, 3], [1, 5]), lambda: uc.alltoall_single(None, X, [5, 2], [4, 2]),
+     "alltoall_single: ranks disagree (check mode): rank 0 expects 3 row(s) from rank 1, but rank 1 sends 4"),
     ("gather rows", lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((5, 2), np.float32)], X),
      lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((6, 2), np.float32)], X),
      "all_gather: ranks disagree (check mode): rank 0 expects 5 row(s) from rank 1, but rank 1 sends 6"),
     ("gather back", lambda: uc.global_gather(X, [2, 1, 1, 2], [3, 0, 2, 1]), lambda: uc.global_gather(X, [3, 0, 2, 1], [2, 1, 1, 2]),
      "global_gather: ranks disagree (check mode): rank 0 expects 2 row(s) back from rank 0 for expert 0, but rank 0 returns 3"),
+    ("top-k experts per rank", lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=1),
+     lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=2),
+     "moe.dispatch: ranks disagree (check mode): rank 0 passes experts_per_rank=1 but rank 1 passes 2"),
+    ("top-k capacity", lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=1),
+     lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=1, capacity=2),
+     "moe.dispatch: ranks disagree (check mode): rank 0 passes capacity=None but rank 1 passes 2"),
+    ("top-k combine with another dispatch's handle", lambda: _combine_with_handle(0), lambda: _combine_with_handle(1),
+     "moe.combine: ranks disagree (check mode): rank 1 expects 0 row(s) back from rank 0 for expert 0, but rank 0 returns 6"),
 ]  # fmt: skip
+
+TO_EXPERT_0 = np.zeros((6, 1), np.int64)  # every token of X to expert 0 of rank 0 (E = 1)
+
+
+def _combine_with_handle(which: int) -> None:
+    """Two dispatches on every rank (to rank 0, to rank 1), then a combine with handle ``which``."""
+    handles = [uc.moe.dispatch(X, TO_EXPERT_0 + rank, experts_per_rank=1)[2] for rank in (0, 1)]
+    uc.moe.combine(np.zeros((handles[which].received, 2), np.float32), handles[which])
 
 
 def mismatches(rank: int) -> list[str]:
