@@ -1,5 +1,6 @@
-"""Hand-computed examples on real processes: docs/semantics.md's worked example and small cases of
-alltoall_single and all_gather, with counts given as lists, numpy and torch int32 arrays."""
+"""Hand-computed examples on real processes: docs/semantics.md's worked examples (global_scatter, and
+top-k dispatch and combine) and small cases of alltoall_single and all_gather, with counts given as
+lists, numpy and torch int32 arrays."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ LOCAL = [[1, 0, 2, 1], [0, 2, 1, 2]]
 GLOBAL = [[1, 0, 0, 2], [2, 1, 1, 2]]
 SCATTERED = [[0, 10, 11], [1, 2, 12, 3, 13, 14]]
 
+# docs/semantics.md, top-k dispatch and combine: W=2, E=2, top-2; expert g multiplies by g + 1
+TOKENS = [[1, 2, 3], [10, 11]]
+TOPK_IDX = [[[2, 0], [1, -1], [0, 3]], [[0, 3], [2, 0]]]
+TOPK_WEIGHTS = [[[0.5, 0.5], [1.0, 0.3], [0.25, 0.75]], [[0.5, 0.5], [0.5, 0.5]]]
+DISPATCHED = [([1, 3, 10, 11, 2], [4, 1]), ([1, 11, 3, 10], [2, 2])]
+COMBINED = [[2.0, 4.0, 9.75], [25.0, 22.0]]
+DISPATCHED_CAPACITY_1 = [([1, 10, 2], [2, 1]), ([1, 11, 3, 10], [2, 2])]
+
 
 def worked_example(rank: int) -> dict[str, list]:
     x_np = np.array(X[rank], dtype=np.float32).reshape(-1, 1)
@@ -23,12 +32,24 @@ def worked_example(rank: int) -> dict[str, list]:
     y_np = uc.global_scatter(x_np, LOCAL[rank], np.array(GLOBAL[rank]))
     y_t = uc.global_scatter(x_t, lc_t, gc)
     back = uc.global_gather(y_t, lc_t, gc)
+    tokens = torch.tensor(TOKENS[rank], dtype=torch.float32).reshape(-1, 1)
+    rows, per_expert, handle = uc.moe.dispatch(
+        tokens, torch.tensor(TOPK_IDX[rank]), torch.tensor(TOPK_WEIGHTS[rank]), experts_per_rank=2
+    )
+    expert = torch.repeat_interleave(torch.arange(2) + 2 * rank, torch.tensor(per_expert))  # each row's global expert
+    combined = uc.moe.combine(rows * (expert[:, None] + 1), handle)
+    capped, capped_per_expert, _ = uc.moe.dispatch(
+        tokens.numpy(), np.array(TOPK_IDX[rank]), experts_per_rank=2, capacity=1
+    )
     return dict(
         global_count=gc.tolist(),
         count_dtype=[str(gc.dtype)],
         numpy=y_np.ravel().tolist(),
         torch=y_t.ravel().tolist(),
         back=back.ravel().tolist(),
+        dispatched=(rows.ravel().tolist(), per_expert),
+        combined=combined.ravel().tolist(),
+        capacity_1=(capped.ravel().tolist(), capped_per_expert),
     )
 
 
@@ -39,6 +60,20 @@ def test_design_worked_example() -> None:
         assert got["numpy"] == SCATTERED[rank]
         assert got["torch"] == SCATTERED[rank]
         assert got["back"] == X[rank]
+        assert got["dispatched"] == DISPATCHED[rank]
+        assert got["combined"] == COMBINED[rank]
+        assert got["capacity_1"] == DISPATCHED_CAPACITY_1[rank]
+
+
+def test_topk_worked_example_is_the_reference() -> None:
+    """The hand-computed top-k example agrees with the whole-world reference, too."""
+    xs = [np.array(t, dtype=np.float64) for t in TOKENS]
+    rows, per_expert = uc.reference.moe_dispatch(xs, TOPK_IDX, 2)
+    assert [(r.tolist(), p) for r, p in zip(rows, per_expert)] == DISPATCHED
+    ys = [r * np.repeat(np.arange(2) + 2 * rank + 1, p) for rank, (r, p) in enumerate(zip(rows, per_expert))]
+    assert [c.tolist() for c in uc.reference.moe_combine(ys, TOPK_IDX, 2, TOPK_WEIGHTS)] == COMBINED
+    capped = uc.reference.moe_dispatch(xs, TOPK_IDX, 2, capacity=1)
+    assert [(r.tolist(), p) for r, p in zip(*capped)] == DISPATCHED_CAPACITY_1
 
 
 def small_cases(rank: int) -> dict[str, list]:
