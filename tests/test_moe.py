@@ -156,3 +156,11 @@ def test_edges() -> None:
         assert r["kept alive"] == [False, False, True]
         assert r["capacity 0"] == (0, [[0.0, 0.0]] * 4)
         assert r["after finalize"] is True
+
+
+def test_routing_docstring_examples() -> None:
+    import doctest
+
+    from unicoll import routing
+
+    assert doctest.testmod(routing, extraglobs={"np": np}).failed == 0

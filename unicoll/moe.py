@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from array_api_compat import array_namespace, device
 
 from .arrays import describe, library_of
@@ -96,13 +97,11 @@ def _dispatch(call: Call) -> Any:
     backend, grp, x = call.backend, call.group, call.x
     routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
     local_count, shape = routing.local_count, call.topk_idx.shape
-    xp, where = array_namespace(x), device(x)
-    send_tokens = xp.asarray(routing.send_tokens, device=where)
-    slot_rows = xp.asarray(routing.slot_rows, device=where)
+    slot_rows = _like(routing.slot_rows, x)
     kept = None
     if routing.dropped and call.topk_weights is not None:
-        kept = xp.asarray((routing.slot_rows < routing.send_tokens.size).reshape(shape), device=where)
-    sent = xp.take(x, send_tokens, axis=0)  # in x's library: autograd sums each token's slots
+        kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
+    sent = _take(x, _like(routing.send_tokens, x))  # in x's library: autograd sums each token's slots
     global_count = None
 
     def issue() -> Pending:
@@ -119,10 +118,7 @@ def _dispatch(call: Call) -> Any:
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        indices = (send_tokens, slot_rows, kept)
-        handle = Handle(
-            routing, global_count, grp, shape, call.topk_weights, library_of(x), getattr(x, "device", None), indices
-        )
+        handle = Handle(routing, global_count, grp, shape, call.topk_weights, slot_rows, kept, like=x)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
@@ -142,7 +138,7 @@ def _combine(call: Call) -> Any:
         return backend.global_scatter(grad, local_count, global_count, grp, False).finish()
 
     returned = _functional(MOE_COMBINE.name, call, y, backward)
-    weights, (_, slot_rows, kept) = handle._weights, handle._indices
+    weights, slot_rows, kept = handle.weights, handle.slot_rows, handle.kept
 
     def finish(result: Any) -> Any:
         return _sum_slots(returned(result), handle, weights, slot_rows, kept)
@@ -153,14 +149,38 @@ def _combine(call: Call) -> Any:
 def _sum_slots(back: Any, handle: Handle, weights: Any, slot_rows: Any, kept: Any) -> Any:
     """Each token's rows (``back``, in send order) weighted and summed over its k slots, in
     back's library (so torch's autograd follows), as back's dtype."""
-    xp = array_namespace(back)
-    trailing = tuple(back.shape[1:])
+    tokens, k, trailing = handle.tokens, handle.topk, tuple(back.shape[1:])
+    ones = (1,) * len(trailing)
     if handle.dropped:  # dropped slots read a zero row
+        xp = array_namespace(back)
         back = xp.concat([back, xp.zeros((1, *trailing), dtype=back.dtype, device=device(back))], axis=0)
-    rows = xp.reshape(xp.take(back, slot_rows, axis=0), (handle.tokens, handle.topk, *trailing))
+    rows = _take(back, slot_rows).reshape(tokens, k, *trailing)
     if weights is not None:
-        rows = rows * xp.reshape(weights, (handle.tokens, handle.topk, *(1,) * len(trailing)))
+        rows = rows * weights.reshape(tokens, k, *ones)
         if kept is not None:  # a dropped slot contributes zero whatever its weight (inf, nan)
-            rows = xp.where(xp.reshape(kept, (*kept.shape, *(1,) * len(trailing))), rows, xp.zeros_like(rows))
-    out = xp.sum(rows, axis=1)
-    return out if out.dtype == back.dtype else xp.astype(out, back.dtype)
+            xp = array_namespace(rows)
+            rows = xp.where(kept.reshape(tokens, k, *ones), rows, xp.zeros_like(rows))
+    out = rows.sum(1)
+    if out.dtype == back.dtype:
+        return out
+    return out.to(back.dtype) if library_of(out) == "torch" else out.astype(back.dtype)
+
+
+def _like(host: np.ndarray, x: Any) -> Any:
+    """A host array as an array of ``x``'s library on ``x``'s device (numpy: itself)."""
+    library = library_of(x)
+    if library == "numpy":
+        return host
+    if library == "torch":
+        import torch  # loaded already: x is a tensor
+
+        return torch.from_numpy(host).to(x.device)
+    import cupy  # loaded already: x is a cupy array
+
+    with x.device:
+        return cupy.asarray(host)
+
+
+def _take(x: Any, index: Any) -> Any:
+    """The rows ``x[index]`` as a new array (``index`` from :func:`_like`)."""
+    return x.index_select(0, index) if library_of(x) == "torch" else x.take(index, axis=0)

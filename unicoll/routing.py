@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .arrays import library_of
 from .session import join_session
 
 if TYPE_CHECKING:
@@ -49,10 +50,13 @@ def route(topk_idx: np.ndarray, experts: int, capacity: int | None) -> Routing:
     """
     tokens, k = topk_idx.shape
     flat = topk_idx.reshape(-1)
-    slots = np.flatnonzero(flat >= 0)
-    destinations = flat[slots]
-    order = np.argsort(destinations, kind="stable")  # by expert, then by slot number
-    sent = slots[order]
+    if flat.size and int(flat.min()) < 0:
+        slots = np.flatnonzero(flat >= 0)
+        destinations = flat[slots]
+        sent = slots[np.argsort(destinations, kind="stable")]  # by expert, then by slot number
+    else:
+        destinations = flat
+        sent = np.argsort(flat, kind="stable")
     local_count = np.bincount(destinations, minlength=experts).astype(np.int64, copy=False)
     if capacity is not None and sent.size and int(local_count.max()) > capacity:
         starts = np.cumsum(local_count) - local_count
@@ -85,29 +89,35 @@ class Handle:
         group: Group,
         topk_idx_shape: tuple[int, int],
         weights: Any,
-        library: str,
-        device: Any,
-        indices: tuple[Any, Any, Any],
+        slot_rows: Any,
+        kept: Any,
+        like: Any,
     ) -> None:
+        """``like``: the dispatched x, whose library and device combine's rows must have (not kept)."""
         self.local_count = routing.local_count
         self.global_count = global_count
         self.group = group
         self.tokens, self.topk = topk_idx_shape
         self.dropped = routing.dropped
-        self.library = library
-        self.device = device
+        self.library = library_of(like)
+        self.device = getattr(like, "device", None)
         self.received = int(global_count.sum())
         self.sent = int(routing.send_tokens.size)
         self.rows_per_expert: list[int] = global_count.reshape(group.world_size, -1).sum(0).tolist()
-        self._weights = weights
-        self._indices = indices  # send_tokens, slot_rows and the kept-slot mask, in x's library and device
+        self.weights = weights
+        """The caller's ``topk_weights`` (None without them), which combine weighs by."""
+        self.slot_rows = slot_rows
+        """Routing.slot_rows in x's library and on x's device."""
+        self.kept = kept
+        """Whether each slot is kept, in x's library and on x's device, where weights are given and
+        a slot is dropped (else None)."""
         self._ended: str | None = None
         join_session(group.session, self)
 
     @property
     def weighted(self) -> bool:
         """Whether dispatch was given ``topk_weights`` (combine then weighs each slot by its own)."""
-        return self._weights is not None
+        return self.weights is not None
 
     @property
     def ended(self) -> str | None:
@@ -116,7 +126,7 @@ class Handle:
 
     def _end_session(self, reason: str, keep_handles: bool) -> None:
         self._ended = reason
-        self._weights = self._indices = None
+        self.weights = self.slot_rows = self.kept = None
 
     def __repr__(self) -> str:
         state = f"ended: {self._ended}" if self._ended else f"rows per expert {self.rows_per_expert}"

@@ -19,6 +19,14 @@ alltoall_single, the *output* buffer of all_gather (each rank contributes size /
 tokens a rank dispatches (global_scatter's input, global_gather's output) for the MoE operators.
 Data are rows of ``hidden`` elements of random bits; the results are compared bit for bit.
 
+``moe_topk`` is ``unicoll.moe``: one ``dispatch`` (top-2, with weights for floating dtypes)
+and one ``combine`` of this rank's tokens (the size: their bytes before the top-2 copies), and
+its baseline is not the raw transport but the same steps written by hand with unicoll's
+operators, as a user would without ``unicoll.moe``: sort the k copies of each token by expert,
+count, ``exchange_counts``, ``global_scatter``, read the counts to split per expert,
+``global_gather``, unsort, weigh and sum over the k slots. Its data are small integers (and
+weights 0.5, 1 or 2), so both results are exact and compared bit for bit too.
+
 The backends on torch.distributed (``gloo``, ``torch-nccl``) are compared with
 torch.distributed itself, ``mpi`` with bare mpi4py. Nothing heavy is imported until a rank
 starts.
@@ -48,7 +56,7 @@ from ..launch import local as launcher
 from ..launch import mpi as mpirun
 from ..launch.process import write_atomically
 
-OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather")
+OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather", "moe_topk")
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _BLOCK_BYTES, _MAX_BLOCK = 1 << 20, 16
@@ -390,11 +398,66 @@ def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
     )
 
 
+_TOPK = 2
+"""Experts per token in the ``moe_topk`` case."""
+
+
+def _moe_topk(w: _World, nbytes: int, reorder: bool) -> _Case:
+    """``unicoll.moe.dispatch`` + ``combine`` of this rank's tokens (identity experts), beside the
+    same steps by hand with the four operators (see the module's docstring). ``reorder`` is unused:
+    both sides always do the whole job."""
+    import torch
+
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    experts, world, k = w.config.experts, w.world, _TOPK
+
+    def inputs(rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        rng = np.random.default_rng([w.config.seed, rank, nbytes, OPS.index("moe_topk")])
+        ids = rng.random((rows, world * experts)).argsort(axis=1)[:, :k] if world * experts >= k else None
+        ids = rng.integers(0, world * experts, (rows, k)) if ids is None else ids  # one expert: both slots on it
+        weights = rng.choice([0.5, 1.0, 2.0], (rows, k)) if w.dtype.is_floating_point else None
+        return rng.integers(0, 8, (rows, hidden)).astype(np.float32), ids, weights
+
+    tokens, ids_np, weights_np = inputs(w.rank)
+    x = torch.from_numpy(tokens).to(w.device, w.dtype)
+    ids = torch.from_numpy(ids_np).to(w.device)
+    weights = None if weights_np is None else torch.from_numpy(weights_np).to(w.device, w.dtype)
+
+    def unicoll() -> Any:
+        received, _, handle = uc.moe.dispatch(x, ids, weights, experts_per_rank=experts)
+        return uc.moe.combine(received, handle)
+
+    def by_hand() -> Any:
+        slots = ids.reshape(-1)
+        order = torch.argsort(slots, stable=True)  # the k copies of every token, sorted by expert
+        local_count = torch.bincount(slots, minlength=world * experts)
+        global_count = uc.exchange_counts(local_count)
+        received = uc.global_scatter(x.index_select(0, order // k), local_count, global_count)
+        received.split(global_count.reshape(world, experts).sum(0).tolist())  # the split per expert
+        back = uc.global_gather(received, local_count, global_count)
+        unsorted = torch.empty_like(back)
+        unsorted[order] = back
+        unsorted = unsorted.reshape(rows, k, hidden)
+        return (unsorted if weights is None else unsorted * weights[..., None]).sum(1).to(w.dtype)
+
+    def expected() -> np.ndarray:
+        every = [inputs(r) for r in range(world)]
+        received, _ = uc.reference.moe_dispatch([t for t, _, _ in every], [i for _, i, _ in every], experts)
+        weighted = None if weights_np is None else [wt for _, _, wt in every]
+        combined = uc.reference.moe_combine(received, [i for _, i, _ in every], experts, weighted)[w.rank]
+        return torch.from_numpy(combined).to(w.dtype).contiguous().view(torch.uint8).numpy()
+
+    return _Case("moe_topk", x.numel() * w.itemsize, x.numel(), unicoll, by_hand, expected)
+
+
 _CASES: dict[str, Callable[[_World, int, bool], _Case]] = {  # (world, nbytes, reorder) -> case
     "alltoall_single": _alltoall_single,
     "all_gather": _all_gather,
     "global_scatter": partial(_moe, "global_scatter"),
     "global_gather": partial(_moe, "global_gather"),
+    "moe_topk": _moe_topk,
 }
 
 

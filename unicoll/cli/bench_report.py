@@ -51,9 +51,13 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _raw_description(baseline: str) -> str:
+    topk = (
+        "; for moe_topk: the same top-2 dispatch and combine written by hand with unicoll's operators "
+        "(sort, bincount, exchange_counts, global_scatter, split, global_gather, unsort, weighted sum)"
+    )
     if baseline == "mpi4py":
-        return "bare mpi4py Alltoallv/Allgather of the same bytes (for the MoE operators: without the reorder)"
-    return f"{baseline} on the same buffers (for the MoE operators: the transfer and the reorder, by hand)"
+        return "bare mpi4py Alltoallv/Allgather of the same bytes (for the MoE operators: without the reorder)" + topk
+    return f"{baseline} on the same buffers (for the MoE operators: the transfer and the reorder, by hand)" + topk
 
 
 def format_copy(result: dict[str, Any]) -> str:
