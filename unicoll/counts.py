@@ -1,4 +1,5 @@
-"""Reading counts and split sizes (any array library or a sequence of ints) into host int64 arrays."""
+"""Reading counts and split sizes (any array library or a sequence of ints), and the router's
+expert ids, into host int64 arrays."""
 
 from __future__ import annotations
 
