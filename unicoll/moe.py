@@ -15,6 +15,7 @@ docs/semantics.md ("Top-k dispatch and combine").
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -148,22 +149,34 @@ def _combine(call: Call) -> Any:
 
 def _sum_slots(back: Any, handle: Handle, weights: Any, slot_rows: Any, kept: Any) -> Any:
     """Each token's rows (``back``, in send order) weighted and summed over its k slots, in
-    back's library (so torch's autograd follows), as back's dtype."""
+    back's library (so torch's autograd follows), as back's dtype. Weighted: one batched
+    ``(1, k) @ (k, row)`` product per token, in the promoted dtype of rows and weights."""
     tokens, k, trailing = handle.tokens, handle.topk, tuple(back.shape[1:])
-    ones = (1,) * len(trailing)
     if handle.dropped:  # dropped slots read a zero row
         xp = array_namespace(back)
         back = xp.concat([back, xp.zeros((1, *trailing), dtype=back.dtype, device=device(back))], axis=0)
     rows = _take(back, slot_rows).reshape(tokens, k, *trailing)
-    if weights is not None:
-        rows = rows * weights.reshape(tokens, k, *ones)
+    if weights is None:
+        out = rows.sum(1)
+    else:
         if kept is not None:  # a dropped slot contributes zero whatever its weight (inf, nan)
-            xp = array_namespace(rows)
-            rows = xp.where(kept.reshape(tokens, k, *ones), rows, xp.zeros_like(rows))
-    out = rows.sum(1)
+            xp = array_namespace(weights)
+            weights = xp.where(kept, weights, xp.zeros_like(weights))
+        flat = rows.reshape(tokens, k, math.prod(trailing))
+        out = _matmul(weights.reshape(tokens, 1, k), flat).reshape(tokens, *trailing)
     if out.dtype == back.dtype:
         return out
     return out.to(back.dtype) if library_of(out) == "torch" else out.astype(back.dtype)
+
+
+def _matmul(a: Any, b: Any) -> Any:
+    """Batched ``a @ b`` in the promoted dtype of the two (torch does not promote by itself)."""
+    if library_of(a) != "torch":
+        return a @ b
+    import torch  # loaded already: a is a tensor
+
+    common = torch.promote_types(a.dtype, b.dtype)
+    return torch.bmm(a.to(common), b.to(common))
 
 
 def _like(host: np.ndarray, x: Any) -> Any:
