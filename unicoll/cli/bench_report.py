@@ -51,10 +51,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _raw_description(baseline: str) -> str:
-    topk = (
-        "; for moe_topk: the same top-2 dispatch and combine written by hand with unicoll's operators "
-        "(sort, bincount, exchange_counts, global_scatter, split, global_gather, unsort, weighted sum)"
-    )
+    topk = "; for moe_topk: the same top-2 dispatch and combine written by hand with unicoll's four operators"
     if baseline == "mpi4py":
         return "bare mpi4py Alltoallv/Allgather of the same bytes (for the MoE operators: without the reorder)" + topk
     return f"{baseline} on the same buffers (for the MoE operators: the transfer and the reorder, by hand)" + topk
