@@ -79,9 +79,19 @@ def _compare_with_dense(rank: int, capacity: int | None) -> None:
     torch.testing.assert_close(mine.grad, every_share[rank * E : (rank + 1) * E])
 
 
-def test_gradients_match_a_dense_topk_moe() -> None:
+def two_ranks(rank: int) -> dict[str, object]:
+    """One world for the whole module: the gradients, then the edges (which end the session)."""
+    return {"gradients": dense_gradients(rank), **edges(rank)}
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict[str, object]]:
+    return uc.testing.spawn(two_ranks, 2, backend="gloo")
+
+
+def test_gradients_match_a_dense_topk_moe(outcomes) -> None:
     """Without and with a capacity of 1 (which drops token 1's second slot, a duplicate)."""
-    assert uc.testing.spawn(dense_gradients, 2, backend="gloo") == ["ok", "ok"]
+    assert [o["gradients"] for o in outcomes] == ["ok", "ok"]
 
 
 def edges(rank: int) -> dict[str, object]:
@@ -141,8 +151,8 @@ def edges(rank: int) -> dict[str, object]:
     return seen
 
 
-def test_edges() -> None:
-    r0, r1 = uc.testing.spawn(edges, 2, backend="gloo")
+def test_edges(outcomes) -> None:
+    r0, r1 = outcomes
     assert r0["all dropped"] == r1["all dropped"] == ((0, 2), [0, 0], [[0.0, 0.0]] * 4)
     # rank 0's experts get tokens 1 and 2; rank 1's experts 2, 3 token 2 and token 0 twice (column 1: 5 | 1 1)
     assert r0["duplicates"] == ([3.0, 5.0], [1, 1], [2.0, 3.0, 10.0, 0.0])
