@@ -132,7 +132,7 @@ def _read_optional_size(op: str, param: str, value: Any, caps: Capabilities, bac
 
 
 def _read_handle(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
-    return value  # checked before the call is read (unicoll.moe.handle_group): its group is the call's
+    return value  # checked before the call is read (unicoll.moe._handle_group): its group is the call's
 
 
 def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:

@@ -4,8 +4,8 @@
 ``rank * E + e``, ``-1`` to drop a slot) and hands back the rows each local expert receives,
 grouped by expert, with a handle; ``combine`` sends the experts' outputs back and sums each
 token's slots, weighted by ``topk_weights``. Built on the backends' ``global_scatter`` and
-``global_gather``, so every backend and array library runs it; the layout is in
-docs/semantics.md ("Top-k dispatch and combine").
+``global_gather``, so every backend and array library runs it; the layout, capacity and the
+handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 
 >>> import unicoll as uc
 >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, topk_weights, experts_per_rank=2)  # doctest: +SKIP
@@ -30,6 +30,7 @@ from .group import Group
 from .ops import _functional, _run
 from .routing import Handle, route
 from .spec import MOE_COMBINE, MOE_DISPATCH, Call
+from .task import Task
 from .validate import prepare
 
 __all__ = ["Handle", "combine", "dispatch"]
@@ -44,7 +45,7 @@ def dispatch(
     group: Group | None = None,
     sync_op: bool = True,
     capacity: int | None = None,
-) -> tuple[Any, list[int], Handle] | Any:
+) -> tuple[Any, list[int], Handle] | Task:
     """Send each token (row of ``x``) to its top-k experts; returns ``(rows, rows_per_expert, handle)``.
 
     ``topk_idx[t, j]`` is the global expert ``rank * experts_per_rank + e`` of token t's slot j,
@@ -54,10 +55,10 @@ def dispatch(
     rank sends each expert at most that many rows, the lowest slots first. ``sync_op=False``
     returns a :class:`~unicoll.Task` whose ``wait()`` returns the same tuple.
 
-    >>> # W=2, E=1, rank 0: tokens 0 1 2 with top-2 experts [[0, 1], [1, -1], [0, 1]]
-    >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, experts_per_rank=1)  # doctest: +SKIP
-    >>> rows_per_expert                                                                     # doctest: +SKIP
-    [3]
+    >>> # one rank, E=2: tokens x = [0, 1, 2], top-2 experts [[1, 0], [1, -1], [0, 1]]
+    >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, experts_per_rank=2)  # doctest: +SKIP
+    >>> rows.tolist(), rows_per_expert                                                      # doctest: +SKIP
+    ([0, 2, 0, 1, 2], [2, 3])
     """
     enter(MOE_DISPATCH.name)
     try:
@@ -66,24 +67,26 @@ def dispatch(
         leave()
 
 
-def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any:
+def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send expert outputs back and sum each token's slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
 
     ``y`` holds one output row per row that :func:`dispatch` returned, in the same order (its
     trailing shape may differ from x's). The weights are dispatch's ``topk_weights`` (1 without
     them); dropped slots contribute zero. The result has one row per token, y's dtype.
 
-    >>> out = uc.moe.combine(expert_outputs, handle)   # doctest: +SKIP
+    >>> out = uc.moe.combine(rows * 10, handle)  # the example above; each expert multiplies by 10  # doctest: +SKIP
+    >>> out.tolist()                                # doctest: +SKIP
+    [0, 10, 40]
     """
     enter(MOE_COMBINE.name)
     try:
-        arguments = dict(y=y, handle=handle, sync_op=sync_op, group=handle_group(handle))
+        arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(handle))
         return _combine(prepare(MOE_COMBINE, arguments))
     finally:
         leave()
 
 
-def handle_group(handle: Any) -> Group:
+def _handle_group(handle: Any) -> Group:
     """The group of a usable handle; TypeError for anything but a handle, ValueError once its
     session ended (checked before the call is read: the handle's group is the call's)."""
     if not isinstance(handle, Handle):

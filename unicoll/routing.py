@@ -73,9 +73,10 @@ class Handle:
     the layout of one routing (counts on both sides, the rows' order, each slot's row), so a
     combine, the backward passes and a second layer with the same routing exchange no counts.
 
-    It keeps the caller's ``topk_weights`` (combine weighs by them, and their gradient flows
-    through it) and nothing else of the caller's: no token rows, no expert ids. Once the
-    session that made it ends (``finalize()``) it refuses to be used and lets go of the weights.
+    It keeps the caller's ``topk_weights`` (combine weighs by them when it runs, so a change
+    made to them in place in between is seen, and their gradient flows through it) and nothing
+    else of the caller's: no token rows, no expert ids. Once the session that made it ends
+    (``finalize()``) it refuses to be used and lets go of the weights.
 
     >>> y, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, w, experts_per_rank=2)  # doctest: +SKIP
     >>> handle.rows_per_expert == rows_per_expert, handle.tokens, handle.topk              # doctest: +SKIP
@@ -102,7 +103,6 @@ class Handle:
         self.library = library_of(like)
         self.device = getattr(like, "device", None)
         self.received = int(global_count.sum())
-        self.sent = int(routing.send_tokens.size)
         self.rows_per_expert: list[int] = global_count.reshape(group.world_size, -1).sum(0).tolist()
         self.weights = weights
         """The caller's ``topk_weights`` (None without them), which combine weighs by."""
