@@ -47,6 +47,7 @@ TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None
 TASK = {"wait": "(self, timeout=None)", "is_completed": "(self)"}
 MOE = {
     "dispatch": "(x, topk_idx, topk_weights=None, *, experts_per_rank, group=None, sync_op=True, capacity=None)",
+    "redispatch": "(x, handle, *, sync_op=True)",
     "combine": "(y, handle, *, sync_op=True)",
 }
 
@@ -95,7 +96,12 @@ def test_data_operators_are_the_specs_in_capability_tables() -> None:
     """OPS (what capability tables and the conformance matrix list) holds the data operators;
     SPECS holds every entry point with a spec, exchange_counts included."""
     assert all(SPECS[name] is op and op.in_capabilities for name, op in OPS.items())
-    assert [name for name in SPECS if name not in OPS] == ["exchange_counts", "moe.dispatch", "moe.combine"]
+    assert [name for name in SPECS if name not in OPS] == [
+        "exchange_counts",
+        "moe.dispatch",
+        "moe.redispatch",
+        "moe.combine",
+    ]
 
 
 def test_every_spec_has_kinds_and_a_check_mode_comparison() -> None:

@@ -109,7 +109,7 @@ def edges(rank: int) -> dict[str, object]:
     rows, per_expert, handle = uc.moe.dispatch(mine, ids, np.full(ids.shape, 0.5, np.float32), experts_per_rank=E)
     seen["duplicates"] = (rows[:, 1].tolist(), per_expert, uc.moe.combine(rows * 2, handle)[:, 1].tolist())
 
-    # the handle serves a second layer and a backward pass without exchanging counts again
+    # the handle serves a second layer (redispatch, combine) and the backward passes without exchanging counts
     backend = uc.runtime.state("test").backend
     exchanges = []
     real = backend.exchange_ints
@@ -118,7 +118,7 @@ def edges(rank: int) -> dict[str, object]:
         xt = torch.tensor(mine, requires_grad=True)
         rows, per_expert, handle = uc.moe.dispatch(xt, torch.from_numpy(ids), experts_per_rank=E)
         first = uc.moe.combine(rows * 3, handle)
-        second = uc.moe.combine(rows * 5, handle)
+        second = uc.moe.combine(uc.moe.redispatch(xt * 5, handle), handle)  # a second layer, same routing
         (first + second).sum().backward()
         seen["exchanges"] = len(exchanges)
         seen["reuse"] = (first[:, 0].tolist(), second[:, 0].tolist(), xt.grad[:, 0].tolist())

@@ -113,6 +113,8 @@ BAD_CALLS = [
      ValueError, ["moe.dispatch: capacity:", "non-negative", "got -1"]),
     ("combine without a handle", lambda: uc.moe.combine(X, "handle"),
      TypeError, ["moe.combine: handle:", "a handle returned by moe.dispatch", "str"]),
+    ("redispatch without a handle", lambda: uc.moe.redispatch(X, None),
+     TypeError, ["moe.redispatch: handle:", "a handle returned by moe.dispatch", "NoneType"]),
 ]  # fmt: skip
 
 
@@ -194,6 +196,7 @@ def near_twins_of_accepted_calls(rank: int) -> list:
     accepted = [
         lambda: uc.moe.dispatch(X, IDS, experts_per_rank=2),
         lambda: uc.moe.combine(expert_rows, handle),
+        lambda: uc.moe.redispatch(X, handle),
         lambda: uc.global_scatter(X, lc, gc),
         lambda: uc.global_scatter(X, changing, gc),
         lambda: uc.global_scatter(X, [1, 1, 1, 1], [1, 1, 1, 1]),
@@ -208,6 +211,12 @@ def near_twins_of_accepted_calls(rank: int) -> list:
         (lambda: uc.moe.dispatch(X, IDS + 3, experts_per_rank=2), ValueError, "got 6 at [1, 0]"),
         (lambda: uc.moe.combine(expert_rows.astype(bool), handle), TypeError, "not bool"),
         (lambda: uc.moe.combine(expert_rows[1:], handle), ValueError, "as many rows as the handle's dispatch returned"),
+        (lambda: uc.moe.redispatch(X[1:], handle), ValueError, "3 rows for 4 tokens"),
+        (
+            lambda: uc.moe.redispatch(torch.from_numpy(X), handle),
+            TypeError,
+            "the library and device of the dispatched x",
+        ),
         (lambda: uc.global_scatter(X, [1.0, 1, 1, 1], [1, 1, 1, 1]), TypeError, "sequence of ints"),
         (lambda: uc.global_scatter(X, [1, 1, True, 1], [1, 1, 1, 1]), TypeError, "bool"),
         (lambda: uc.global_scatter(X, lc.astype(np.float64), gc), TypeError, "int32 or int64"),

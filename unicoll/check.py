@@ -35,6 +35,7 @@ from .spec import (
     GLOBAL_SCATTER,
     MOE_COMBINE,
     MOE_DISPATCH,
+    MOE_REDISPATCH,
     SPECS,
     Call,
     OpSpec,
@@ -217,6 +218,11 @@ def _moe_dispatch(op: str, call: Call) -> None:
                 raise _fail(op, f"rank 0 passes {name}={shown(given[0, i])} but rank {c} passes {shown(given[c, i])}")
 
 
+def _moe_redispatch(op: str, call: Call) -> None:
+    """The handles' counts pair up: every rank redispatches with the handle of the same dispatch."""
+    _moe(op, call, _scatter_mismatch, call.x, (call.handle.local_count, call.handle.global_count))
+
+
 def _moe_combine(op: str, call: Call) -> None:
     """The handles' counts pair up: every rank combines with the handle of the same dispatch."""
     _moe(op, call, _gather_mismatch, call.y, (call.handle.local_count, call.handle.global_count))
@@ -230,6 +236,7 @@ CHECKS: dict[OpSpec, Callable[..., None]] = {
     ALL_GATHER: _all_gather,
     EXCHANGE_COUNTS: _exchange_counts,
     MOE_DISPATCH: _moe_dispatch,
+    MOE_REDISPATCH: _moe_redispatch,
     MOE_COMBINE: _moe_combine,
 }
 

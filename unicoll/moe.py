@@ -29,11 +29,11 @@ from .errors import bad_input
 from .group import Group
 from .ops import _functional, _run
 from .routing import Handle, route
-from .spec import MOE_COMBINE, MOE_DISPATCH, Call
+from .spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from .task import Task
 from .validate import prepare
 
-__all__ = ["Handle", "combine", "dispatch"]
+__all__ = ["Handle", "combine", "dispatch", "redispatch"]
 
 
 def dispatch(
@@ -67,6 +67,24 @@ def dispatch(
         leave()
 
 
+def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
+    """Send other rows of the same tokens along a handle's routing: a second layer's dispatch
+    with no sort and no count exchange. Returns the rows, laid out as :func:`dispatch`'s were
+    (``handle.rows_per_expert`` rows per local expert); :func:`combine` with the same handle
+    brings the outputs back. ``x`` has one row per token of the handle's dispatch (its trailing
+    shape may differ), in the library and on the device of the dispatched x.
+
+    >>> rows, rows_per_expert, handle = uc.moe.dispatch(h1, topk_idx, w, experts_per_rank=2)  # doctest: +SKIP
+    >>> rows2 = uc.moe.redispatch(h2, handle)                                                  # doctest: +SKIP
+    """
+    enter(MOE_REDISPATCH.name)
+    try:
+        arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH.name, handle))
+        return _redispatch(prepare(MOE_REDISPATCH, arguments))
+    finally:
+        leave()
+
+
 def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send expert outputs back and sum each token's slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
 
@@ -80,20 +98,21 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """
     enter(MOE_COMBINE.name)
     try:
-        arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(handle))
+        arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE.name, handle))
         return _combine(prepare(MOE_COMBINE, arguments))
     finally:
         leave()
 
 
-def _handle_group(handle: Any) -> Group:
+def _handle_group(op: str, handle: Any) -> Group:
     """The group of a usable handle; TypeError for anything but a handle, ValueError once its
     session ended (checked before the call is read: the handle's group is the call's)."""
     if not isinstance(handle, Handle):
-        raise bad_input(MOE_COMBINE.name, "handle", "a handle returned by moe.dispatch", describe(handle), TypeError)
+        raise bad_input(op, "handle", "a handle returned by moe.dispatch", describe(handle), TypeError)
     if handle.ended is not None:
-        given = f"one that can no longer be used: {handle.ended}"
-        raise bad_input(MOE_COMBINE.name, "handle", "a handle of the running session", given)
+        raise bad_input(
+            op, "handle", "a handle of the running session", f"one that can no longer be used: {handle.ended}"
+        )
     return handle.group
 
 
@@ -105,7 +124,8 @@ def _dispatch(call: Call) -> Any:
     kept = None
     if routing.dropped and call.topk_weights is not None:
         kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
-    sent = _take(x, _like(routing.send_tokens, x))  # in x's library: autograd sums each token's slots
+    send_tokens = _like(routing.send_tokens, x)
+    sent = _take(x, send_tokens)  # in x's library: autograd sums each token's slots
     global_count = None
 
     def issue() -> Pending:
@@ -122,10 +142,27 @@ def _dispatch(call: Call) -> Any:
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, global_count, grp, shape, call.topk_weights, slot_rows, kept, like=x)
+        handle = Handle(routing, global_count, grp, shape, call.topk_weights, send_tokens, slot_rows, kept, like=x)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
+
+
+def _redispatch(call: Call) -> Any:
+    backend, grp, handle = call.backend, call.group, call.handle
+    local_count, global_count = handle.local_count, handle.global_count
+    sent = _take(call.x, handle.send_tokens)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(MOE_REDISPATCH, call)
+        native = backend.to_native(sent)
+        return backend.global_scatter(native, local_count, global_count, grp, not call.sync_op, call.sync_op)
+
+    def backward(grad: Any) -> Any:
+        return backend.global_gather(grad, local_count, global_count, grp, False).finish()
+
+    return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, sent, backward))
 
 
 def _combine(call: Call) -> Any:

@@ -1,5 +1,5 @@
 """The layout of a top-k dispatch, computed on the host from the router's expert ids, and the
-handle that keeps it for the combine, the backward passes and later layers.
+handle that keeps it for the combine, the backward passes and later layers (redispatch).
 
 A token's ``k`` slots are numbered ``s = t * k + j`` (token ``t``, slot ``j``). A kept slot
 sends one copy of its token's row; the rows leave in *send order*: by global expert id
@@ -71,7 +71,8 @@ def route(topk_idx: np.ndarray, experts: int, capacity: int | None) -> Routing:
 class Handle:
     """What :func:`unicoll.moe.dispatch` hands back for the matching :func:`unicoll.moe.combine`:
     the layout of one routing (counts on both sides, the rows' order, each slot's row), so a
-    combine, the backward passes and a second layer with the same routing exchange no counts.
+    combine, the backward passes and a second layer with the same routing
+    (:func:`unicoll.moe.redispatch`, then combine) exchange no counts.
 
     It keeps the caller's ``topk_weights`` (combine weighs by them when it runs, so a change
     made to them in place in between is seen, and their gradient flows through it) and nothing
@@ -90,6 +91,7 @@ class Handle:
         group: Group,
         topk_idx_shape: tuple[int, int],
         weights: Any,
+        send_tokens: Any,
         slot_rows: Any,
         kept: Any,
         like: Any,
@@ -106,6 +108,8 @@ class Handle:
         self.rows_per_expert: list[int] = global_count.reshape(group.world_size, -1).sum(0).tolist()
         self.weights = weights
         """The caller's ``topk_weights`` (None without them), which combine weighs by."""
+        self.send_tokens = send_tokens
+        """Routing.send_tokens in x's library and on x's device (redispatch sends by it)."""
         self.slot_rows = slot_rows
         """Routing.slot_rows in x's library and on x's device."""
         self.kept = kept
@@ -126,7 +130,7 @@ class Handle:
 
     def _end_session(self, reason: str, keep_handles: bool) -> None:
         self._ended = reason
-        self.weights = self.slot_rows = self.kept = None
+        self.weights = self.send_tokens = self.slot_rows = self.kept = None
 
     def __repr__(self) -> str:
         state = f"ended: {self._ended}" if self._ended else f"rows per expert {self.rows_per_expert}"

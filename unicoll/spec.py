@@ -471,11 +471,42 @@ MOE_DISPATCH = OpSpec(
 )  # fmt: skip
 
 
-def _combine_place(c: Call) -> str | None:
-    kind, handle = kind_of(c.y), c.handle
-    if kind.library == handle.library and getattr(c.y, "device", None) == handle.device:
-        return None
-    return f"{describe(c.y)} for x of {handle.library} on {handle.device or 'cpu'}"
+def _handle_place(rows: str) -> Callable[[Call], str | None]:
+    """The library and device of parameter ``rows`` against the dispatched x's (the handle's)."""
+
+    def check(c: Call) -> str | None:
+        given, handle = getattr(c, rows), c.handle
+        if kind_of(given).library == handle.library and getattr(given, "device", None) == handle.device:
+            return None
+        return f"{describe(given)} for x of {handle.library} on {handle.device or 'cpu'}"
+
+    return check
+
+
+_HANDLE = Param("handle", HANDLE, "moe.Handle", "What moe.dispatch returned with the rows.")
+
+MOE_REDISPATCH = OpSpec(
+    name="moe.redispatch",
+    summary=(
+        "Top-k dispatch along a handle's routing, for a second layer with the same routing: row t of x goes "
+        "where moe.dispatch sent token t's slots, with no sort and no count exchange. Returns the rows in "
+        "moe.dispatch's layout (handle.rows_per_expert rows per local expert)."
+    ),
+    params=(
+        Param("x", ARRAY, "array", "One row per token of the handle's dispatch (the trailing shape may differ)."),
+        _HANDLE,
+        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
+              True, keyword_only=True),
+    ),
+    rules=(
+        Rule("x", "one row per token of the handle's dispatch",
+             lambda c: None if _rows(c.x) == c.handle.tokens else f"{_rows(c.x)} rows for {c.handle.tokens} tokens"),
+        Rule("x", "the library and device of the dispatched x", _handle_place("x"), TypeError),
+    ),
+    backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "
+    "each token's slots",
+    in_capabilities=False,
+)  # fmt: skip
 
 
 MOE_COMBINE = OpSpec(
@@ -488,14 +519,14 @@ MOE_COMBINE = OpSpec(
     ),
     params=(
         Param("y", ARRAY, "array", "Expert outputs: as many rows as the handle's dispatch returned, in its order."),
-        Param("handle", HANDLE, "moe.Handle", "What moe.dispatch returned with the rows."),
+        _HANDLE,
         Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
               True, keyword_only=True),
     ),
     rules=(
         Rule("y", "as many rows as the handle's dispatch returned",
              lambda c: None if _rows(c.y) == c.handle.received else f"{_rows(c.y)} rows for {c.handle.received}"),
-        Rule("y", "the library and device of the dispatched x", _combine_place, TypeError),
+        Rule("y", "the library and device of the dispatched x", _handle_place("y"), TypeError),
         Rule("y", "a dtype that sums (not bool)",
              lambda c: describe(c.y) if kind_of(c.y).dtype == "bool" else None, TypeError),
         Rule("y", "a floating dtype (" + ", ".join(_FLOATING) + ") when dispatch was given topk_weights",
@@ -510,8 +541,11 @@ MOE_COMBINE = OpSpec(
 #: Every entry point with a spec, by name, in the order the docs list them.
 SPECS: dict[str, OpSpec] = {
     op.name: op
-    for op in (GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, EXCHANGE_COUNTS, MOE_DISPATCH, MOE_COMBINE)
-}
+    for op in (
+        GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, EXCHANGE_COUNTS,
+        MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE,
+    )
+}  # fmt: skip
 
 #: The data operators, which backends list in their capability tables, by name.
 OPS: dict[str, OpSpec] = {name: op for name, op in SPECS.items() if op.in_capabilities}

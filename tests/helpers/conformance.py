@@ -9,7 +9,7 @@ shapes), runs on each rank of a spawned world, and is compared with ``unicoll.re
 Top-k dispatch and combine (``unicoll.moe``, on every backend) run as one case each: four
 settings of E, k, sync/async and world/sub-group (:data:`MOE_VARIANTS`) x every library and
 dtype; random expert ids with dropped slots, duplicates, tokenless ranks and now and then a
-capacity.
+capacity; ``moe.redispatch`` of the same rows in the E = 3, k = 2 setting.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
 
 
 def _moe_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> dict[str, Any]:
-    """dispatch, then (but for bool) combine; each waited for when asynchronous."""
+    """dispatch, redispatch of the same rows (E3-k2), then (but for bool) combine; each waited
+    for when asynchronous."""
     x = to_library(a["x"], case.library, case.dtype, device)
     ids = to_library(a["topk_idx"], case.library, "int64", device)
     weights = a.get("topk_weights")
@@ -246,6 +247,9 @@ def _moe_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> di
     dispatched = uc.moe.dispatch(x, ids, weights, experts_per_rank=a["experts_per_rank"], **kw)
     rows, rows_per_expert, handle = dispatched if case.sync else _waited(dispatched)
     result = dict(rows=rows, rows_per_expert=rows_per_expert)
+    if case.variant == "E3-k2":  # the same rows again along the handle, with no count exchange
+        again = uc.moe.redispatch(x, handle, sync_op=case.sync)
+        result["again"] = again if case.sync else _waited(again)
     if "y" in a:
         combined = uc.moe.combine(to_library(a["y"], case.library, case.dtype, device), handle, sync_op=case.sync)
         result["combined"] = combined if case.sync else _waited(combined)
@@ -264,6 +268,8 @@ def _check(case: Case, a: dict[str, Any], result: Any, target: Any, expected: An
         )
         assert all(type(n) is int for n in result["rows_per_expert"]), "rows_per_expert must be host ints"
         _check_array(result["rows"], expected["rows"], case)
+        if "again" in result:
+            _check_array(result["again"], expected["rows"], case)
         if "combined" in expected:
             _check_array(result["combined"], expected["combined"], case)
         return
