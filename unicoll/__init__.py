@@ -2,11 +2,13 @@
 
 ``global_scatter``, ``global_gather``, ``all_gather`` and ``alltoall_single`` take numpy,
 torch or cupy arrays, return the same kind, and run on the backend chosen at run time
-(``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``).
+(``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``). ``unicoll.moe`` builds top-k
+token dispatch and combine on them.
 
 >>> import unicoll as uc
 >>> uc.init("gloo")                                              # doctest: +SKIP
 >>> y = uc.global_scatter(x, local_count, uc.exchange_counts(local_count))   # doctest: +SKIP
+>>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, topk_weights, experts_per_rank=2)  # doctest: +SKIP
 """
 
 from __future__ import annotations
