@@ -1,5 +1,6 @@
 """Every operator's functional form, sync and async, with its gradient against the whole-world
-reference: run by test_autograd (gloo), test_mpi and test_gpu (CUDA)."""
+reference (for unicoll.moe: to the tokens and to the weights): run by test_autograd (gloo),
+test_mpi and test_gpu (CUDA)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import unicoll as uc
 from unicoll import reference
 
-OPS = ("global_scatter", "global_gather", "alltoall_single", "all_gather")
+OPS = ("global_scatter", "global_gather", "alltoall_single", "all_gather", "moe")
 
 
 def _world_inputs(op: str, world: int, seed: int) -> dict:
@@ -58,12 +59,58 @@ def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
     return y if sync else y.wait()
 
 
+def _moe_world(world: int, seed: int) -> dict:
+    """Top-2 routing (a fifth of the slots dropped, E = 2) and what moe.dispatch, experts that
+    multiply the n-th row they receive by n, and moe.combine give, with the gradients of
+    ``sum(out * ws)`` to x and to the weights, all from the whole-world reference: the
+    gradient to x[t] is ``ws[t] * sum_j w[t, j] f(t, j)``, to w[t, j] it is
+    ``f(t, j) * (x[t] . ws[t])``, with f(t, j) the factor slot (t, j)'s row met (0 if dropped)."""
+    rng = np.random.default_rng(seed)
+    experts, k = 2, 2
+    tokens = rng.integers(0, 5, world)
+    ids = [np.where(rng.random((t, k)) < 0.2, -1, rng.integers(0, world * experts, (t, k))) for t in tokens]
+    xs = [rng.standard_normal((t, 2)) for t in tokens]
+    weights = [rng.standard_normal((t, k)) for t in tokens]
+    rows, _ = reference.moe_dispatch(xs, ids, experts)
+    factors = [np.arange(1.0, len(r) + 1)[:, None] for r in rows]
+    outs = reference.moe_combine([r * f for r, f in zip(rows, factors)], ids, experts, weights)
+    ws = [rng.standard_normal(o.shape) for o in outs]
+    per_slot = [
+        np.concatenate([reference.moe_combine(factors, ids, experts, [np.eye(k)[[j] * t] for t in tokens])[r]
+                        for j in range(k)], axis=1)
+        for r in range(world)
+    ]  # fmt: skip
+    grads_x = [(s * w).sum(1, keepdims=True) * g for s, w, g in zip(per_slot, weights, ws)]
+    grads_w = [s * (x * g).sum(1, keepdims=True) for s, x, g in zip(per_slot, xs, ws)]
+    return dict(xs=xs, ids=ids, weights=weights, outs=outs, ws=ws, grads_x=grads_x, grads_w=grads_w, experts=experts)
+
+
+def _moe_gradients(rank: int, world: int, device: str, sync: bool, seed: int) -> None:
+    """dispatch, experts, combine (sync or async): the output and both gradients against the reference."""
+    a = _moe_world(world, seed)
+    tensor = lambda v: torch.tensor(v, device=device)  # noqa: E731
+    x, w = tensor(a["xs"][rank]).requires_grad_(), tensor(a["weights"][rank]).requires_grad_()
+    dispatched = uc.moe.dispatch(x, tensor(a["ids"][rank]), w, experts_per_rank=a["experts"], sync_op=sync)
+    rows, _, handle = dispatched if sync else dispatched.wait()
+    factors = torch.arange(1.0, rows.shape[0] + 1, device=device, dtype=rows.dtype)[:, None]
+    combined = uc.moe.combine(rows * factors, handle, sync_op=sync)
+    out = combined if sync else combined.wait()
+    (out * tensor(a["ws"][rank])).sum().backward()
+    torch.testing.assert_close(out, tensor(a["outs"][rank]))
+    torch.testing.assert_close(x.grad, tensor(a["grads_x"][rank]))
+    torch.testing.assert_close(w.grad, tensor(a["grads_w"][rank]))
+
+
 def gradients(rank: int, device: str = "cpu") -> dict[str, str]:
     """Each operator, sync and async: this rank's input gradient against the reference."""
     world = uc.get_world_size()
     report = {}
     for index, op in enumerate(OPS):
         for sync in (True, False):
+            if op == "moe":
+                _moe_gradients(rank, world, device, sync, seed=index)
+                report[f"{op}-{'sync' if sync else 'async'}"] = "ok"
+                continue
             a = _world_inputs(op, world, seed=index)
             x = torch.tensor(a["xs"][rank], device=device, requires_grad=True)
             y = _forward(op, x, a, rank, sync)
