@@ -106,7 +106,8 @@ def edges(rank: int) -> dict[str, object]:
     # rank 1 has no tokens; rank 0 sends its token 0 twice to expert 1 of rank 1 (a duplicate slot)
     ids = np.array([[3, 3], [0, -1], [1, 2], [-1, -1]]) if rank == 0 else np.zeros((0, 2), np.int64)
     mine = x if rank == 0 else x[:0]
-    rows, per_expert, handle = uc.moe.dispatch(mine, ids, np.full(ids.shape, 0.5, np.float32), experts_per_rank=E)
+    weights = np.where(ids < 0, np.nan, 0.5).astype(np.float32)  # a dropped slot's weight plays no part
+    rows, per_expert, handle = uc.moe.dispatch(mine, ids, weights, experts_per_rank=E)
     seen["duplicates"] = (rows[:, 1].tolist(), per_expert, uc.moe.combine(rows * 2, handle)[:, 1].tolist())
 
     # the handle serves a second layer (redispatch, combine) and the backward passes without exchanging counts
