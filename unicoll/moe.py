@@ -197,7 +197,7 @@ def _sum_slots(back: Any, handle: Handle, weights: Any, slot_rows: Any, kept: An
         back = xp.concat([back, xp.zeros((1, *trailing), dtype=back.dtype, device=device(back))], axis=0)
     rows = _take(back, slot_rows).reshape(tokens, k, *trailing)
     if weights is None:
-        out = rows.sum(1)
+        out = rows.reshape(tokens, *trailing) if k == 1 else rows.sum(1)
     else:
         if kept is not None:  # a dropped slot contributes zero whatever its weight (inf, nan)
             xp = array_namespace(weights)
