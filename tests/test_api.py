@@ -117,10 +117,13 @@ def test_import_loads_no_framework() -> None:
 
 
 def test_import_starts_no_process_machinery() -> None:
-    """``uc.testing`` (multiprocessing, subprocess) loads on first use, not with ``import unicoll``."""
+    """``uc.testing`` (multiprocessing, subprocess, socket) loads on first use, not with
+    ``import unicoll``; nor does importlib.metadata (which loads socket) until the version or
+    the registry's entry points are asked for."""
     code = (
-        "import sys, unicoll; print(sorted(m for m in ('multiprocessing', 'subprocess') if m in sys.modules)); "
-        "unicoll.testing.spawn; print('multiprocessing' in sys.modules)"
+        "import sys, unicoll; "
+        "print(sorted(m for m in ('multiprocessing', 'subprocess', 'socket', 'importlib.metadata') if m in sys.modules)); "
+        "unicoll.testing.spawn; print('multiprocessing' in sys.modules); print(unicoll.__version__ != '')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["[]", "True"]
+    assert out.split() == ["[]", "True", "True"]

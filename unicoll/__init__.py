@@ -11,8 +11,6 @@ torch or cupy arrays, return the same kind, and run on the backend chosen at run
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from . import backends, reference
 from .errors import (
     BackendUnavailableError,
@@ -37,21 +35,26 @@ from .runtime import (
 )
 from .task import Task
 
-try:
-    __version__ = version("unicoll")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
-
-del backends, version, PackageNotFoundError
+del backends
 
 
 def __getattr__(name: str) -> object:
     """``uc.testing`` imported on first use: it loads multiprocessing and subprocess, which a
-    training program does not need."""
+    training program does not need; ``uc.__version__`` read on first use (importlib.metadata
+    loads the email package, and socket with it)."""
     if name == "testing":
         import importlib
 
         return importlib.import_module(".testing", __name__)
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("unicoll")
+        except PackageNotFoundError:  # running from a source tree that is not installed
+            found = "0+unknown"
+        globals()["__version__"] = found
+        return found
     raise AttributeError(f"module 'unicoll' has no attribute {name!r}")
 
 
