@@ -7,6 +7,11 @@ displacements are row counts: a message of more than 2**31 - 1 *bytes* is fine, 
 passes even larger counts to an MPI-4 library's large-count routines. The dtype never matters
 to MPI, which moves bfloat16 and float16 as 2-byte words and bool as bytes.
 
+Reductions (all_reduce, reduce_scatter) cannot move bytes: they hand MPI the typed numpy view
+(float16 as MPICH's 16-bit float, bool as ``C_BOOL`` with logical or and and), so bfloat16,
+which this MPI does not reduce, is not in the ``mpi`` reduction table. reduce_scatter is MPI's
+``Ireduce_scatter`` with per-rank counts, uneven blocks included.
+
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
 expert-major order, so MPI's own copy does the reorder and no second buffer is needed.
@@ -84,6 +89,17 @@ def _failure(exc: MPI.Exception, what: str) -> TransportError:
     """The TransportError for MPI's error ``exc`` in ``what``: MPICH reports no lost peer (the
     launcher stops the job), so every MPI error is of no particular kind."""
     return TransportError(f"mpi: {what} failed: {exc.Get_error_string().splitlines()[0]}")
+
+
+_REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+"""MPI's reduction of each transport reduction (:meth:`Backend.allreduce`)."""
+
+_BOOL_OPS = {"max": MPI.LOR, "min": MPI.LAND}
+"""On bool, MPI defines only the logical reductions."""
+
+
+def _reduction(op: str, view: np.ndarray) -> MPI.Op:
+    return _BOOL_OPS[op] if view.dtype == np.bool_ else _REDUCE_OPS[op]
 
 
 class _MpiWork:
@@ -239,6 +255,51 @@ class MpiBackend(Backend):
         except MPI.Exception as exc:
             raise _failure(exc, "allgather") from exc
         return self._done(request, "allgather", async_op)
+
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        view = _host_view(x).reshape(-1)
+        try:
+            request = self._comm(group).Iallreduce(MPI.IN_PLACE, view, op=_reduction(op, view))
+        except MPI.Exception as exc:
+            raise _failure(exc, "allreduce") from exc
+        return self._done(request, "allreduce", async_op)
+
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        return self._reduce_scatter(out, x, op, [out.shape[0]] * group.world_size, group, async_op)
+
+    def reduce_scatter_uneven(
+        self,
+        out: Any,
+        x: Any,
+        op: str,
+        rows: Sequence[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """MPI's ``Ireduce_scatter`` takes unequal blocks as they are: no padding."""
+        return issued(self._reduce_scatter(out, x, op, list(rows), group, async_op), lambda: out)
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str, rows: list[int], group: Group, async_op: bool) -> Work | None:
+        send, recv = _host_view(x), _host_view(out)
+        per_row = math.prod(send.shape[1:])
+        try:
+            request = self._comm(group).Ireduce_scatter(
+                send.reshape(-1), recv.reshape(-1), [r * per_row for r in rows], op=_reduction(op, send)
+            )
+        except MPI.Exception as exc:
+            raise _failure(exc, "reduce_scatter") from exc
+        return self._done(request, "reduce_scatter", async_op)
+
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        view = _host_view(x)
+        try:
+            request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(view)], root=src)
+        except MPI.Exception as exc:
+            raise _failure(exc, "broadcast") from exc
+        return self._done(request, "broadcast", async_op)
 
     def global_scatter(
         self,
