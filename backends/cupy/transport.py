@@ -88,6 +88,15 @@ _NCCL_OPS = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "
 """NCCL's reduction of each transport reduction (:meth:`~unicoll.backends.base.Backend.allreduce`)."""
 
 
+def _words(nbytes: int) -> tuple[int, int]:
+    """``nbytes`` as a count of NCCL words, the widest that divides it: cupy passes a
+    broadcast's count as a C int, so 8-byte words carry 8 times more than bytes."""
+    for size, word in ((8, nccl.NCCL_INT64), (4, nccl.NCCL_INT32)):
+        if nbytes % size == 0:
+            return nbytes // size, word
+    return nbytes, nccl.NCCL_INT8
+
+
 class _Communicator:
     """One NCCL communicator (a group's members), with the stream its transfers run on."""
 
@@ -301,8 +310,10 @@ class CupyNcclBackend(Backend):
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         comm = self._comm(group)
 
+        count, word = _words(x.nbytes)
+
         def launch(stream: Any) -> None:
-            comm.nccl.broadcast(x.data.ptr, x.data.ptr, x.nbytes, nccl.NCCL_INT8, src, stream.ptr)
+            comm.nccl.broadcast(x.data.ptr, x.data.ptr, count, word, src, stream.ptr)
 
         return self._issue(comm, launch, (x,), async_op, calc_stream)
 
