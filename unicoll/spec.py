@@ -477,7 +477,7 @@ BROADCAST = OpSpec(
         *_common_params(use_calc_stream=False),
     ),
     rules=(
-        Rule("src", "a position in the group, from 0 to {W} - 1",
+        Rule("src", "a position in the group, 0 <= src < {W}",
              lambda c: None if 0 <= c.src < c.W else str(c.src)),
         _stream_rule(),
     ),
