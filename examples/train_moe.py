@@ -12,7 +12,7 @@ is a two-layer GELU MLP.
 
 - Data parallel: the norms, the attention and the router are replicated. Rank 0's initial
   values reach every rank by ``uc.broadcast``, and after each backward pass their gradients
-  are summed over the ranks by ``uc.all_reduce``.
+  are summed over the ranks by one ``uc.all_reduce`` of a flat buffer.
 - Expert parallel: rank r holds experts r*E .. r*E+E-1 (its own random initial values).
   Tokens reach their experts by ``uc.exchange_counts`` and ``uc.global_scatter`` and come back
   by ``uc.global_gather``; each expert's gradient is complete on its rank with no further call.
@@ -21,8 +21,8 @@ Each rank trains on its own batch, with the loss ``sum of squared errors / all t
 ranks``, so that the ranks' losses add up to the loss of the whole batch. The reference, on
 every process, is the same block with every expert local and no communication, started from the
 distributed block's initial weights (the experts gathered by ``uc.all_gather``) and trained by
-Adam on every rank's batch at once. Every step's loss (summed over the ranks by
-``uc.all_reduce``) and, at the end, every parameter must agree with the reference to
+Adam on every rank's batch at once. Every step's loss (summed over the ranks with the
+gradients) and, at the end, every parameter must agree with the reference to
 ``--tolerance``; float64 makes the two differ by rounding only. Exits non-zero on a mismatch.
 """
 
@@ -168,10 +168,15 @@ def main() -> None:
         loss = (block(x, moe_parallel) - target).pow(2).sum() / tokens_everywhere
         optimizer.zero_grad()
         loss.backward()
-        for p in block.replicated():  # data parallel: the gradients of every rank's tokens
-            uc.all_reduce(p.grad)
+        # Data parallel: the replicated gradients, summed over the ranks in one all_reduce of one
+        # flat buffer (as DDP buckets them), with the loss riding along.
+        replicated = block.replicated()
+        flat = torch.cat([p.grad.reshape(-1) for p in replicated] + [loss.detach().reshape(1)])
+        uc.all_reduce(flat)
+        for p, summed in zip(replicated, flat[:-1].split([p.numel() for p in replicated])):
+            p.grad.copy_(summed.view_as(p))
+        total = flat[-1].item()
         optimizer.step()
-        total = uc.all_reduce(loss.detach().reshape(1)).item()
 
         every = [batch(args, r, step) for r in range(world)]
         xs, targets = torch.cat([b[0] for b in every]), torch.cat([b[1] for b in every])
