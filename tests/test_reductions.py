@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import unicoll as uc
+from unicoll.backends.mpi.bfloat16 import reduce_words, rounded, widened
 
 
 def edges(rank: int) -> dict:
@@ -65,3 +66,24 @@ def test_edges(backend: str) -> None:
         assert got["parameter"] == [[0.0, 0.0], True, True]
     assert results[1]["group of one"] == [[5.0], [7], [1, 2]]
     assert results[1]["src in a group"] == results[2]["src in a group"] == [2]
+
+
+def test_bfloat16_words_round_as_torch_does() -> None:
+    """The mpi backend's bfloat16 arithmetic (16-bit words through float32) against torch's own:
+    ties to even, overflow to inf, NaN, subnormals and signed zeros."""
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore"):  # the largest draws overflow float32 on purpose
+        values = np.concatenate([
+            rng.standard_normal(4000) * 10.0 ** rng.integers(-40, 39, 4000),
+            np.array([1 + 2**-8, 1 + 3 * 2**-8, 3.3895e38, -3.4e38, np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40]),
+        ]).astype(np.float32)  # fmt: skip
+    expected = torch.from_numpy(values).to(torch.bfloat16)
+    words = rounded(values)
+    got = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    np.testing.assert_array_equal(widened(words), got.float().numpy())
+    a, b = words[:2000], words[2000:4000]
+    for ufunc, torch_op in ((np.add, torch.add), (np.multiply, torch.mul), (np.maximum, torch.maximum)):
+        want = torch_op(got[:2000], got[2000:4000])
+        mine = torch.from_numpy(reduce_words(ufunc, a, b).view(np.int16)).view(torch.bfloat16)
+        torch.testing.assert_close(mine, want, rtol=0, atol=0, equal_nan=True)

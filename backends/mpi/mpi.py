@@ -20,7 +20,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),
-    reductions=reductions(frozenset(DTYPES) - {"bfloat16"}),  # this MPI reduces no bfloat16
+    reductions=reductions(frozenset(DTYPES)),
 )
 
 #: Variables in which launchers state the world size: torchrun and ``unicoll run``, MPICH's

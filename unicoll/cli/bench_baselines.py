@@ -142,16 +142,27 @@ class MpiBaseline:
         return lambda: self._comm.Allgather(send, recv)
 
     def all_reduce(self, x: Tensor) -> Callable[[], Any]:
-        values = x.reshape(-1).numpy()
+        values = _summable(x)
         return lambda: self._comm.Allreduce(self._mpi.IN_PLACE, values, op=self._mpi.SUM)
 
     def reduce_scatter(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
-        send, recv = x.reshape(-1).numpy(), out.reshape(-1).numpy()
+        send, recv = _summable(x), _summable(out)
         return lambda: self._comm.Reduce_scatter_block(send, recv, op=self._mpi.SUM)
 
     def broadcast(self, x: Tensor) -> Callable[[], Any]:
         data = [_bytes(x), self._mpi.BYTE]
         return lambda: self._comm.Bcast(data, root=0)
+
+
+def _summable(t: torch.Tensor) -> np.ndarray:
+    """A typed numpy view of a contiguous CPU tensor, for MPI's own SUM; SystemExit for bfloat16,
+    which neither numpy nor MPICH can sum."""
+    if t.dtype == torch.bfloat16:
+        raise SystemExit(
+            "unicoll bench: bare mpi4py has no bfloat16 sum to time unicoll's against; "
+            "leave all_reduce and reduce_scatter out (--op) or pick another --dtype"
+        )
+    return t.reshape(-1).numpy()
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
