@@ -4,6 +4,7 @@ trained densely on one.
     unicoll run -n 2 examples/train_moe.py              # gloo
     unicoll run --mpi -n 2 examples/train_moe.py        # MPI: the same code
     unicoll run -n 4 examples/train_moe.py --steps 50 --experts-per-rank 1
+    unicoll run -n 2 examples/train_moe.py --backend torch-nccl   # CUDA, one GPU per rank
 
 The block is pre-norm self-attention and a mixture of experts, each with a residual:
 ``h = x + attention(norm1(x))``, ``y = h + moe(norm2(h))``. Each token goes to the two
@@ -29,6 +30,7 @@ gradients) and, at the end, every parameter must agree with the reference to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -40,7 +42,11 @@ import unicoll as uc
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="gloo or mpi (default: $UNICOLL_BACKEND, else auto)")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="gloo, mpi, torch-nccl or cupy-nccl (default: $UNICOLL_BACKEND, else auto); the NCCL ones run on CUDA",
+    )
     parser.add_argument("--steps", type=int, default=30, help="Adam steps")
     parser.add_argument("--experts-per-rank", type=int, default=2, help="experts each rank holds (E)")
     parser.add_argument("--hidden", type=int, default=16, help="model width")
@@ -127,11 +133,12 @@ def moe_parallel(block: Block, tokens: torch.Tensor) -> torch.Tensor:
     return (pairs * weights[..., None]).sum(1)
 
 
-def batch(args: argparse.Namespace, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(args: argparse.Namespace, rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s inputs and targets at ``step``, the same on every process that asks."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
     shape = (args.sequences, args.length, args.hidden)
-    return torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    x, target = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
+    return x.to(device), target.to(device)
 
 
 def fail(rank: int, message: str) -> None:
@@ -143,16 +150,20 @@ def main() -> None:
     args = parse_args()
     uc.init(args.backend)
     rank, world, E = uc.get_rank(), uc.get_world_size(), args.experts_per_rank
+    cuda = uc.get_backend() in ("torch-nccl", "cupy-nccl")  # they move CUDA tensors, one GPU per rank
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     # The distributed block: random initial values per rank, then rank 0's replicated ones everywhere.
     torch.manual_seed(args.seed + 1 + rank)
-    block = Block(args.hidden, args.heads, E, world * E)
+    block = Block(args.hidden, args.heads, E, world * E).to(device)
     with torch.no_grad():
         for p in block.replicated():
             uc.broadcast(p, src=0)
 
     # The reference: the same initial values, every expert (gathered from their ranks) local.
-    dense = Block(args.hidden, args.heads, world * E, world * E)
+    dense = Block(args.hidden, args.heads, world * E, world * E).to(device)
     with torch.no_grad():
         for p, q in zip(block.replicated(), dense.replicated()):
             q.copy_(p)
@@ -164,7 +175,7 @@ def main() -> None:
     tokens_everywhere = world * args.sequences * args.length
     worst_loss = 0.0
     for step in range(args.steps):
-        x, target = batch(args, rank, step)
+        x, target = batch(args, rank, step, device)
         loss = (block(x, moe_parallel) - target).pow(2).sum() / tokens_everywhere
         optimizer.zero_grad()
         loss.backward()
@@ -178,7 +189,7 @@ def main() -> None:
         total = flat[-1].item()
         optimizer.step()
 
-        every = [batch(args, r, step) for r in range(world)]
+        every = [batch(args, r, step, device) for r in range(world)]
         xs, targets = torch.cat([b[0] for b in every]), torch.cat([b[1] for b in every])
         dense_loss = (dense(xs, moe_dense) - targets).pow(2).sum() / tokens_everywhere
         dense_optimizer.zero_grad()
@@ -199,7 +210,7 @@ def main() -> None:
         worst_parameter = max(worst_parameter, difference)
         if not difference <= args.tolerance:
             fail(rank, f"parameter {name}: differs from the dense model's by {difference:.3g}")
-    worst = uc.all_reduce(torch.tensor([worst_loss, worst_parameter], dtype=torch.float64), op="max")
+    worst = uc.all_reduce(torch.tensor([worst_loss, worst_parameter], dtype=torch.float64, device=device), op="max")
     if rank == 0:
         print(
             f"backend {uc.get_backend()}: {world} ranks x {E} experts, {args.steps} Adam steps: every loss and "
