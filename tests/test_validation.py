@@ -121,6 +121,8 @@ BAD_CALLS = [
      TypeError, ["broadcast: src:", "an int", "bool"]),
     ("in place on a leaf that requires grad", lambda: uc.all_reduce(torch.ones(2, requires_grad=True)),
      ValueError, ["all_reduce: tensor:", "torch.no_grad()", "a leaf torch float32 (2,) on cpu that requires grad"]),
+    ("in place on a view of a leaf", lambda: uc.all_reduce(torch.ones(4, 2, requires_grad=True)[1]),
+     ValueError, ["all_reduce: tensor:", "a view of a leaf torch float32 (2,) on cpu that requires grad"]),
     ("broadcast of a leaf that requires grad", lambda: uc.broadcast(torch.ones(2, requires_grad=True), 0),
      ValueError, ["broadcast: tensor:", "a leaf torch float32 (2,) on cpu that requires grad"]),
     ("max of a tensor that requires grad", lambda: uc.all_reduce(torch.ones(2, requires_grad=True) * 2, op="max"),

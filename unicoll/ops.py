@@ -98,9 +98,10 @@ def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool
     if reduction is not None and reduction not in _DIFFERENTIABLE:
         expected = "'sum' or 'avg' for a tensor that requires grad (max, min and prod have no gradient here)"
         raise bad_input(op, "op", expected, repr(reduction))
-    if in_place and x.is_leaf:
+    if in_place and (x.is_leaf or (x._base is not None and x._base.is_leaf)):
         expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
-        raise bad_input(op, "tensor", expected, f"a leaf {describe(x)} that requires grad")
+        what = "a leaf" if x.is_leaf else "a view of a leaf"
+        raise bad_input(op, "tensor", expected, f"{what} {describe(x)} that requires grad")
     return True
 
 
