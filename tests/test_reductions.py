@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import unicoll as uc
+from unicoll import runtime
+from unicoll.backends.base import Backend
 from unicoll.backends.mpi.bfloat16 import reduce_words, rounded, widened
 
 
@@ -30,6 +32,13 @@ def edges(rank: int) -> dict:
     mine = x[2 * rank : 2 * rank + 2]  # the output is this rank's block of the input
     got["output inside the input"] = uc.reduce_scatter(mine, x).tolist()
     got["zero block"] = uc.reduce_scatter(None, torch.arange(5) * (rank + 1), split_sizes=[3, 0, 2]).tolist()
+    # the base class's padded path for unequal blocks (the NCCL backends'), on this transport
+    backend, world = runtime.state("test").backend, runtime.resolve_group(None, "test")
+    mine = torch.empty([3, 0, 2][rank], 2)
+    x = torch.arange(10.0).reshape(5, 2) * (rank + 1)
+    got["padded blocks"] = (
+        Backend.reduce_scatter_uneven(backend, mine, x, "max", [3, 0, 2], world, False).finish().tolist()
+    )
     solo, pair = uc.new_group([1]), uc.new_group([1, 2])
     if rank == 1:
         got["group of one"] = [
@@ -63,6 +72,8 @@ def test_edges(backend: str) -> None:
         assert got["empty"] == [(0, 3), (2, 0), (0, 2), (1, 0), (0,)]
         assert got["output inside the input"] == [6 * rank + 30, 6 * rank + 33]
         assert got["zero block"] == [[0, 6, 12], [], [18, 24]][rank]
+        start, end = [(0, 3), (3, 3), (3, 5)][rank]  # the max over the ranks is rank 2's: 3 * arange
+        assert got["padded blocks"] == (3 * np.arange(10.0).reshape(5, 2)[start:end]).tolist()
         assert got["parameter"] == [[0.0, 0.0], True, True]
     assert results[1]["group of one"] == [[5.0], [7], [1, 2]]
     assert results[1]["src in a group"] == results[2]["src in a group"] == [2]
