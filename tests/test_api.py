@@ -39,6 +39,9 @@ PUBLIC = {
     "alltoall_single": "(out_tensor, in_tensor, out_split_sizes=None, in_split_sizes=None, group=None, "
     "sync_op=True, use_calc_stream=False)",
     "all_gather": "(tensor_or_tensor_list, tensor, group=None, sync_op=True, use_calc_stream=False)",
+    "all_reduce": "(tensor, op='sum', group=None, sync_op=True, use_calc_stream=False)",
+    "reduce_scatter": "(out, tensor, op='sum', split_sizes=None, group=None, sync_op=True, use_calc_stream=False)",
+    "broadcast": "(tensor, src, group=None, sync_op=True, use_calc_stream=False)",
 }
 
 TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None)"}

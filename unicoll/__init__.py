@@ -1,6 +1,7 @@
 """unicoll: one framework-agnostic API for Mixture-of-Experts collectives.
 
-``global_scatter``, ``global_gather``, ``all_gather`` and ``alltoall_single`` take numpy,
+``global_scatter``, ``global_gather``, ``all_gather`` and ``alltoall_single``, and the rest of a
+training step's collectives (``all_reduce``, ``reduce_scatter``, ``broadcast``), take numpy,
 torch or cupy arrays, return the same kind, and run on the backend chosen at run time
 (``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``).
 
@@ -21,7 +22,16 @@ from .errors import (
     PeerLostError,
 )
 from .group import Group
-from .ops import all_gather, alltoall_single, exchange_counts, global_gather, global_scatter
+from .ops import (
+    all_gather,
+    all_reduce,
+    alltoall_single,
+    broadcast,
+    exchange_counts,
+    global_gather,
+    global_scatter,
+    reduce_scatter,
+)
 from .registry import register_backend
 from .runtime import (
     barrier,
@@ -69,8 +79,10 @@ __all__ = [
     "Task",
     "__version__",
     "all_gather",
+    "all_reduce",
     "alltoall_single",
     "barrier",
+    "broadcast",
     "exchange_counts",
     "finalize",
     "get_backend",
@@ -81,6 +93,7 @@ __all__ = [
     "init",
     "is_initialized",
     "new_group",
+    "reduce_scatter",
     "reference",
     "register_backend",
     "testing",

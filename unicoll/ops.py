@@ -1,12 +1,12 @@
-"""The four operators and exchange_counts: validate from the spec, run on the backend, hand
-back the caller's kind.
+"""The operators and exchange_counts: validate from the spec, run on the backend, hand back
+the caller's kind.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
 this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
 backend issues the transfer on its native arrays,
 and :func:`_run` returns the result (``sync_op=True``) or a :class:`~unicoll.Task`,
 converting back to the caller's array library and, for torch tensors that require grad,
-linking the result into autograd.
+linking the result into autograd (the in-place operators record their change of the tensor).
 """
 
 from __future__ import annotations
@@ -16,14 +16,25 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import library_of, overlaps
+from .arrays import describe, library_of, overlaps
 from .backends.base import Backend, Pending
 from .check import verify
 from .counts import Counts
 from .entry import enter, exclusive, leave
-from .errors import TransportError, reported, translated
+from .errors import TransportError, bad_input, reported, translated
 from .group import Group
-from .spec import ALL_GATHER, ALLTOALL_SINGLE, EXCHANGE_COUNTS, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec
+from .spec import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALLTOALL_SINGLE,
+    BROADCAST,
+    EXCHANGE_COUNTS,
+    GLOBAL_GATHER,
+    GLOBAL_SCATTER,
+    REDUCE_SCATTER,
+    Call,
+    OpSpec,
+)
 from .task import Task
 from .validate import prepare
 
@@ -49,18 +60,59 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
         from .autograd import attach, needs_grad
 
         if needs_grad(x):
-            backend = call.backend
-
-            def guarded_backward(grad: Any) -> Any:
-                enter(f"{op} (backward)")
-                try:
-                    with translated(f"{op} (backward)", call.group, call.timeout):
-                        return backend.from_native(backward(backend.to_native(grad)), "torch")
-                finally:
-                    leave()
-
-            return lambda result: attach(x, backend.from_native(result, "torch"), guarded_backward)
+            backend, guarded = call.backend, _guarded(op, call, backward)
+            return lambda result: attach(x, backend.from_native(result, "torch"), guarded)
     return lambda result: call.backend.from_native(result, library)
+
+
+def _guarded(op: str, call: Call, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``backward`` on native arrays, as torch calls it: one thread at a time, its transport
+    failures reported like the forward's."""
+    backend = call.backend
+
+    def guarded_backward(grad: Any) -> Any:
+        enter(f"{op} (backward)")
+        try:
+            with translated(f"{op} (backward)", call.group, call.timeout):
+                return backend.from_native(backward(backend.to_native(grad)), "torch")
+        finally:
+            leave()
+
+    return guarded_backward
+
+
+_DIFFERENTIABLE = ("sum", "avg")
+"""The reductions whose result has a gradient here."""
+
+
+def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool) -> bool:
+    """Whether the result computed from ``x`` joins autograd; raises, before anything is sent,
+    for what autograd cannot record: a reduction without a gradient, or (``in_place``) a leaf
+    that requires grad, which torch never lets change in place."""
+    if library_of(x) != "torch" or not x.requires_grad:
+        return False
+    from .autograd import needs_grad
+
+    if not needs_grad(x):
+        return False
+    if reduction is not None and reduction not in _DIFFERENTIABLE:
+        expected = "'sum' or 'avg' for a tensor that requires grad (max, min and prod have no gradient here)"
+        raise bad_input(op, "op", expected, repr(reduction))
+    if in_place and (x.is_leaf or (x._base is not None and x._base.is_leaf)):
+        expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
+        what = "a leaf" if x.is_leaf else "a view of a leaf"
+        raise bad_input(op, "tensor", expected, f"{what} {describe(x)} that requires grad")
+    return True
+
+
+def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """How to finish an in-place operator: return ``x``, recorded in autograd when ``recorded``."""
+    if not recorded:
+        return lambda _: x
+    from .autograd import attach_in_place
+
+    guarded = _guarded(op, call, backward)
+    return lambda _: attach_in_place(x, guarded)
 
 
 def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
@@ -88,6 +140,11 @@ def _native_input(backend: Backend, x: Any, out: Any | None) -> Any:
     staged = backend.empty_rows(native, native.shape[0])
     staged[...] = native
     return staged
+
+
+def _copy(x: Any) -> Any:
+    """A copy of a native array (torch tensors clone, numpy and cupy arrays copy)."""
+    return x.clone() if library_of(x) == "torch" else x.copy()
 
 
 def _even(rows: int, world: int) -> list[int]:
@@ -231,8 +288,7 @@ def all_gather(
     if target is None:
 
         def backward(g: Any) -> Any:
-            received = backend.alltoall_single(None, g, [rows_here] * len(rows), rows, grp, False)
-            return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
+            return backend.reduce_scatter(None, g, "sum", rows, grp, False).finish()
 
         return _run(ALL_GATHER.name, call, issue, _functional(ALL_GATHER.name, call, tensor, backward))
     if not isinstance(target, list):
@@ -251,6 +307,118 @@ def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], lik
         for slot, part in zip(target, parts):
             slot[...] = part
     return target
+
+
+@exclusive
+def all_reduce(
+    tensor: Any,
+    op: str = "sum",
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """Reduce ``tensor`` elementwise over every rank of the group with ``op``, in place;
+    returns ``tensor`` (or a Task whose ``wait()`` does).
+
+    ``op``: ``"sum"``, ``"avg"`` (the sum divided by the group size, in the tensor's dtype;
+    floating dtypes only), ``"max"``, ``"min"`` or ``"prod"``. Integer sums and products wrap
+    around as numpy's do; on bool, ``sum`` and ``max`` are logical or, ``prod`` and ``min``
+    logical and. A torch tensor inside autograd records the change (sum and avg).
+
+    >>> g = uc.all_reduce(param.grad, op="avg")   # data-parallel gradients  # doctest: +SKIP
+    """
+    call = prepare(ALL_REDUCE, locals())
+    backend, grp = call.backend, call.group
+    recorded = _recorded(ALL_REDUCE.name, call, tensor, op, in_place=True)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(ALL_REDUCE, call)
+        return backend.all_reduce(backend.to_native(tensor), op, grp, not sync_op, use_calc_stream)
+
+    def backward(g: Any) -> Any:
+        return backend.all_reduce(_copy(g), op, grp, False).finish()  # torch may use the gradient elsewhere
+
+    return _run(ALL_REDUCE.name, call, issue, _in_place(ALL_REDUCE.name, call, tensor, recorded, backward))
+
+
+@exclusive
+def reduce_scatter(
+    out: Any | None,
+    tensor: Any,
+    op: str = "sum",
+    split_sizes: Counts | None = None,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """The dual of all_gather: block c of ``tensor``'s rows, reduced with ``op`` over every
+    rank, lands on position c. Returns ``out`` filled, or a new array when it is None.
+
+    The blocks are ``split_sizes[c]`` consecutive rows (the same sizes on every rank), or an
+    even split when None; ``op`` as for :func:`all_reduce`.
+
+    >>> # W=2, tensor=[1, 2, 3] on rank 0 and [10, 20, 30] on rank 1, split_sizes=[1, 2]
+    >>> uc.reduce_scatter(None, tensor, split_sizes=[1, 2])   # doctest: +SKIP
+    array([11])   # rank 1: array([22, 33])
+    """
+    call = prepare(REDUCE_SCATTER, locals())
+    backend, grp = call.backend, call.group
+    rows = call.split_sizes.tolist() if call.split_sizes is not None else _even(tensor.shape[0], call.W)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(REDUCE_SCATTER, call, rows=rows)
+        out_native = None if out is None else backend.to_native(out)
+        return backend.reduce_scatter(
+            out_native, _native_input(backend, tensor, out), op, rows, grp, not sync_op, use_calc_stream
+        )
+
+    if out is not None:
+        return _run(REDUCE_SCATTER.name, call, issue, lambda _: out)
+    _recorded(REDUCE_SCATTER.name, call, tensor, op, in_place=False)
+
+    def backward(g: Any) -> Any:
+        gathered = backend.all_gather(None, g, rows, grp, False).finish()
+        return gathered / call.W if op == "avg" else gathered
+
+    return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
+
+
+@exclusive
+def broadcast(
+    tensor: Any,
+    src: int,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """Overwrite ``tensor`` on every rank of the group with its value on position ``src``, in
+    place; returns ``tensor`` (or a Task whose ``wait()`` does).
+
+    ``src`` is a position in the group, as ``uc.get_rank(group)`` numbers it: the world rank
+    for ``group=None`` (torch.distributed's ``group_src``, not its world-rank ``src``).
+
+    >>> for p in model.parameters():                 # the same initial weights everywhere
+    ...     with torch.no_grad():
+    ...         uc.broadcast(p, src=0)               # doctest: +SKIP
+    """
+    call = prepare(BROADCAST, locals())
+    backend, grp = call.backend, call.group
+    recorded = _recorded(BROADCAST.name, call, tensor, None, in_place=True)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(BROADCAST, call)
+        return backend.broadcast(backend.to_native(tensor), call.src, grp, not sync_op, use_calc_stream)
+
+    def backward(g: Any) -> Any:
+        total = backend.all_reduce(_copy(g), "sum", grp, False).finish()
+        if grp.rank != call.src:
+            total[...] = 0
+        return total
+
+    return _run(BROADCAST.name, call, issue, _in_place(BROADCAST.name, call, tensor, recorded, backward))
 
 
 @exclusive
