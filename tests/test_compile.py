@@ -214,6 +214,49 @@ def test_bad_input_raises_eagers_error_from_compiled_code(world_of_one, bad: int
     assert str(compiled.value) == str(eager.value)
 
 
+def test_rows_are_known_while_tracing_where_the_counts_say_them(world_of_one) -> None:
+    """Counts in lists (constants) and even splits give static rows; counts in tensors, and
+    all_gather's rows, a new dynamic size."""
+    traced = []
+
+    def record(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("unicoll."):
+                value = node.meta["example_value"]
+                traced.append(str((value[0] if isinstance(value, tuple) else value).shape[0]))
+        return gm
+
+    x, three = torch.ones(3, 2), torch.tensor([3])
+    for fn in [
+        lambda x: uc.global_scatter(x, [3], [3]),
+        lambda x: uc.global_gather(x, (3,), (3,)),
+        lambda x: uc.alltoall_single(None, x, [3], [3]),
+        lambda x: uc.alltoall_single(None, x),
+        lambda x: uc.global_scatter(x, three, three),
+        lambda x: uc.alltoall_single(None, x, three, three),
+        lambda x: uc.all_gather(None, x),
+    ]:
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend=record)(x), x)
+    assert traced[:4] == ["3"] * 4
+    assert all(size.startswith("u") for size in traced[4:]), traced
+
+
+def test_the_groups_table_keeps_only_live_groups(world_of_one) -> None:
+    import gc
+
+    from unicoll.group import group_numbered
+    from unicoll.torch_ops import _group
+
+    group = uc.new_group([0])
+    number = group.number
+    assert group_numbered(number) is group and _group(number) is group
+    del group
+    gc.collect()
+    assert group_numbered(number) is None
+    with pytest.raises(ValueError, match=f"group: expected the number of a live unicoll.Group, got {number}"):
+        _group(number)
+
+
 def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> None:
     group = uc.new_group([0])
     fn = torch.compile(lambda x, g: uc.all_gather(None, x, group=g), fullgraph=True, backend="aot_eager")

@@ -305,6 +305,14 @@ def _traced(*values: Any) -> bool:
     return all(v is not _UNTRACEABLE for v in values)
 
 
+def _total(value: Any) -> int | None:
+    """The rows that counts given as a list of non-negative ints add up to, known while
+    tracing; None for counts in a tensor (or a list the eager operator will refuse)."""
+    if type(value) in (list, tuple) and all(type(v) is int and v >= 0 for v in value):
+        return sum(value)
+    return None
+
+
 # -- the traced forms of the public operators (same signatures) --------------------------------
 
 
@@ -319,21 +327,20 @@ def exchange_counts(local_count: Any, group: Group | None = None) -> Any:
 def _moe(
     op: Callable[..., Any],
     traced_op: Callable[..., Any],
-    x: Any,
-    local_count: Any,
-    global_count: Any,
-    group: Group | None,
-    sync_op: bool,
-    use_calc_stream: bool,
+    output_counts: str,
+    args: tuple[Any, Any, Any, Group | None, bool, bool],
 ) -> Any:
-    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
+    """global_scatter or global_gather (``op``) as ``traced_op``, whose output has the rows of
+    its ``output_counts`` ("local_count" or "global_count")."""
+    x, local_count, global_count, group, sync_op, use_calc_stream = args
     if sync_op is False:
         return _as_task(op, *args)
     number, lc, gc = _number(group), _counts(local_count), _counts(global_count)
     flags_ok = sync_op is True and type(use_calc_stream) is bool
     if not isinstance(x, torch.Tensor) or not flags_ok or not _traced(number, lc, gc) or lc is None or gc is None:
         return _untraced(op, *args)
-    return traced_op(x, lc, gc, number, use_calc_stream, None)
+    rows = _total(local_count if output_counts == "local_count" else global_count)
+    return traced_op(x, lc, gc, number, use_calc_stream, rows)
 
 
 def global_scatter(
@@ -344,9 +351,10 @@ def global_scatter(
     sync_op: bool = True,
     use_calc_stream: bool = True,
 ) -> Any:
-    """:func:`unicoll.global_scatter` as traced: one op, whose output rows are a dynamic size."""
-    traced_op = torch.ops.unicoll.global_scatter
-    return _moe(ops.global_scatter, traced_op, x, local_count, global_count, group, sync_op, use_calc_stream)
+    """:func:`unicoll.global_scatter` as traced: one op, whose output rows are a dynamic size
+    (``sum(global_count)`` for counts in a list)."""
+    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
+    return _moe(ops.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
 
 
 def global_gather(
@@ -357,9 +365,10 @@ def global_gather(
     sync_op: bool = True,
     use_calc_stream: bool = True,
 ) -> Any:
-    """:func:`unicoll.global_gather` as traced: one op, whose output rows are a dynamic size."""
-    traced_op = torch.ops.unicoll.global_gather
-    return _moe(ops.global_gather, traced_op, x, local_count, global_count, group, sync_op, use_calc_stream)
+    """:func:`unicoll.global_gather` as traced: one op, whose output rows are a dynamic size
+    (``sum(local_count)`` for counts in a list)."""
+    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
+    return _moe(ops.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
 
 
 def alltoall_single(
@@ -371,8 +380,9 @@ def alltoall_single(
     sync_op: bool = True,
     use_calc_stream: bool = False,
 ) -> Any:
-    """:func:`unicoll.alltoall_single` as traced, for ``out_tensor=None``: one op (its output
-    rows a dynamic size unless no split sizes are given)."""
+    """:func:`unicoll.alltoall_single` as traced, for ``out_tensor=None``: one op, whose
+    output rows are a dynamic size (those of ``in_tensor`` when no split sizes are given,
+    ``sum(out_split_sizes)`` for a list)."""
     args = (out_tensor, in_tensor, out_split_sizes, in_split_sizes, group, sync_op, use_calc_stream)
     if out_tensor is not None:
         return _in_place(ops.alltoall_single, *args)
@@ -382,7 +392,8 @@ def alltoall_single(
     flags_ok = sync_op is True and type(use_calc_stream) is bool
     if not isinstance(in_tensor, torch.Tensor) or not flags_ok or not _traced(number, out_splits, in_splits):
         return _untraced(ops.alltoall_single, *args)
-    result, _ = torch.ops.unicoll.alltoall_single(in_tensor, out_splits, in_splits, number, use_calc_stream, None)
+    rows = _total(out_split_sizes)
+    result, _ = torch.ops.unicoll.alltoall_single(in_tensor, out_splits, in_splits, number, use_calc_stream, rows)
     return result
 
 
