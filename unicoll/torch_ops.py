@@ -84,11 +84,13 @@ def _splits(number: int, op: str) -> torch.Tensor:
     schema="(Tensor local_count, int group) -> Tensor",
 )
 def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
+    """The eager exchange_counts."""
     return ops.exchange_counts(local_count, _group(group))
 
 
 @_exchange_counts.register_fake
-def _(local_count: torch.Tensor, group: int) -> torch.Tensor:
+def _exchange_counts_fake(local_count: torch.Tensor, group: int) -> torch.Tensor:
+    """The global counts have the local counts' shape."""
     return torch.empty_like(local_count)
 
 
@@ -108,6 +110,7 @@ def _global_scatter(
     use_calc_stream: bool,
     rows: int | None,
 ) -> torch.Tensor:
+    """The eager global_scatter, with the rows promised to the fake implementation where given."""
     result = ops.global_scatter(x.detach(), local_count, global_count, _group(group), True, use_calc_stream)
     return _rows_as_promised(result, rows, "global_scatter")
 
@@ -123,13 +126,14 @@ def _global_gather(
     use_calc_stream: bool,
     rows: int | None,
 ) -> torch.Tensor:
+    """The eager global_gather, with the rows promised to the fake implementation where given."""
     result = ops.global_gather(x.detach(), local_count, global_count, _group(group), True, use_calc_stream)
     return _rows_as_promised(result, rows, "global_gather")
 
 
 @_global_scatter.register_fake
 @_global_gather.register_fake
-def _(
+def _moe_fake(
     x: torch.Tensor,
     local_count: torch.Tensor,
     global_count: torch.Tensor,
@@ -137,22 +141,26 @@ def _(
     use_calc_stream: bool,
     rows: int | None,
 ) -> torch.Tensor:
+    """The output: the rows given, or a new dynamic size, and x's trailing shape."""
     return x.new_empty((_new_rows(rows), *x.shape[1:]))
 
 
 def _save_moe(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep what the backward collective needs: the counts, the group and the input's rows."""
     x, local_count, global_count, group, _, _ = inputs
     ctx.save_for_backward(local_count, global_count)
     ctx.group, ctx.rows = group, x.shape[0]
 
 
 def _global_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """global_gather of the output gradient with the same counts."""
     local_count, global_count = ctx.saved_tensors
     dx = torch.ops.unicoll.global_gather(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
     return dx, None, None, None, None, None
 
 
 def _global_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """global_scatter of the output gradient with the same counts."""
     local_count, global_count = ctx.saved_tensors
     dx = torch.ops.unicoll.global_scatter(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
     return dx, None, None, None, None, None
@@ -186,7 +194,7 @@ def _alltoall_single(
 
 
 @_alltoall_single.register_fake
-def _(
+def _alltoall_single_fake(
     in_tensor: torch.Tensor,
     out_split_sizes: torch.Tensor | None,
     in_split_sizes: torch.Tensor | None,
@@ -194,12 +202,15 @@ def _(
     use_calc_stream: bool,
     rows: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output (the rows given, in_tensor's rows for an even split both ways, else a new
+    dynamic size) and one received split size per rank."""
     if rows is None and out_split_sizes is None and in_split_sizes is None:
         rows = in_tensor.shape[0]  # an even split both ways: as many rows as were sent
     return in_tensor.new_empty((_new_rows(rows), *in_tensor.shape[1:])), _splits(group, "alltoall_single")
 
 
 def _save_alltoall(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the split sizes sent (None for an even split) and received, the group and the rows."""
     in_tensor, _, in_split_sizes, group, _, _ = inputs
     _, received = output
     ctx.save_for_backward(in_split_sizes, received)
@@ -233,11 +244,13 @@ def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tupl
 
 
 @_all_gather.register_fake
-def _(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _all_gather_fake(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered rows (a new dynamic size) and one row count per rank."""
     return tensor.new_empty((_new_rows(None), *tensor.shape[1:])), _splits(group, "all_gather")
 
 
 def _save_all_gather(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the rows each rank sent, the group and this rank's rows."""
     tensor, group, _ = inputs
     _, rows = output
     ctx.save_for_backward(rows)
@@ -265,6 +278,7 @@ def _eagerly(reason: str) -> Callable[..., Any]:
 
     @torch.compiler.disable(reason=f"unicoll: {reason}; the call runs eagerly")
     def run(op: Callable[..., Any], *args: Any) -> Any:
+        """``op(*args)``, eagerly."""
         return op(*args)
 
     return run
@@ -302,6 +316,7 @@ def _counts(value: Any) -> Any:
 
 
 def _traced(*values: Any) -> bool:
+    """Whether none of ``values`` is :data:`_UNTRACEABLE`."""
     return all(v is not _UNTRACEABLE for v in values)
 
 
