@@ -18,7 +18,7 @@ import unicoll as uc
 from helpers.gpu_backends import params
 from helpers.moe import moe_layer, parameters, step
 
-FLAGS = {"capture_scalar_outputs": True, "capture_dynamic_output_shape_ops": True}
+FLAGS = {"capture_dynamic_output_shape_ops": True}  # the one setting docs/compile.md asks for
 OPS = ("exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather")
 TOKENS = (5, 8, 3, 11, 6, 9)  # six inputs; rank r has r more tokens, and its own routing
 
