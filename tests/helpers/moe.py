@@ -54,6 +54,6 @@ def step(layer, x: torch.Tensor, params: list[torch.Tensor]) -> tuple[torch.Tens
     """The output of ``layer`` and the gradients of ``sum(output * weights)`` for ``x`` (which
     requires grad) and ``params``."""
     out = layer(x, *params)
-    weights = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape).cos()
+    weights = torch.arange(out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape).cos()
     grads = torch.autograd.grad((out * weights).sum(), [x, *params])
     return out.detach(), list(grads)
