@@ -36,6 +36,7 @@ from .spec import (
     OpSpec,
 )
 from .task import Task
+from .tracing import traceable
 from .validate import prepare
 
 
@@ -151,6 +152,7 @@ def _even(rows: int, world: int) -> list[int]:
     return [rows // world] * world
 
 
+@traceable
 @exclusive
 def global_scatter(
     x: Any,
@@ -172,6 +174,7 @@ def global_scatter(
     return _moe(GLOBAL_SCATTER, locals(), inverse=GLOBAL_GATHER)
 
 
+@traceable
 @exclusive
 def global_gather(
     x: Any,
@@ -189,6 +192,7 @@ def global_gather(
     return _moe(GLOBAL_GATHER, locals(), inverse=GLOBAL_SCATTER)
 
 
+@traceable
 @exclusive
 def alltoall_single(
     out_tensor: Any | None,
@@ -208,7 +212,35 @@ def alltoall_single(
 
     >>> y = uc.alltoall_single(None, x, in_split_sizes=[1, 3])   # doctest: +SKIP
     """
-    call = prepare(ALLTOALL_SINGLE, locals())
+    return _alltoall_single(locals())[0]
+
+
+def alltoall_single_and_splits(
+    in_tensor: Any,
+    out_split_sizes: Counts | None,
+    in_split_sizes: Counts | None,
+    group: Group | None,
+    use_calc_stream: bool,
+) -> tuple[Any, list[int]]:
+    """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
+    exchanged where only ``in_split_sizes`` is given: for the traced operator
+    (:mod:`unicoll.torch_ops`), whose backward sends the gradient back with them."""
+    enter(ALLTOALL_SINGLE.name)
+    try:
+        return _alltoall_single(
+            {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
+             "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
+        )  # fmt: skip
+    finally:
+        leave()
+
+
+def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
+    """alltoall_single's result (or Task), and the split sizes received (None while a Task
+    has not exchanged them yet)."""
+    call = prepare(ALLTOALL_SINGLE, arguments)
+    out_tensor, in_tensor = arguments["out_tensor"], arguments["in_tensor"]
+    sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
     backend = call.backend
     grp, world = call.group, call.W
     in_splits = call.in_split_sizes.tolist() if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
@@ -239,11 +271,15 @@ def alltoall_single(
         )
 
     if out_tensor is not None:
-        return _run(ALLTOALL_SINGLE.name, call, issue, lambda _: out_tensor)
-    backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
-    return _run(ALLTOALL_SINGLE.name, call, issue, _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward))
+        finish = lambda _: out_tensor  # noqa: E731
+    else:
+        backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
+        finish = _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward)
+    result = _run(ALLTOALL_SINGLE.name, call, issue, finish)  # issues: out_splits known from here on
+    return result, out_splits
 
 
+@traceable
 @exclusive
 def all_gather(
     tensor_or_tensor_list: Any | list | None,
@@ -262,9 +298,29 @@ def all_gather(
     >>> parts = []
     >>> uc.all_gather(parts, x)        # doctest: +SKIP
     """
-    call = prepare(ALL_GATHER, locals())
+    return _all_gather(locals())[0]
+
+
+def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
+    """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: for the
+    traced operator (:mod:`unicoll.torch_ops`), whose backward sends each rank its rows' gradient."""
+    enter(ALL_GATHER.name)
+    try:
+        return _all_gather(
+            {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
+             "use_calc_stream": use_calc_stream}
+        )  # fmt: skip
+    finally:
+        leave()
+
+
+def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
+    """all_gather's result (or Task), and the rows each rank sent (None while a Task has not
+    exchanged them yet)."""
+    call = prepare(ALL_GATHER, arguments)
     backend = call.backend
-    grp, target = call.group, tensor_or_tensor_list
+    grp, target, tensor = call.group, arguments["tensor_or_tensor_list"], arguments["tensor"]
+    sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
     rows_here = int(tensor.shape[0])
     if isinstance(target, list) and target:
         rows = [int(t.shape[0]) for t in target]
@@ -290,10 +346,13 @@ def all_gather(
         def backward(g: Any) -> Any:
             return backend.reduce_scatter(None, g, "sum", rows, grp, False).finish()
 
-        return _run(ALL_GATHER.name, call, issue, _functional(ALL_GATHER.name, call, tensor, backward))
-    if not isinstance(target, list):
-        return _run(ALL_GATHER.name, call, issue, lambda _: target)
-    return _run(ALL_GATHER.name, call, issue, lambda result: _fill_list(backend, target, result, rows, tensor))
+        finish = _functional(ALL_GATHER.name, call, tensor, backward)
+    elif not isinstance(target, list):
+        finish = lambda _: target  # noqa: E731
+    else:
+        finish = lambda result: _fill_list(backend, target, result, rows, tensor)  # noqa: E731
+    result = _run(ALL_GATHER.name, call, issue, finish)  # issues: rows known from here on
+    return result, rows
 
 
 def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
@@ -309,6 +368,7 @@ def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], lik
     return target
 
 
+@traceable
 @exclusive
 def all_reduce(
     tensor: Any,
@@ -342,6 +402,7 @@ def all_reduce(
     return _run(ALL_REDUCE.name, call, issue, _in_place(ALL_REDUCE.name, call, tensor, recorded, backward))
 
 
+@traceable
 @exclusive
 def reduce_scatter(
     out: Any | None,
@@ -385,6 +446,7 @@ def reduce_scatter(
     return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
 
 
+@traceable
 @exclusive
 def broadcast(
     tensor: Any,
@@ -421,6 +483,7 @@ def broadcast(
     return _run(BROADCAST.name, call, issue, _in_place(BROADCAST.name, call, tensor, recorded, backward))
 
 
+@traceable
 @exclusive
 def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     """The ``global_count`` that goes with ``local_count``: one all-to-all of the counts.
