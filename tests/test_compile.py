@@ -323,3 +323,18 @@ def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> No
 def test_moe_layer_compiles_on_cuda(backend: str) -> None:
     (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", backend=backend, timeout=300)
     assert report == ([True] * len(TOKENS), 1)
+
+
+def test_reductions_and_broadcast_run_eagerly_behind_one_break_each(world_of_one) -> None:
+    """all_reduce, reduce_scatter and broadcast have no traced form: compiled code runs each
+    eagerly behind one graph break that names it, with the eager result."""
+    x = torch.arange(6.0).reshape(3, 2)
+    for name, fn in [
+        ("all_reduce", lambda x: uc.all_reduce(x * 2) + 1),
+        ("reduce_scatter", lambda x: uc.reduce_scatter(None, x * 2) + 1),
+        ("broadcast", lambda x: uc.broadcast(x * 2, src=0) + 1),
+    ]:
+        (only,) = torch._dynamo.explain(fn)(x).break_reasons
+        assert f"unicoll: unicoll.{name} has no traced form; the call runs eagerly" in only.reason, only.reason
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="eager")(x), x * 2 + 1)

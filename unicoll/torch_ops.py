@@ -291,6 +291,11 @@ _untraced = _eagerly(
     "are traced, on an initialized unicoll"
 )
 
+UNTRACED_OPERATORS = {
+    name: _eagerly(f"unicoll.{name} has no traced form") for name in ("all_reduce", "reduce_scatter", "broadcast")
+}
+"""The operators without a custom op, each run eagerly behind one graph break that names it."""
+
 _UNTRACEABLE = object()
 """What :func:`_number` and :func:`_counts` return for a value that is not traced."""
 

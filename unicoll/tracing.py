@@ -30,8 +30,8 @@ def compiling() -> bool:
 
 def traceable(fn: F) -> F:
     """``fn`` (a public operator), called as ``unicoll.torch_ops.<its name>`` while torch.compile
-    traces, and never traced itself: an operator without a traced form runs eagerly behind
-    one graph break."""
+    traces, and never traced itself: an operator without a traced form
+    (``torch_ops.UNTRACED_OPERATORS``) runs eagerly behind one graph break."""
     name = fn.__name__
     untraced = None  # fn behind torch.compiler.disable, made once Dynamo is loaded
 
@@ -43,9 +43,9 @@ def traceable(fn: F) -> F:
         if compiling():
             from . import torch_ops
 
-            traced = getattr(torch_ops, name, None)
-            if traced is not None:
-                return traced(*args, **kwargs)
+            if name in torch_ops.UNTRACED_OPERATORS:
+                return torch_ops.UNTRACED_OPERATORS[name](functools.partial(fn, *args, **kwargs))
+            return getattr(torch_ops, name)(*args, **kwargs)
         if untraced is None:
             untraced = sys.modules["torch"].compiler.disable(fn, reason=f"unicoll.{name} runs eagerly here")
         return untraced(*args, **kwargs)
