@@ -1,19 +1,21 @@
-"""What a backend is: a capability table, a handful of byte-moving primitives, and the MoE
+"""What a backend is: a capability table, a handful of byte-moving primitives, and the
 operators composed from them once, here, for every backend.
 
 A backend implements the abstract primitives (an uneven all-to-all over rows, an even
-all-gather, small integer exchanges, a barrier, groups, conversion to and from its native
-array type). The four operators below are written with those primitives plus a local
-reordering in the array namespace; a backend may override one with a fused path, and the
+all-gather, an in-place all-reduce, an even reduce-scatter, a broadcast, small integer
+exchanges, a barrier, groups, conversion to and from its native array type). The operators
+below are written with those primitives plus local work in the array namespace (a reorder,
+padding, the division of ``avg``); a backend may override one with a fused path, and the
 conformance matrix holds it to the same results.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -26,14 +28,33 @@ if TYPE_CHECKING:
     from unicoll.group import Group
 
 
+#: The reductions of all_reduce and reduce_scatter, in the order the docs list them.
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min", "prod")
+
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+"""The dtypes ``avg`` is defined for: an average of integers or bools is no integer or bool."""
+
+
+def reductions(dtypes: frozenset[str]) -> dict[str, frozenset[str]]:
+    """The usual reduction table for ``dtypes``: every reduction on each of them, but ``avg``
+    on floating dtypes only (for bool, ``sum`` is logical or and ``prod`` logical and)."""
+    return {op: dtypes & FLOAT_DTYPES if op == "avg" else dtypes for op in REDUCE_OPS}
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can move: the conformance matrix and the validator read this table."""
+    """What a backend can move: the conformance matrix and the validator read this table.
+
+    ``reductions`` maps each reduction of all_reduce and reduce_scatter (``"sum"``, ``"avg"``,
+    ``"max"``, ``"min"``, ``"prod"``) to the dtypes the backend reduces with it; a reduction or
+    a dtype missing from it is refused before anything is sent.
+    """
 
     ops: frozenset[str]
     dtypes: frozenset[str]
     devices: frozenset[str]
     libraries: frozenset[str]
+    reductions: dict[str, frozenset[str]] = field(default_factory=dict, hash=False)
 
 
 class Work(Protocol):
@@ -118,6 +139,25 @@ class Backend(ABC):
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         """Fill ``out`` (``W * rows`` rows) with every rank's ``x`` in rank order; every rank
         passes the same shape. ``calc_stream`` as for :meth:`alltoallv`."""
+
+    @abstractmethod
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        """Reduce ``x`` in place across ``group`` with ``op`` (``"sum"``, ``"max"``, ``"min"`` or
+        ``"prod"``; for bool only ``"max"`` and ``"min"``, logical or and and); every rank holds
+        the same result. ``calc_stream`` as for :meth:`alltoallv`."""
+
+    @abstractmethod
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        """Fill ``out`` (``rows / W`` rows) with block ``group.rank`` of ``x`` reduced with ``op``
+        across ``group``; ``x`` has ``W * rows(out)`` rows on every rank, ``op`` as for
+        :meth:`allreduce`. ``calc_stream`` as for :meth:`alltoallv`."""
+
+    @abstractmethod
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        """Overwrite ``x`` with the rows of position ``src`` of ``group``, in place (any dtype:
+        the bytes move). ``calc_stream`` as for :meth:`alltoallv`."""
 
     @abstractmethod
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
@@ -236,6 +276,97 @@ class Backend(ABC):
             return out
 
         return issued(work, finish)
+
+    def all_reduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+        """Reduce ``x`` in place with ``op`` (one of :data:`REDUCE_OPS`): ``avg`` is ``sum``
+        divided by the group size, on bool ``sum`` is ``max`` and ``prod`` is ``min``. Empty
+        arrays move nothing (every rank passes the same shape)."""
+        if _numel(x) == 0:
+            return issued(None, lambda: x)
+        work = self.allreduce(x, _transport_op(op, x), group, async_op, calc_stream)
+        if op != "avg":
+            return issued(work, lambda: x)
+        return issued(work, lambda: _divide(x, group.world_size))
+
+    def reduce_scatter(
+        self,
+        out: Any | None,
+        x: Any,
+        op: str,
+        rows: Sequence[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """Block c of ``x`` (``rows[c]`` consecutive rows) reduced with ``op`` across ``group``
+        into ``out`` on position c (allocated when None): equal blocks through
+        :meth:`reduce_scatter_even`, unequal ones through :meth:`reduce_scatter_uneven`."""
+        if out is None:
+            out = self.empty_rows(x, int(rows[group.rank]))
+        if _numel(x) == 0:
+            return issued(None, lambda: out)
+        native_op = _transport_op(op, x)
+        if all(r == rows[0] for r in rows):
+            pending = issued(self.reduce_scatter_even(out, x, native_op, group, async_op, calc_stream), lambda: out)
+        else:
+            pending = self.reduce_scatter_uneven(out, x, native_op, rows, group, async_op, calc_stream)
+        if op != "avg":
+            return pending
+        return Pending(pending.works, lambda: _divide(pending.finish(), group.world_size))
+
+    def reduce_scatter_uneven(
+        self,
+        out: Any,
+        x: Any,
+        op: str,
+        rows: Sequence[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """:meth:`reduce_scatter` of unequal blocks with a transport reduction ``op``: the blocks
+        travel padded to the largest one, and the padding rows are dropped after the transfer.
+        A transport that reduces unequal blocks itself overrides this."""
+        widest, world = max(rows), group.world_size
+        xp = array_namespace(x)
+        padded = xp.zeros((widest * world, *x.shape[1:]), dtype=x.dtype, device=device(x))
+        starts = np.concatenate([[0], np.cumsum(rows)]).tolist()
+        for c in range(world):
+            padded[c * widest : c * widest + rows[c], ...] = x[starts[c] : starts[c + 1], ...]
+        mine = self.empty_rows(x, widest)
+        work = self.reduce_scatter_even(mine, padded, op, group, async_op, calc_stream)
+
+        def unpad() -> Any:
+            out[...] = mine[: rows[group.rank], ...]
+            return out
+
+        return issued(work, unpad)
+
+    def broadcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+        """Overwrite ``x`` with position ``src``'s rows on every rank of ``group``, in place."""
+        if _numel(x) == 0:
+            return issued(None, lambda: x)
+        return issued(self.bcast(x, src, group, async_op, calc_stream), lambda: x)
+
+
+def _numel(x: Any) -> int:
+    return math.prod(x.shape)
+
+
+def _transport_op(op: str, x: Any) -> str:
+    """The reduction a transport runs for ``op`` on ``x``: ``avg`` is a ``sum`` divided
+    afterwards; on bool, ``sum`` is logical or (``max``) and ``prod`` logical and (``min``)."""
+    if op == "avg":
+        return "sum"
+    if str(x.dtype).endswith("bool"):
+        return {"sum": "max", "prod": "min"}.get(op, op)
+    return op
+
+
+def _divide(x: Any, world: int) -> Any:
+    """``x`` divided by ``world`` in place, in its own dtype (the last step of ``avg``)."""
+    x[...] = x / world
+    return x
 
 
 def devices_short(devices: int) -> str | None:

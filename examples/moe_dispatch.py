@@ -146,10 +146,10 @@ def main() -> None:
     check("x.grad", x.grad, x_ref.grad, rank)
     check("router grad (through the gates)", router_d.grad, router_ref.grad, rank)
     # weights_ref.grad holds only this rank's tokens' share for every expert; an expert's full
-    # gradient sums every rank's share. alltoall_single sends block c (E experts) to rank c,
-    # so each rank receives the shares for its own experts: a reduce-scatter.
-    shares = uc.alltoall_single(None, weights_ref.grad)
-    check("expert weight grads", local_weights.grad, shares.reshape(world, E, H, H).sum(0), rank)
+    # gradient sums every rank's share. reduce_scatter sums block c (E experts) over the ranks
+    # into rank c: each rank receives the full gradients of its own experts.
+    full = uc.reduce_scatter(None, weights_ref.grad)
+    check("expert weight grads", local_weights.grad, full, rank)
 
     # Time the communication of one layer: dispatch (counts exchange included) + combine.
     with torch.no_grad():

@@ -41,6 +41,9 @@ PUBLIC = {
     "alltoall_single": "(out_tensor, in_tensor, out_split_sizes=None, in_split_sizes=None, group=None, "
     "sync_op=True, use_calc_stream=False)",
     "all_gather": "(tensor_or_tensor_list, tensor, group=None, sync_op=True, use_calc_stream=False)",
+    "all_reduce": "(tensor, op='sum', group=None, sync_op=True, use_calc_stream=False)",
+    "reduce_scatter": "(out, tensor, op='sum', split_sizes=None, group=None, sync_op=True, use_calc_stream=False)",
+    "broadcast": "(tensor, src, group=None, sync_op=True, use_calc_stream=False)",
 }
 
 TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None)"}
@@ -133,10 +136,13 @@ def test_import_loads_no_framework() -> None:
 
 
 def test_import_starts_no_process_machinery() -> None:
-    """``uc.testing`` (multiprocessing, subprocess) loads on first use, not with ``import unicoll``."""
+    """``uc.testing`` (multiprocessing, subprocess, socket) loads on first use, not with
+    ``import unicoll``; nor does importlib.metadata (which loads socket) until the version or
+    the registry's entry points are asked for."""
     code = (
-        "import sys, unicoll; print(sorted(m for m in ('multiprocessing', 'subprocess') if m in sys.modules)); "
-        "unicoll.testing.spawn; print('multiprocessing' in sys.modules)"
+        "import sys, unicoll; "
+        "print(sorted(m for m in ('multiprocessing', 'subprocess', 'socket', 'importlib.metadata') if m in sys.modules)); "
+        "unicoll.testing.spawn; print('multiprocessing' in sys.modules); print(unicoll.__version__ != '')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["[]", "True"]
+    assert out.split() == ["[]", "True", "True"]

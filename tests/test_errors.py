@@ -141,6 +141,10 @@ CALLS = {
     "exchange_counts": ("all_to_all_single", lambda: uc.exchange_counts([2])),
     "barrier": ("barrier", uc.barrier),
     "new_group": ("new_group", lambda: uc.new_group([0])),
+    "all_reduce": ("all_reduce", lambda: uc.all_reduce(np.ones(2))),
+    "all_reduce(sync_op=False)": ("all_reduce", lambda: uc.all_reduce(np.ones(2), "avg", sync_op=False).wait()),
+    "reduce_scatter": ("reduce_scatter_single", lambda: uc.reduce_scatter(None, np.ones(2))),
+    "broadcast": ("broadcast", lambda: uc.broadcast(np.ones(2), 0)),
 }
 
 
@@ -185,4 +189,12 @@ def test_a_backward_pass_reports_like_the_forward_one(world_of_one, monkeypatch)
     with pytest.raises(
         uc.PeerLostError, match=r"^alltoall_single \(backward\) on Group\(ranks=\[0\]\): a peer is gone"
     ):
+        y.sum().backward()
+
+
+def test_an_in_place_backward_pass_reports_like_the_forward_one(world_of_one, monkeypatch) -> None:
+    x = torch.ones(2, 1, requires_grad=True)
+    y = uc.all_reduce(x * 1)
+    _fail(monkeypatch, "all_reduce", RuntimeError(PEER_GONE), "wait")
+    with pytest.raises(uc.PeerLostError, match=r"^all_reduce \(backward\) on Group\(ranks=\[0\]\): a peer is gone"):
         y.sum().backward()

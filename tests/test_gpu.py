@@ -144,3 +144,17 @@ def test_moe_example_on_the_gpu(backend) -> None:
     out = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"backend {backend}: 1 ranks" in out.stdout
+
+
+@pytest.mark.parametrize("backend", params())
+def test_training_example_on_the_gpu(backend) -> None:
+    """examples/train_moe.py checks every loss and parameter against its dense model on CUDA."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "train_moe.py"
+    command = [sys.executable, "-m", "unicoll", "run", "-n", "1", str(example), "--backend", backend, "--steps", "5"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"backend {backend}: 1 ranks x 2 experts, 5 Adam steps: every loss and every parameter match" in out.stdout

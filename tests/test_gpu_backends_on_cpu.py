@@ -15,7 +15,7 @@ import torch
 import unicoll as uc
 from helpers.conformance import cases, run_cases
 from unicoll import registry
-from unicoll.backends.base import Capabilities
+from unicoll.backends.base import Capabilities, reductions
 from unicoll.backends.cupy import nccl as cupy_nccl
 from unicoll.backends.torch import nccl as torch_nccl
 from unicoll.backends.torch.transport import TorchDistBackend, TorchNcclBackend, issue_on_stream
@@ -212,6 +212,7 @@ _ON_GLOO = Capabilities(
     dtypes=frozenset({"float32", "int64", "bool"}),
     devices=frozenset({"cpu"}),
     libraries=frozenset({"torch"}),
+    reductions=reductions(frozenset({"float32", "int64", "bool"})),
 )
 
 

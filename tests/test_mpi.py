@@ -52,10 +52,11 @@ def absent_peer(rank: int) -> list:
     """Rank 1 skips the collectives; rank 0 must get timeouts, not hang."""
     x = np.arange(8.0).reshape(4, 2)
     if rank == 1:
-        time.sleep(4)
+        time.sleep(5.5)
         return []
     seen = []
-    for call in (lambda: uc.all_gather(None, x), lambda: uc.barrier(), lambda: uc.new_group([0])):
+    calls = (lambda: uc.all_gather(None, x), lambda: uc.barrier(), lambda: uc.new_group([0]), lambda: uc.all_reduce(x))
+    for call in calls:
         start = time.monotonic()
         with pytest.raises(uc.CollectiveTimeoutError) as info:
             call()
@@ -66,13 +67,18 @@ def absent_peer(rank: int) -> list:
     with pytest.raises(uc.CollectiveTimeoutError) as info:
         task.wait(timeout=0.5)
     seen.append((str(info.value), time.monotonic() - start))
+    task = uc.broadcast(x, 1, sync_op=False)
+    start = time.monotonic()
+    with pytest.raises(uc.CollectiveTimeoutError) as info:
+        task.wait(timeout=0.5)
+    seen.append((str(info.value), time.monotonic() - start))
     return seen
 
 
 def test_a_peer_that_never_calls_times_out() -> None:
     seen, _ = uc.testing.spawn(absent_peer, 2, backend="mpi", env={"UNICOLL_TIMEOUT": "1"}, timeout=60)
-    ops = ["all_gather", "barrier", "new_group", "alltoall_single"]
-    for (message, seconds), op, bound in zip(seen, ops, (1, 1, 1, 0.5)):
+    ops = ["all_gather", "barrier", "new_group", "all_reduce", "alltoall_single", "broadcast"]
+    for (message, seconds), op, bound in zip(seen, ops, (1, 1, 1, 1, 0.5, 0.5), strict=True):
         assert message.startswith(f"{op} on Group(ranks=[0, 1]): did not complete within the timeout of {bound:g} s")
         assert "mpi:" in message and "timed out" in message
         assert bound - 0.1 < seconds < bound + 1

@@ -218,7 +218,7 @@ def test_init_fails_within_the_timeout_when_rank_0_never_starts() -> None:
         f"; check that all 2 ranks start and call init() with the same MASTER_ADDR:MASTER_PORT "
         f"({ADDR}:{env['MASTER_PORT']}), and that rank 0 can be reached there"
     )
-    assert report["seconds"] < 2
+    assert report["seconds"] < 3, "the timeout is 1 s (2 s of slack for a loaded machine)"
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import sys
 
 from unicoll import registry
 from unicoll.arrays import DTYPES
+from unicoll.backends.base import REDUCE_OPS
 from unicoll.spec import OPS, REQUIRED, SPECS, OpSpec, Param
 
 
@@ -62,6 +63,12 @@ def render_capabilities() -> list[str]:
         lines.append(
             f"| `{name}` | {ops} | {', '.join(sorted(caps.libraries))} | {', '.join(sorted(caps.devices))} | {dtypes} |"
         )
+    lines += ["", "The reductions of `all_reduce` and `reduce_scatter`, and the dtypes each backend runs them on:", ""]
+    lines += ["| backend | " + " | ".join(REDUCE_OPS) + " |", "|---|" + "---|" * len(REDUCE_OPS)]
+    for name, factory in factories.items():
+        table = factory.capabilities.reductions
+        cells = [", ".join(d for d in DTYPES if d in table.get(op, ())) or "none" for op in REDUCE_OPS]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 

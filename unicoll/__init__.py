@@ -1,6 +1,7 @@
 """unicoll: one framework-agnostic API for Mixture-of-Experts collectives.
 
-``global_scatter``, ``global_gather``, ``all_gather`` and ``alltoall_single`` take numpy,
+``global_scatter``, ``global_gather``, ``all_gather`` and ``alltoall_single``, and the rest of a
+training step's collectives (``all_reduce``, ``reduce_scatter``, ``broadcast``), take numpy,
 torch or cupy arrays, return the same kind, and run on the backend chosen at run time
 (``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``). ``unicoll.moe`` builds top-k
 token dispatch and combine on them.
@@ -13,8 +14,6 @@ token dispatch and combine on them.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from . import backends, moe, reference
 from .errors import (
     BackendUnavailableError,
@@ -25,7 +24,16 @@ from .errors import (
     PeerLostError,
 )
 from .group import Group
-from .ops import all_gather, alltoall_single, exchange_counts, global_gather, global_scatter
+from .ops import (
+    all_gather,
+    all_reduce,
+    alltoall_single,
+    broadcast,
+    exchange_counts,
+    global_gather,
+    global_scatter,
+    reduce_scatter,
+)
 from .registry import register_backend
 from .runtime import (
     barrier,
@@ -39,21 +47,26 @@ from .runtime import (
 )
 from .task import Task
 
-try:
-    __version__ = version("unicoll")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
-
-del backends, version, PackageNotFoundError
+del backends
 
 
 def __getattr__(name: str) -> object:
     """``uc.testing`` imported on first use: it loads multiprocessing and subprocess, which a
-    training program does not need."""
+    training program does not need; ``uc.__version__`` read on first use (importlib.metadata
+    loads the email package, and socket with it)."""
     if name == "testing":
         import importlib
 
         return importlib.import_module(".testing", __name__)
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("unicoll")
+        except PackageNotFoundError:  # running from a source tree that is not installed
+            found = "0+unknown"
+        globals()["__version__"] = found
+        return found
     raise AttributeError(f"module 'unicoll' has no attribute {name!r}")
 
 
@@ -68,8 +81,10 @@ __all__ = [
     "Task",
     "__version__",
     "all_gather",
+    "all_reduce",
     "alltoall_single",
     "barrier",
+    "broadcast",
     "exchange_counts",
     "finalize",
     "get_backend",
@@ -81,6 +96,7 @@ __all__ = [
     "is_initialized",
     "moe",
     "new_group",
+    "reduce_scatter",
     "reference",
     "register_backend",
     "testing",

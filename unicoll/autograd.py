@@ -2,7 +2,9 @@
 
 The communication runs outside autograd (on detached tensors); :func:`attach` then links
 the finished result to the input with a Function whose backward runs the operator's
-backward collective. The same path serves ``sync_op=True`` and ``Task.wait()``.
+backward collective, and :func:`attach_in_place` records an in-place operator's change of its
+tensor, as torch records ``x.add_(1)``. The same path serves ``sync_op=True`` and
+``Task.wait()``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ class _Collective(torch.autograd.Function):
         return ctx.backward_collective(grad.contiguous()), None
 
 
+class _InPlaceCollective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        ctx.backward_collective = backward
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.backward_collective(grad.contiguous()), None
+
+
 def needs_grad(x: Any) -> bool:
     """Whether a result computed from ``x`` should join the autograd graph now."""
     return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
@@ -43,3 +58,9 @@ def needs_grad(x: Any) -> bool:
 def attach(x: torch.Tensor, result: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``result`` with a ``grad_fn`` whose backward is ``backward(grad_of_result)``."""
     return _Collective.apply(x, _Payload(result, backward))
+
+
+def attach_in_place(x: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Record that ``x`` (a non-leaf, already changed in place by a collective) now comes from
+    its old value through a collective whose backward is ``backward(grad_of_x)``; returns ``x``."""
+    return _InPlaceCollective.apply(x, backward)

@@ -3,7 +3,7 @@
 With ``init(check=True)`` or ``UNICOLL_CHECK=1``, every operator (``exchange_counts`` and
 ``barrier`` included) first all-gathers a small integer description of each rank's call
 (operator, issuing thread, the call's number in its group, dtype, trailing shape, counts or
-split sizes) and every rank runs
+split sizes, and for the reductions and broadcast the reduction, the rows and the source) and every rank runs
 the same comparison on the same data, so a mismatch raises the same
 :class:`~unicoll.errors.CrossRankMismatchError` on every rank instead of a hang, a crash or
 garbage. Rank numbers in the messages are positions in the group. The cost is one small
@@ -24,18 +24,21 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .arrays import DTYPES, dtype_name
-from .backends.base import Backend
+from .backends.base import REDUCE_OPS, Backend
 from .errors import CrossRankMismatchError
 from .group import Group
 from .spec import (
     ALL_GATHER,
+    ALL_REDUCE,
     ALLTOALL_SINGLE,
+    BROADCAST,
     EXCHANGE_COUNTS,
     GLOBAL_GATHER,
     GLOBAL_SCATTER,
     MOE_COMBINE,
     MOE_DISPATCH,
     MOE_REDISPATCH,
+    REDUCE_SCATTER,
     SPECS,
     Call,
     OpSpec,
@@ -199,6 +202,38 @@ def _all_gather(op: str, call: Call, rows: list[int] | None) -> None:
                 raise _fail(op, f"rank {r} expects {expects[r, c]} row(s) from rank {c}, but rank {c} sends {sends[c]}")
 
 
+def _agree(op: str, values: np.ndarray, what: Callable[[np.ndarray], str]) -> None:
+    """Every rank's row of ``values`` equal to rank 0's; ``what(row)`` words one rank's."""
+    for c in range(1, len(values)):
+        if not np.array_equal(values[c], values[0]):
+            raise _fail(op, f"rank 0 {what(values[0])} but rank {c} {what(values[c])}")
+
+
+def _reduction(row: np.ndarray) -> str:
+    return f"reduces with {REDUCE_OPS[row[0]]!r} over {row[1]} rows"
+
+
+def _all_reduce(op: str, call: Call) -> None:
+    """The same reduction of the same number of rows everywhere (dtype and trailing shape are
+    in the header)."""
+    payload = np.array([REDUCE_OPS.index(call.op), call.tensor.shape[0]], np.int64)
+    _agree(op, _gather(call.backend, call.group, call.tensor, op, payload, inline=True), _reduction)
+
+
+def _reduce_scatter(op: str, call: Call, rows: list[int]) -> None:
+    """The same reduction and the same blocks of rows everywhere."""
+    payload = np.array([REDUCE_OPS.index(call.op), *rows], np.int64)
+    values = _gather(call.backend, call.group, call.tensor, op, payload, inline=True)
+    _agree(op, values, lambda row: f"reduces with {REDUCE_OPS[row[0]]!r} blocks of {row[1:].tolist()} rows")
+
+
+def _broadcast(op: str, call: Call) -> None:
+    """The same source and the same number of rows everywhere."""
+    payload = np.array([call.src, call.tensor.shape[0]], np.int64)
+    values = _gather(call.backend, call.group, call.tensor, op, payload, inline=True)
+    _agree(op, values, lambda row: f"broadcasts {row[1]} rows from position {row[0]}")
+
+
 def _exchange_counts(op: str, call: Call) -> None:
     """Every rank passes as many counts (the all-to-all of counts of different lengths would
     crash gloo and read garbage on MPI)."""
@@ -234,6 +269,9 @@ CHECKS: dict[OpSpec, Callable[..., None]] = {
     GLOBAL_GATHER: _global_gather,
     ALLTOALL_SINGLE: _alltoall_single,
     ALL_GATHER: _all_gather,
+    ALL_REDUCE: _all_reduce,
+    REDUCE_SCATTER: _reduce_scatter,
+    BROADCAST: _broadcast,
     EXCHANGE_COUNTS: _exchange_counts,
     MOE_DISPATCH: _moe_dispatch,
     MOE_REDISPATCH: _moe_redispatch,
@@ -246,7 +284,8 @@ def verify(spec: OpSpec, call: Call, **resolved: object) -> None:
 
     ``resolved`` carries what the front end derived locally: for alltoall_single the
     ``in_splits`` and the ``out_splits`` it will use (None when they are exchanged), for
-    all_gather the ``rows`` it expects from each rank (None when they are exchanged).
+    all_gather the ``rows`` it expects from each rank (None when they are exchanged), for
+    reduce_scatter the ``rows`` of each position's block.
     """
     CHECKS[spec](spec.name, call, **resolved)
 

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 from .session import join_session
+
+_numbers = itertools.count()
+_live: weakref.WeakValueDictionary[int, Group] = weakref.WeakValueDictionary()
+"""Every group that still lives, by :attr:`Group.number`: as many entries as the caller keeps
+groups, since an entry goes with its group."""
+
+
+def group_numbered(number: int) -> Group | None:
+    """The live group whose :attr:`Group.number` is ``number``, else None."""
+    return _live.get(number)
 
 
 class Group:
@@ -24,6 +36,10 @@ class Group:
         self._handle = handle
         self._ended: str | None = None
         self._position = ranks.index(world_rank) if world_rank in ranks else None
+        self.number = next(_numbers)
+        """Unique among the process's groups: how a traced operator's schema names the group
+        (:mod:`unicoll.torch_ops`), found again with :func:`group_numbered`."""
+        _live[self.number] = self
         join_session(session, self)
 
     @property

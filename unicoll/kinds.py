@@ -21,6 +21,7 @@ of outputs, counts on a GPU, anything unexpected): the call is then read in full
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .arrays import NON_NATIVE, describe, is_fillable, kind_of, library_of
+from .backends.base import REDUCE_OPS
 from .counts import as_counts, as_expert_ids
 from .errors import bad_input
 from .routing import Handle
@@ -135,6 +137,20 @@ def _read_handle(op: str, param: str, value: Any, caps: Capabilities, backend: s
     return value  # checked before the call is read (unicoll.moe._handle_group): its group is the call's
 
 
+def _read_reduce_op(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if type(value) is not str:
+        raise bad_input(op, param, f"one of the strings {', '.join(REDUCE_OPS)}", describe(value), TypeError)
+    if value not in REDUCE_OPS:
+        raise bad_input(op, param, f"one of {', '.join(REDUCE_OPS)}", repr(value))
+    return value
+
+
+def _read_rank(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise bad_input(op, param, "an int (a position in the group)", describe(value), TypeError)
+    return int(value)
+
+
 def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
     if value is not True and value is not False:
         raise bad_input(op, param, "True or False", describe(value), TypeError)
@@ -196,6 +212,11 @@ def _sign_handle(handle: Any) -> Any:
     return (handle.received, handle.library, handle.device, handle.weighted) if isinstance(handle, Handle) else None
 
 
+def _sign_value(value: Any) -> Any:
+    """A string or an int, remembered with its type (``1`` and ``True`` differ)."""
+    return (type(value), value) if type(value) in (str, int) else None
+
+
 # -- the kinds ---------------------------------------------------------------------------------
 
 ARRAY = Kind(
@@ -214,6 +235,14 @@ OPTIONAL_OUTPUT = Kind(
     passed_through=True,
 )
 """An array to fill in place, or None."""
+
+IN_PLACE = Kind(
+    doc="as an input array, and ValueError unless C-contiguous and writable (it is changed in place).",
+    read=_read_output,
+    sign=_sign_optional_output,
+    passed_through=True,
+)
+"""An array the operator changes in place."""
 
 GATHER_OUTPUT = Kind(
     doc="each array as an input array, and ValueError unless C-contiguous and writable.",
@@ -246,6 +275,16 @@ GROUP = Kind(
     sign=None,
 )
 """A :class:`~unicoll.Group` or None (the world)."""
+
+REDUCE_OP = Kind(
+    doc=f"TypeError unless a str; ValueError unless one of {', '.join(REDUCE_OPS)}.",
+    read=_read_reduce_op,
+    sign=_sign_value,
+)
+"""The name of a reduction."""
+
+RANK = Kind(doc="TypeError unless an int (not a bool).", read=_read_rank, sign=_sign_value)
+"""A position in the group."""
 
 FLAG = Kind(doc="TypeError unless True or False.", read=_read_flag, sign=_sign_flag)
 """True or False."""

@@ -1,12 +1,12 @@
-"""The four operators and exchange_counts: validate from the spec, run on the backend, hand
-back the caller's kind.
+"""The operators and exchange_counts: validate from the spec, run on the backend, hand back
+the caller's kind.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
 this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
 backend issues the transfer on its native arrays,
 and :func:`_run` returns the result (``sync_op=True``) or a :class:`~unicoll.Task`,
 converting back to the caller's array library and, for torch tensors that require grad,
-linking the result into autograd.
+linking the result into autograd (the in-place operators record their change of the tensor).
 """
 
 from __future__ import annotations
@@ -16,15 +16,27 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import library_of, overlaps
+from .arrays import describe, library_of, overlaps
 from .backends.base import Backend, Pending
 from .check import verify
 from .counts import Counts
 from .entry import enter, exclusive, leave
-from .errors import TransportError, reported, translated
+from .errors import TransportError, bad_input, reported, translated
 from .group import Group
-from .spec import ALL_GATHER, ALLTOALL_SINGLE, EXCHANGE_COUNTS, GLOBAL_GATHER, GLOBAL_SCATTER, Call, OpSpec
+from .spec import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALLTOALL_SINGLE,
+    BROADCAST,
+    EXCHANGE_COUNTS,
+    GLOBAL_GATHER,
+    GLOBAL_SCATTER,
+    REDUCE_SCATTER,
+    Call,
+    OpSpec,
+)
 from .task import Task
+from .tracing import traceable
 from .validate import prepare
 
 
@@ -49,18 +61,59 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
         from .autograd import attach, needs_grad
 
         if needs_grad(x):
-            backend = call.backend
-
-            def guarded_backward(grad: Any) -> Any:
-                enter(f"{op} (backward)")
-                try:
-                    with translated(f"{op} (backward)", call.group, call.timeout):
-                        return backend.from_native(backward(backend.to_native(grad)), "torch")
-                finally:
-                    leave()
-
-            return lambda result: attach(x, backend.from_native(result, "torch"), guarded_backward)
+            backend, guarded = call.backend, _guarded(op, call, backward)
+            return lambda result: attach(x, backend.from_native(result, "torch"), guarded)
     return lambda result: call.backend.from_native(result, library)
+
+
+def _guarded(op: str, call: Call, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``backward`` on native arrays, as torch calls it: one thread at a time, its transport
+    failures reported like the forward's."""
+    backend = call.backend
+
+    def guarded_backward(grad: Any) -> Any:
+        enter(f"{op} (backward)")
+        try:
+            with translated(f"{op} (backward)", call.group, call.timeout):
+                return backend.from_native(backward(backend.to_native(grad)), "torch")
+        finally:
+            leave()
+
+    return guarded_backward
+
+
+_DIFFERENTIABLE = ("sum", "avg")
+"""The reductions whose result has a gradient here."""
+
+
+def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool) -> bool:
+    """Whether the result computed from ``x`` joins autograd; raises, before anything is sent,
+    for what autograd cannot record: a reduction without a gradient, or (``in_place``) a leaf
+    that requires grad, which torch never lets change in place."""
+    if library_of(x) != "torch" or not x.requires_grad:
+        return False
+    from .autograd import needs_grad
+
+    if not needs_grad(x):
+        return False
+    if reduction is not None and reduction not in _DIFFERENTIABLE:
+        expected = "'sum' or 'avg' for a tensor that requires grad (max, min and prod have no gradient here)"
+        raise bad_input(op, "op", expected, repr(reduction))
+    if in_place and (x.is_leaf or (x._base is not None and x._base.is_leaf)):
+        expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
+        what = "a leaf" if x.is_leaf else "a view of a leaf"
+        raise bad_input(op, "tensor", expected, f"{what} {describe(x)} that requires grad")
+    return True
+
+
+def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """How to finish an in-place operator: return ``x``, recorded in autograd when ``recorded``."""
+    if not recorded:
+        return lambda _: x
+    from .autograd import attach_in_place
+
+    guarded = _guarded(op, call, backward)
+    return lambda _: attach_in_place(x, guarded)
 
 
 def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
@@ -90,10 +143,16 @@ def _native_input(backend: Backend, x: Any, out: Any | None) -> Any:
     return staged
 
 
+def _copy(x: Any) -> Any:
+    """A copy of a native array (torch tensors clone, numpy and cupy arrays copy)."""
+    return x.clone() if library_of(x) == "torch" else x.copy()
+
+
 def _even(rows: int, world: int) -> list[int]:
     return [rows // world] * world
 
 
+@traceable
 @exclusive
 def global_scatter(
     x: Any,
@@ -115,6 +174,7 @@ def global_scatter(
     return _moe(GLOBAL_SCATTER, locals(), inverse=GLOBAL_GATHER)
 
 
+@traceable
 @exclusive
 def global_gather(
     x: Any,
@@ -132,6 +192,7 @@ def global_gather(
     return _moe(GLOBAL_GATHER, locals(), inverse=GLOBAL_SCATTER)
 
 
+@traceable
 @exclusive
 def alltoall_single(
     out_tensor: Any | None,
@@ -151,7 +212,35 @@ def alltoall_single(
 
     >>> y = uc.alltoall_single(None, x, in_split_sizes=[1, 3])   # doctest: +SKIP
     """
-    call = prepare(ALLTOALL_SINGLE, locals())
+    return _alltoall_single(locals())[0]
+
+
+def alltoall_single_and_splits(
+    in_tensor: Any,
+    out_split_sizes: Counts | None,
+    in_split_sizes: Counts | None,
+    group: Group | None,
+    use_calc_stream: bool,
+) -> tuple[Any, list[int]]:
+    """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
+    exchanged where only ``in_split_sizes`` is given: for the traced operator
+    (:mod:`unicoll.torch_ops`), whose backward sends the gradient back with them."""
+    enter(ALLTOALL_SINGLE.name)
+    try:
+        return _alltoall_single(
+            {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
+             "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
+        )  # fmt: skip
+    finally:
+        leave()
+
+
+def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
+    """alltoall_single's result (or Task), and the split sizes received (None while a Task
+    has not exchanged them yet)."""
+    call = prepare(ALLTOALL_SINGLE, arguments)
+    out_tensor, in_tensor = arguments["out_tensor"], arguments["in_tensor"]
+    sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
     backend = call.backend
     grp, world = call.group, call.W
     in_splits = call.in_split_sizes.tolist() if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
@@ -182,11 +271,15 @@ def alltoall_single(
         )
 
     if out_tensor is not None:
-        return _run(ALLTOALL_SINGLE.name, call, issue, lambda _: out_tensor)
-    backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
-    return _run(ALLTOALL_SINGLE.name, call, issue, _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward))
+        finish = lambda _: out_tensor  # noqa: E731
+    else:
+        backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
+        finish = _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward)
+    result = _run(ALLTOALL_SINGLE.name, call, issue, finish)  # issues: out_splits known from here on
+    return result, out_splits
 
 
+@traceable
 @exclusive
 def all_gather(
     tensor_or_tensor_list: Any | list | None,
@@ -205,9 +298,29 @@ def all_gather(
     >>> parts = []
     >>> uc.all_gather(parts, x)        # doctest: +SKIP
     """
-    call = prepare(ALL_GATHER, locals())
+    return _all_gather(locals())[0]
+
+
+def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
+    """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: for the
+    traced operator (:mod:`unicoll.torch_ops`), whose backward sends each rank its rows' gradient."""
+    enter(ALL_GATHER.name)
+    try:
+        return _all_gather(
+            {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
+             "use_calc_stream": use_calc_stream}
+        )  # fmt: skip
+    finally:
+        leave()
+
+
+def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
+    """all_gather's result (or Task), and the rows each rank sent (None while a Task has not
+    exchanged them yet)."""
+    call = prepare(ALL_GATHER, arguments)
     backend = call.backend
-    grp, target = call.group, tensor_or_tensor_list
+    grp, target, tensor = call.group, arguments["tensor_or_tensor_list"], arguments["tensor"]
+    sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
     rows_here = int(tensor.shape[0])
     if isinstance(target, list) and target:
         rows = [int(t.shape[0]) for t in target]
@@ -231,13 +344,15 @@ def all_gather(
     if target is None:
 
         def backward(g: Any) -> Any:
-            received = backend.alltoall_single(None, g, [rows_here] * len(rows), rows, grp, False)
-            return received.finish().reshape(len(rows), rows_here, *g.shape[1:]).sum(0)
+            return backend.reduce_scatter(None, g, "sum", rows, grp, False).finish()
 
-        return _run(ALL_GATHER.name, call, issue, _functional(ALL_GATHER.name, call, tensor, backward))
-    if not isinstance(target, list):
-        return _run(ALL_GATHER.name, call, issue, lambda _: target)
-    return _run(ALL_GATHER.name, call, issue, lambda result: _fill_list(backend, target, result, rows, tensor))
+        finish = _functional(ALL_GATHER.name, call, tensor, backward)
+    elif not isinstance(target, list):
+        finish = lambda _: target  # noqa: E731
+    else:
+        finish = lambda result: _fill_list(backend, target, result, rows, tensor)  # noqa: E731
+    result = _run(ALL_GATHER.name, call, issue, finish)  # issues: rows known from here on
+    return result, rows
 
 
 def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
@@ -253,6 +368,122 @@ def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], lik
     return target
 
 
+@traceable
+@exclusive
+def all_reduce(
+    tensor: Any,
+    op: str = "sum",
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """Reduce ``tensor`` elementwise over every rank of the group with ``op``, in place;
+    returns ``tensor`` (or a Task whose ``wait()`` does).
+
+    ``op``: ``"sum"``, ``"avg"`` (the sum divided by the group size, in the tensor's dtype;
+    floating dtypes only), ``"max"``, ``"min"`` or ``"prod"``. Integer sums and products wrap
+    around as numpy's do; on bool, ``sum`` and ``max`` are logical or, ``prod`` and ``min``
+    logical and. A torch tensor inside autograd records the change (sum and avg).
+
+    >>> g = uc.all_reduce(param.grad, op="avg")   # data-parallel gradients  # doctest: +SKIP
+    """
+    call = prepare(ALL_REDUCE, locals())
+    backend, grp = call.backend, call.group
+    recorded = _recorded(ALL_REDUCE.name, call, tensor, op, in_place=True)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(ALL_REDUCE, call)
+        return backend.all_reduce(backend.to_native(tensor), op, grp, not sync_op, use_calc_stream)
+
+    def backward(g: Any) -> Any:
+        return backend.all_reduce(_copy(g), op, grp, False).finish()  # torch may use the gradient elsewhere
+
+    return _run(ALL_REDUCE.name, call, issue, _in_place(ALL_REDUCE.name, call, tensor, recorded, backward))
+
+
+@traceable
+@exclusive
+def reduce_scatter(
+    out: Any | None,
+    tensor: Any,
+    op: str = "sum",
+    split_sizes: Counts | None = None,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """The dual of all_gather: block c of ``tensor``'s rows, reduced with ``op`` over every
+    rank, lands on position c. Returns ``out`` filled, or a new array when it is None.
+
+    The blocks are ``split_sizes[c]`` consecutive rows (the same sizes on every rank), or an
+    even split when None; ``op`` as for :func:`all_reduce`.
+
+    >>> # W=2, tensor=[1, 2, 3] on rank 0 and [10, 20, 30] on rank 1, split_sizes=[1, 2]
+    >>> uc.reduce_scatter(None, tensor, split_sizes=[1, 2])   # doctest: +SKIP
+    array([11])   # rank 1: array([22, 33])
+    """
+    call = prepare(REDUCE_SCATTER, locals())
+    backend, grp = call.backend, call.group
+    rows = call.split_sizes.tolist() if call.split_sizes is not None else _even(tensor.shape[0], call.W)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(REDUCE_SCATTER, call, rows=rows)
+        out_native = None if out is None else backend.to_native(out)
+        return backend.reduce_scatter(
+            out_native, _native_input(backend, tensor, out), op, rows, grp, not sync_op, use_calc_stream
+        )
+
+    if out is not None:
+        return _run(REDUCE_SCATTER.name, call, issue, lambda _: out)
+    _recorded(REDUCE_SCATTER.name, call, tensor, op, in_place=False)
+
+    def backward(g: Any) -> Any:
+        gathered = backend.all_gather(None, g, rows, grp, False).finish()
+        return gathered / call.W if op == "avg" else gathered
+
+    return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
+
+
+@traceable
+@exclusive
+def broadcast(
+    tensor: Any,
+    src: int,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """Overwrite ``tensor`` on every rank of the group with its value on position ``src``, in
+    place; returns ``tensor`` (or a Task whose ``wait()`` does).
+
+    ``src`` is a position in the group, as ``uc.get_rank(group)`` numbers it: the world rank
+    for ``group=None`` (torch.distributed's ``group_src``, not its world-rank ``src``).
+
+    >>> for p in model.parameters():                 # the same initial weights everywhere
+    ...     with torch.no_grad():
+    ...         uc.broadcast(p, src=0)               # doctest: +SKIP
+    """
+    call = prepare(BROADCAST, locals())
+    backend, grp = call.backend, call.group
+    recorded = _recorded(BROADCAST.name, call, tensor, None, in_place=True)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(BROADCAST, call)
+        return backend.broadcast(backend.to_native(tensor), call.src, grp, not sync_op, use_calc_stream)
+
+    def backward(g: Any) -> Any:
+        total = backend.all_reduce(_copy(g), "sum", grp, False).finish()
+        if grp.rank != call.src:
+            total[...] = 0
+        return total
+
+    return _run(BROADCAST.name, call, issue, _in_place(BROADCAST.name, call, tensor, recorded, backward))
+
+
+@traceable
 @exclusive
 def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     """The ``global_count`` that goes with ``local_count``: one all-to-all of the counts.

@@ -37,6 +37,9 @@ __all__ = [
     "all_gather_backward",
     "moe_dispatch",
     "moe_combine",
+    "all_reduce",
+    "reduce_scatter",
+    "broadcast",
 ]
 
 
@@ -375,3 +378,85 @@ def moe_combine(
             weight = 1 if topk_weights is None else np.float64(np.asarray(topk_weights[c])[t, j])
             outs[c][t] += row.astype(wide) * weight
     return [out.astype(arrays[0].dtype) for out in outs]
+
+
+_UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+_LOGICAL = {"sum": "max", "prod": "min"}
+"""On bool, a sum is logical or and a product logical and (numpy's add and multiply in bool)."""
+
+
+def all_reduce(xs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
+    """Every rank's array reduced elementwise with ``op``, on every rank.
+
+    ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` computed in the arrays' dtype (integer
+    sums and products wrap around; on bool, sum and max are logical or, prod and min logical
+    and), or ``"avg"``: the sum divided by ``W``, rounded to the dtype (floating dtypes only).
+    Every rank passes the same shape. Returns one independent copy per rank.
+
+    Example (W=2)::
+
+        >>> [y.tolist() for y in all_reduce([np.array([1, 5]), np.array([3, 2])], "max")]
+        [[3, 5], [3, 5]]
+        >>> all_reduce([np.array([1.0, 2.0]), np.array([2.0, 2.0])], "avg")[0].tolist()
+        [1.5, 2.0]
+    """
+    arrays = _as_arrays(xs, "xs")
+    for r, a in enumerate(arrays):
+        if a.shape != arrays[0].shape:
+            raise ValueError(f"xs[{r}] has shape {a.shape}, rank 0 has {arrays[0].shape}; all ranks must agree")
+    dtype = arrays[0].dtype
+    if op not in (*_UFUNCS, "avg"):
+        raise ValueError(f"op must be one of sum, avg, max, min, prod, got {op!r}")
+    if op == "avg" and not np.issubdtype(dtype, np.floating):
+        raise ValueError(f"op 'avg' needs a floating dtype, got {dtype}")
+    name = _LOGICAL.get(op, op) if dtype == np.bool_ else op
+    total = _UFUNCS["sum" if name == "avg" else name].reduce(np.stack(arrays), axis=0, dtype=dtype)
+    if op == "avg":
+        total = (total / len(arrays)).astype(dtype)
+    return [total.copy() for _ in arrays]
+
+
+def reduce_scatter(
+    xs: Sequence[np.ndarray], op: str = "sum", split_sizes: Sequence[int] | None = None
+) -> list[np.ndarray]:
+    """The dual of :func:`all_gather`: block r of the elementwise reduction (``op`` as for
+    :func:`all_reduce`) on rank r.
+
+    Every rank passes the same shape; the blocks are ``split_sizes[r]`` consecutive rows, or
+    an even split when None (the rows must divide by ``W``).
+
+    Example (W=2)::
+
+        >>> ys = reduce_scatter([np.array([1, 2, 3]), np.array([10, 20, 30])], "sum", [1, 2])
+        >>> [y.tolist() for y in ys]
+        [[11], [22, 33]]
+    """
+    reduced = all_reduce(xs, op)[0]
+    world = len(xs)
+    if split_sizes is None:
+        if reduced.shape[0] % world != 0:
+            raise ValueError(f"{reduced.shape[0]} rows cannot be split evenly over W={world} ranks; pass split_sizes")
+        sizes = np.full(world, reduced.shape[0] // world, dtype=np.int64)
+    else:
+        sizes = _as_counts(split_sizes, "split_sizes")
+        if sizes.size != world or int(sizes.sum()) != reduced.shape[0]:
+            expected = f"W={world} sizes summing to {reduced.shape[0]}"
+            raise ValueError(f"split_sizes must hold {expected}, got {sizes.tolist()}")
+    return [part.copy() for part in _split(reduced, sizes)]
+
+
+def broadcast(xs: Sequence[np.ndarray], src: int) -> list[np.ndarray]:
+    """Rank ``src``'s array on every rank (every rank passes the same shape and dtype).
+
+    Example (W=2)::
+
+        >>> [y.tolist() for y in broadcast([np.array([1, 2]), np.array([3, 4])], 1)]
+        [[3, 4], [3, 4]]
+    """
+    arrays = _as_arrays(xs, "xs")
+    if not 0 <= src < len(arrays):
+        raise ValueError(f"src must be a rank from 0 to {len(arrays) - 1}, got {src}")
+    for r, a in enumerate(arrays):
+        if a.shape != arrays[src].shape:
+            raise ValueError(f"xs[{r}] has shape {a.shape}, rank {src} has {arrays[src].shape}; all ranks must agree")
+    return [arrays[src].copy() for _ in arrays]

@@ -8,7 +8,6 @@ entry-point group, which is read once, the first time the registry is consulted.
 from __future__ import annotations
 
 import os
-from importlib.metadata import entry_points
 
 from .backends.base import BackendFactory
 from .errors import BackendUnavailableError
@@ -40,6 +39,8 @@ def registered() -> dict[str, BackendFactory]:
     """Every registered backend by name, built-ins first, then entry points."""
     global _entry_points_loaded
     if not _entry_points_loaded:
+        from importlib.metadata import entry_points  # loads socket, through email: only when asked
+
         _entry_points_loaded = True
         for point in entry_points(group=ENTRY_POINT_GROUP):
             if point.name not in _factories:

@@ -28,11 +28,14 @@ from .kinds import (
     GATHER_OUTPUT,
     GROUP,
     HANDLE,
+    IN_PLACE,
     OPTIONAL_ARRAY,
     OPTIONAL_COUNTS,
     OPTIONAL_OUTPUT,
     OPTIONAL_SIZE,
     POSITIVE_INT,
+    RANK,
+    REDUCE_OP,
     Kind,
 )
 
@@ -67,6 +70,10 @@ class Call:
     in_split_sizes: np.ndarray | None = None
     tensor_or_tensor_list: Any = None
     tensor: Any = None
+    out: Any = None
+    op: str | None = None
+    split_sizes: np.ndarray | None = None
+    src: int | None = None
     sync_op: bool | None = None
     use_calc_stream: bool | None = None
     topk_idx: np.ndarray | None = None
@@ -93,6 +100,10 @@ class Call:
             self.in_split_sizes,
             self.tensor_or_tensor_list,
             self.tensor,
+            self.out,
+            self.op,
+            self.split_sizes,
+            self.src,
             self.sync_op,
             self.use_calc_stream,
             self.topk_idx,
@@ -538,12 +549,102 @@ MOE_COMBINE = OpSpec(
     in_capabilities=False,
 )  # fmt: skip
 
+
+def _reduces(c: Call) -> str | None:
+    """Whether the backend reduces the dtype of ``tensor`` with ``op``."""
+    dtype = kind_of(c.tensor).dtype
+    return None if dtype in c.backend.capabilities.reductions.get(c.op, ()) else f"{c.op!r} on {describe(c.tensor)}"
+
+
+def _reduction_rule() -> Rule:
+    return Rule(
+        "op",
+        "a reduction the backend runs on the dtype of tensor (the API page lists them per backend; avg needs a "
+        "floating dtype)",
+        _reduces,
+        TypeError,
+    )
+
+
+_OP = Param("op", REDUCE_OP, "str", "The reduction: 'sum', 'avg' (sum / W), 'max', 'min' or 'prod'.", "sum")
+
+ALL_REDUCE = OpSpec(
+    name="all_reduce",
+    summary=(
+        "Every rank's tensor reduced elementwise with op, in place on every rank; returns the tensor. "
+        "Every rank passes the same shape and dtype."
+    ),
+    params=(
+        Param("tensor", IN_PLACE, "array", "This rank's values; holds the reduction afterwards."),
+        _OP,
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(_reduction_rule(), _stream_rule()),
+    backward="all_reduce of the output gradient with the same op (sum or avg; max, min and prod record none)",
+)
+
+
+def _scatter_output(c: Call) -> str | None:
+    """Rows of ``out`` against this rank's block of ``tensor``."""
+    if c.out is None or (c.split_sizes is not None and len(c.split_sizes) != c.W):
+        return None
+    mine = int(c.split_sizes[c.group.rank]) if c.split_sizes is not None else _rows(c.tensor) // c.W
+    if _rows(c.out) == mine:
+        return None
+    return f"{_rows(c.out)} rows for a block of {mine} rows (position {c.group.rank})"
+
+
+REDUCE_SCATTER = OpSpec(
+    name="reduce_scatter",
+    summary=(
+        "The dual of all_gather: tensor's rows are split into W consecutive blocks (split_sizes[c] rows for "
+        "position c, or an even split); block c, reduced elementwise with op over every rank, goes to position c."
+    ),
+    params=(
+        Param("out", OPTIONAL_OUTPUT, "array | None",
+              "Filled in place with this rank's block when given; None allocates it."),
+        Param("tensor", ARRAY, "array", "The rows to reduce: the same shape and dtype on every rank."),
+        _OP,
+        Param("split_sizes", OPTIONAL_COUNTS, "int array | Sequence[int] | None",
+              "Rows of each position's block, the same on every rank; None means an even split of tensor.", None),
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(
+        *_splits_rules("split_sizes", "tensor"),
+        Rule("out", "the library, dtype and trailing shape of tensor",
+             lambda c: None if c.out is None else _same_array_kind(c.out, c.tensor, "tensor"), TypeError),
+        Rule("out", "the rows of this rank's block of tensor", _scatter_output),
+        _reduction_rule(),
+        _stream_rule(),
+    ),
+    backward="all_gather of the output gradient (avg: divided by W; max, min and prod record none)",
+)  # fmt: skip
+
+BROADCAST = OpSpec(
+    name="broadcast",
+    summary=(
+        "Position src's tensor on every rank, in place; returns the tensor. src is a position in the group "
+        "(the world rank for group=None). Every rank passes the same shape and dtype."
+    ),
+    params=(
+        Param("tensor", IN_PLACE, "array", "The rows to send on src; overwritten with them on the other ranks."),
+        Param("src", RANK, "int", "The position in the group of the rank whose tensor is sent."),
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(
+        Rule("src", "a position in the group, 0 <= src < {W}",
+             lambda c: None if 0 <= c.src < c.W else str(c.src)),
+        _stream_rule(),
+    ),
+    backward="the sum of every rank's output gradient on src, zero elsewhere (a reduce to src)",
+)  # fmt: skip
+
 #: Every entry point with a spec, by name, in the order the docs list them.
 SPECS: dict[str, OpSpec] = {
     op.name: op
     for op in (
-        GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, EXCHANGE_COUNTS,
-        MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE,
+        GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
+        EXCHANGE_COUNTS, MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE,
     )
 }  # fmt: skip
 

@@ -14,7 +14,7 @@ import os
 import warnings
 
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import Backend, Capabilities, devices_short
+from unicoll.backends.base import Backend, Capabilities, devices_short, reductions
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
@@ -22,6 +22,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset(DTYPES) - {"bfloat16"},
     devices=frozenset({"cuda"}),
     libraries=frozenset({"cupy", "torch"}),
+    reductions=reductions(frozenset(DTYPES) - {"bfloat16"}),
 )
 
 #: The first cupy release whose NCCL unique id is a bytes object (earlier ones used a tuple).

@@ -9,6 +9,9 @@
   moves alike, bool included. The uneven all-to-all is the grouped send/recv that
   :func:`~unicoll.backends.cupy.schedule.alltoallv_schedule` lists (zero sizes skipped on both
   sides, this rank's own rows copied on the device).
+- **Reductions** (all_reduce, reduce_scatter) hand NCCL the element type (bool as ``uint8``,
+  reduced by max for logical or and min for logical and); uneven reduce_scatter blocks travel
+  padded (:meth:`~unicoll.backends.base.Backend.reduce_scatter_uneven`). ``broadcast`` moves bytes.
 - **Streams.** ``calc_stream`` runs on cupy's current stream. Otherwise the group's stream
   waits for the current one, runs the transfer, and the current stream waits for it: at once
   for a synchronous call, in ``Task.wait()`` for an asynchronous one; the host never blocks.
@@ -67,6 +70,31 @@ def _nccl_failure(exc: nccl.NcclError) -> TransportError:
 
 _cupy_boundary = converting(_failure)
 """The decorator of every way in from the front end (see the module)."""
+
+
+_NCCL_TYPES = {
+    "float16": nccl.NCCL_FLOAT16,
+    "float32": nccl.NCCL_FLOAT32,
+    "float64": nccl.NCCL_FLOAT64,
+    "int8": nccl.NCCL_INT8,
+    "uint8": nccl.NCCL_UINT8,
+    "int32": nccl.NCCL_INT32,
+    "int64": nccl.NCCL_INT64,
+    "bool": nccl.NCCL_UINT8,
+}
+"""NCCL's element type of each dtype a reduction runs on."""
+
+_NCCL_OPS = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "prod": nccl.NCCL_PROD}
+"""NCCL's reduction of each transport reduction (:meth:`~unicoll.backends.base.Backend.allreduce`)."""
+
+
+def _words(nbytes: int) -> tuple[int, int]:
+    """``nbytes`` as a count of NCCL words, the widest that divides it: cupy passes a
+    broadcast's count as a C int, so 8-byte words carry 8 times more than bytes."""
+    for size, word in ((8, nccl.NCCL_INT64), (4, nccl.NCCL_INT32)):
+        if nbytes % size == 0:
+            return nbytes // size, word
+    return nbytes, nccl.NCCL_INT8
 
 
 class _Communicator:
@@ -257,6 +285,37 @@ class CupyNcclBackend(Backend):
                 comm.nccl.allGather(x.data.ptr, out.data.ptr, x.nbytes, nccl.NCCL_INT8, stream.ptr)
 
         return self._issue(comm, launch, (out, x), async_op, calc_stream)
+
+    @_cupy_boundary
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        comm, kind, reduction = self._comm(group), _NCCL_TYPES[x.dtype.name], _NCCL_OPS[op]
+
+        def launch(stream: Any) -> None:
+            comm.nccl.allReduce(x.data.ptr, x.data.ptr, x.size, kind, reduction, stream.ptr)
+
+        return self._issue(comm, launch, (x,), async_op, calc_stream)
+
+    @_cupy_boundary
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        comm, kind, reduction = self._comm(group), _NCCL_TYPES[x.dtype.name], _NCCL_OPS[op]
+
+        def launch(stream: Any) -> None:
+            comm.nccl.reduceScatter(x.data.ptr, out.data.ptr, out.size, kind, reduction, stream.ptr)
+
+        return self._issue(comm, launch, (out, x), async_op, calc_stream)
+
+    @_cupy_boundary
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        comm = self._comm(group)
+
+        count, word = _words(x.nbytes)
+
+        def launch(stream: Any) -> None:
+            comm.nccl.broadcast(x.data.ptr, x.data.ptr, count, word, src, stream.ptr)
+
+        return self._issue(comm, launch, (x,), async_op, calc_stream)
 
     # -- small host exchanges --------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import Backend, Capabilities
+from unicoll.backends.base import Backend, Capabilities, reductions
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
@@ -20,6 +20,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),
+    reductions=reductions(frozenset(DTYPES)),
 )
 
 #: Variables in which launchers state the world size: torchrun and ``unicoll run``, MPICH's

@@ -7,6 +7,13 @@ displacements are row counts: a message of more than 2**31 - 1 *bytes* is fine, 
 passes even larger counts to an MPI-4 library's large-count routines. The dtype never matters
 to MPI, which moves bfloat16 and float16 as 2-byte words and bool as bytes.
 
+Reductions (all_reduce, reduce_scatter) cannot move bytes: they hand MPI the typed numpy view
+(float16 as MPICH's 16-bit float, bool as ``C_BOOL`` with logical or and and). MPICH has no
+bfloat16 arithmetic, so bfloat16 travels as 16-bit words reduced by user-defined MPI operations
+(:func:`_bfloat16_reduction`, :mod:`unicoll.backends.mpi.bfloat16`) that compute in float32 and
+round to bfloat16 after each step, as torch does. reduce_scatter is MPI's ``Ireduce_scatter``
+with per-rank counts, uneven blocks included.
+
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
 expert-major order, so MPI's own copy does the reorder and no second buffer is needed.
@@ -34,6 +41,7 @@ import numpy as np
 from mpi4py import MPI
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
+from unicoll.backends.mpi.bfloat16 import reduce_words
 from unicoll.errors import TransportError, TransportTimeoutError
 
 if TYPE_CHECKING:
@@ -86,6 +94,26 @@ def _failure(exc: MPI.Exception, what: str) -> TransportError:
     return TransportError(f"mpi: {what} failed: {exc.Get_error_string().splitlines()[0]}")
 
 
+_REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+"""MPI's reduction of each transport reduction (:meth:`Backend.allreduce`)."""
+
+_BOOL_OPS = {"max": MPI.LOR, "min": MPI.LAND}
+"""On bool, MPI defines only the logical reductions."""
+
+_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+
+def _bfloat16_reduction(op: str) -> MPI.Op:
+    """A commutative MPI operation that reduces bfloat16 words with ``op`` (see the module)."""
+    ufunc = _UFUNCS[op]
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
+        into = np.frombuffer(inoutbuf, np.uint16)
+        into[...] = reduce_words(ufunc, np.frombuffer(inbuf, np.uint16), into)
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
 class _MpiWork:
     """An MPI request seen through unicoll's ``Work`` protocol."""
 
@@ -136,6 +164,7 @@ class MpiBackend(Backend):
         self.capabilities = capabilities
         self._timeout = timeout
         self._row_types: dict[int, MPI.Datatype] = {}
+        self._bfloat16_ops: dict[str, MPI.Op] = {}  # at most one per reduction
         try:
             self._world, request = MPI.COMM_WORLD.Idup()
         except MPI.Exception as exc:
@@ -240,6 +269,62 @@ class MpiBackend(Backend):
             raise _failure(exc, "allgather") from exc
         return self._done(request, "allgather", async_op)
 
+    def _reduction(self, op: str, x: Any) -> MPI.Op:
+        """MPI's operation for the transport reduction ``op`` on ``x``: the logical ones on bool,
+        this backend's own on bfloat16 (made on first use, freed by :meth:`finalize`)."""
+        if x.dtype == np.bool_ or str(x.dtype) == "torch.bool":
+            return _BOOL_OPS[op]
+        if str(x.dtype) != "torch.bfloat16":
+            return _REDUCE_OPS[op]
+        if op not in self._bfloat16_ops:
+            self._bfloat16_ops[op] = _bfloat16_reduction(op)
+        return self._bfloat16_ops[op]
+
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        view = _host_view(x).reshape(-1)
+        try:
+            request = self._comm(group).Iallreduce(MPI.IN_PLACE, view, op=self._reduction(op, x))
+        except MPI.Exception as exc:
+            raise _failure(exc, "allreduce") from exc
+        return self._done(request, "allreduce", async_op)
+
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        return self._reduce_scatter(out, x, op, [out.shape[0]] * group.world_size, group, async_op)
+
+    def reduce_scatter_uneven(
+        self,
+        out: Any,
+        x: Any,
+        op: str,
+        rows: Sequence[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """MPI's ``Ireduce_scatter`` takes unequal blocks as they are: no padding."""
+        return issued(self._reduce_scatter(out, x, op, list(rows), group, async_op), lambda: out)
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str, rows: list[int], group: Group, async_op: bool) -> Work | None:
+        send, recv = _host_view(x), _host_view(out)
+        per_row = math.prod(send.shape[1:])
+        try:
+            request = self._comm(group).Ireduce_scatter(
+                send.reshape(-1), recv.reshape(-1), [r * per_row for r in rows], op=self._reduction(op, x)
+            )
+        except MPI.Exception as exc:
+            raise _failure(exc, "reduce_scatter") from exc
+        return self._done(request, "reduce_scatter", async_op)
+
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        view = _host_view(x)
+        try:
+            request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(view)], root=src)
+        except MPI.Exception as exc:
+            raise _failure(exc, "broadcast") from exc
+        return self._done(request, "broadcast", async_op)
+
     def global_scatter(
         self,
         x: Any,
@@ -338,4 +423,6 @@ class MpiBackend(Backend):
             comm.Free()
         for row_type in self._row_types.values():
             row_type.Free()
-        self._comms, self._row_types = [], {}
+        for operation in self._bfloat16_ops.values():
+            operation.Free()
+        self._comms, self._row_types, self._bfloat16_ops = [], {}, {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import Backend, Capabilities
+from unicoll.backends.base import Backend, Capabilities, reductions
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
@@ -11,6 +11,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),
+    reductions=reductions(frozenset(DTYPES)),
 )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import Backend, Capabilities, devices_short
+from unicoll.backends.base import Backend, Capabilities, devices_short, reductions
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
@@ -29,6 +29,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cuda"}),
     libraries=frozenset({"torch", "cupy"}),
+    reductions=reductions(frozenset(DTYPES)),
 )
 
 

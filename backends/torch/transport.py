@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from unicoll.backends.base import Backend, Capabilities, Work
+from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.rendezvous import init_hint, is_loopback, open_store, remaining
 from unicoll.backends.torch.errors import torch_boundary, torch_failure
 from unicoll.backends.torch.liveness import PeerWatch, start_watch
@@ -190,6 +190,15 @@ def _gloo_options(addr: str) -> Any:
     return options
 
 
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+"""torch.distributed's reduction of each transport reduction (:meth:`Backend.allreduce`)."""
+
+
 class TorchDistBackend(Backend):
     """torch.distributed with one process-group backend (``"gloo"`` or ``"nccl"``)."""
 
@@ -342,6 +351,41 @@ class TorchDistBackend(Backend):
         pg = self._pg(group)
         return self._issue(lambda a: dist.all_gather_single(out, x, group=pg, async_op=a), group, async_op)
 
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        pg, reduction = self._pg(group), _REDUCE_OPS[op]
+        return self._issue(lambda a: dist.all_reduce(x, op=reduction, group=pg, async_op=a), group, async_op)
+
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        pg, reduction = self._pg(group), _REDUCE_OPS[op]
+        return self._issue(
+            lambda a: dist.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), group, async_op
+        )
+
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        pg = self._pg(group)
+        return self._issue(lambda a: dist.broadcast(x, group=pg, async_op=a, group_src=src), group, async_op)
+
+    def reduce_scatter_uneven(
+        self,
+        out: Any,
+        x: Any,
+        op: str,
+        rows: Sequence[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """torch.distributed's list form takes unequal blocks as they are: no padding."""
+        pg, reduction, blocks = self._pg(group), _REDUCE_OPS[op], list(x.split(list(rows)))
+        launch = lambda a: dist.reduce_scatter(out, blocks, op=reduction, group=pg, async_op=a)  # noqa: E731
+        return issued(self._launch(launch, group, async_op, calc_stream), lambda: out)
+
+    def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
+        """:meth:`_issue` (gloo); :class:`TorchNcclBackend` runs it on the stream the call asks for."""
+        return self._issue(launch, group, async_op)
+
     def _host_ints(self, values: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
         return t.cuda() if self._pg_backend == "nccl" else t
@@ -422,3 +466,22 @@ class TorchNcclBackend(TorchDistBackend):
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg = self._pg(group)
         return issue_on_stream(lambda a: dist.all_gather_single(out, x, group=pg, async_op=a), async_op, calc_stream)
+
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        pg, reduction = self._pg(group), _REDUCE_OPS[op]
+        return issue_on_stream(lambda a: dist.all_reduce(x, op=reduction, group=pg, async_op=a), async_op, calc_stream)
+
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        pg, reduction = self._pg(group), _REDUCE_OPS[op]
+        return issue_on_stream(
+            lambda a: dist.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), async_op, calc_stream
+        )
+
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        pg = self._pg(group)
+        return issue_on_stream(lambda a: dist.broadcast(x, group=pg, async_op=a, group_src=src), async_op, calc_stream)
+
+    def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
+        return issue_on_stream(launch, async_op, calc_stream)

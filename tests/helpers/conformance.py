@@ -2,7 +2,8 @@
 
 Cases are generated from the operator specs (``unicoll.spec.OPS``) and a backend's capability
 table: every operator it provides x every array library and dtype it moves x sync/async x the
-world group and a sub-group, each with a layout variant of the operator. Every case draws
+world group and a sub-group, each with a layout variant of the operator. all_reduce runs every
+reduction the table lists for the dtype; each reduce_scatter case draws one of them. Every case draws
 random whole-world inputs from its own seed (zero counts, empty ranks, several trailing
 shapes), runs on each rank of a spawned world, and is compared with ``unicoll.reference``.
 
@@ -23,7 +24,7 @@ import numpy as np
 
 import unicoll as uc
 from unicoll import reference
-from unicoll.backends.base import Capabilities
+from unicoll.backends.base import REDUCE_OPS, Capabilities
 from unicoll.spec import OPS
 
 #: Layout variants of each operator (an operator spec without an entry here fails the suite).
@@ -32,6 +33,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "global_gather": ("one_expert", "experts"),
     "alltoall_single": ("splits", "exchange", "even", "out"),
     "all_gather": ("new", "array", "empty_list", "filled_list"),
+    "all_reduce": REDUCE_OPS,
+    "reduce_scatter": ("even", "uneven", "out"),
+    "broadcast": ("src",),
 }
 
 #: The top-k cases: (experts per rank, k, synchronous, on the sub-group); E = 1 and 3, k = 1, 2 and 4.
@@ -53,13 +57,15 @@ class Case:
     subgroup: bool
     world_size: int
     stream: str | None = None  # "calc" or "comm" for use_calc_stream=True/False; None: the default
+    reduction: str | None = None  # all_reduce and reduce_scatter: the op
 
     @property
     def id(self) -> str:
         mode = "sync" if self.sync else "async"
         where = "subgroup" if self.subgroup else "world"
         stream = f"-{self.stream}" if self.stream else ""
-        return f"W{self.world_size}-{self.op}-{self.variant}-{self.library}-{self.dtype}-{mode}{stream}-{where}"
+        variant = self.variant if self.reduction in (None, self.variant) else f"{self.variant}-{self.reduction}"
+        return f"W{self.world_size}-{self.op}-{variant}-{self.library}-{self.dtype}-{mode}{stream}-{where}"
 
     @property
     def seed(self) -> int:
@@ -75,7 +81,7 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
     """Every case of the matrix for a backend with capability table ``caps``; synchronous
     calls once per entry of ``streams`` (asynchronous ones always use the communication stream)."""
     operators = [
-        Case(op, variant, library, dtype, sync, subgroup, world_size, stream)
+        Case(op, variant, library, dtype, sync, subgroup, world_size, stream, reduction)
         for op in OPS
         if op in caps.ops
         for variant in VARIANTS[op]
@@ -84,6 +90,7 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         for sync in (True, False)
         for stream in (streams if sync else (None,))
         for subgroup in (False, True)
+        if (reduction := _reduction(caps, op, variant, dtype, (library, sync, stream, subgroup))) != ""
     ]
     topk = [
         Case("moe", f"E{experts}-k{k}", library, dtype, sync, subgroup, world_size)
@@ -94,15 +101,47 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
     return operators + topk
 
 
+def _reduction(caps: Capabilities, op: str, variant: str, dtype: str, salt: tuple) -> str | None:
+    """The reduction of an all_reduce or reduce_scatter case (one the table lists for the dtype;
+    for reduce_scatter drawn from them by the case's other fields), None for the other
+    operators, and "" for a case the backend does not run."""
+    ops = [name for name in REDUCE_OPS if dtype in caps.reductions.get(name, ())]
+    if op == "all_reduce":
+        return variant if variant in ops else ""
+    if op == "reduce_scatter":
+        return ops[zlib.crc32(repr((variant, dtype, *salt)).encode()) % len(ops)] if ops else ""
+    return None
+
+
 # -- inputs and expected outputs -------------------------------------------------------------
 
 
-def _values(rng: np.random.Generator, rows: int, trailing: tuple[int, ...], dtype: str) -> np.ndarray:
+def _values(rng: np.random.Generator, rows: int, trailing: tuple[int, ...], dtype: str, high: int = 100) -> np.ndarray:
     shape = (rows, *trailing)
     if dtype == "bool":
         return rng.integers(0, 2, shape).astype(bool)
     # small integers are exact in every dtype, bfloat16 included
-    return rng.integers(0, 100, shape).astype("float32" if dtype == "bfloat16" else dtype)
+    return rng.integers(0, high, shape).astype("float32" if dtype == "bfloat16" else dtype)
+
+
+def _reduced_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, op: str, world: int) -> np.ndarray:
+    """Values whose reduction over ``world`` ranks is exact in every dtype (bfloat16 holds the
+    integers up to 256): products of 0..3, sums of 0..15, averages of multiples of ``world``."""
+    values = _values(rng, shape[0], shape[1:], dtype, 4 if op == "prod" else 16)
+    return values * world if op == "avg" else values
+
+
+def _reduction_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[int, ...]) -> dict[str, Any]:
+    op = case.reduction
+    if case.op == "all_reduce":
+        xs = [_reduced_values(rng, (int(rng.integers(0, 4)), *trailing), case.dtype, op, world)]
+        xs += [_reduced_values(rng, xs[0].shape, case.dtype, op, world) for _ in range(world - 1)]
+        return dict(args=[dict(x=x) for x in xs], expected=reference.all_reduce(xs, op))
+    even = case.variant == "even"
+    splits = np.full(world, int(rng.integers(0, 3))) if even else rng.integers(0, 4, world)
+    xs = [_reduced_values(rng, (int(splits.sum()), *trailing), case.dtype, op, world) for _ in range(world)]
+    expected = reference.reduce_scatter(xs, op, None if even else splits)
+    return dict(args=[dict(x=x, splits=splits) for x in xs], expected=expected)
 
 
 def _counts(rng: np.random.Generator, world: int, experts: int) -> np.ndarray:
@@ -146,6 +185,12 @@ def world_case(case: Case, world: int) -> dict[str, Any]:
     trailing = TRAILING[rng.integers(len(TRAILING))]
     if case.op == "moe":
         return _moe_case(case, world, rng, trailing)
+    if case.reduction is not None:
+        return _reduction_case(case, world, rng, trailing)
+    if case.op == "broadcast":
+        src, rows = int(rng.integers(world)), int(rng.integers(0, 4))
+        xs = [_values(rng, rows, trailing, case.dtype) for _ in range(world)]
+        return dict(args=[dict(x=x, src=src) for x in xs], expected=reference.broadcast(xs, src))
     if case.op in ("global_scatter", "global_gather"):
         experts = 1 if case.variant == "one_expert" else int(rng.integers(2, 4))
         local = _counts(rng, world, experts)
@@ -227,6 +272,17 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
             return uc.alltoall_single(None, x, **kw), None
         out = _empty(x, int(a["out_splits"].sum()))
         return uc.alltoall_single(out, x, a["out_splits"], a["in_splits"], **kw), out
+    if case.op == "all_reduce":
+        return uc.all_reduce(x, case.reduction, **kw), x
+    if case.op == "broadcast":
+        return uc.broadcast(x, a["src"], **kw), x
+    if case.op == "reduce_scatter":
+        if case.variant == "even":
+            return uc.reduce_scatter(None, x, case.reduction, **kw), None
+        if case.variant == "uneven":
+            return uc.reduce_scatter(None, x, case.reduction, a["splits"], **kw), None
+        out = _empty(x, int(a["splits"][group.rank if group is not None else uc.get_rank()]))
+        return uc.reduce_scatter(out, x, case.reduction, a["splits"], **kw), out
     if case.variant == "new":
         return uc.all_gather(None, x, **kw), None
     if case.variant == "array":

@@ -10,7 +10,20 @@ import torch
 import unicoll as uc
 from unicoll import reference
 
-OPS = ("global_scatter", "global_gather", "alltoall_single", "all_gather", "moe")
+OPS = (
+    "global_scatter",
+    "global_gather",
+    "alltoall_single",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "broadcast",
+    "moe",
+)
+
+#: The reduction of all_reduce and reduce_scatter, synchronous and not: both differentiable ones.
+REDUCTION = {("all_reduce", True): "sum", ("all_reduce", False): "avg", ("reduce_scatter", True): "avg",
+             ("reduce_scatter", False): "sum"}  # fmt: skip
 
 
 def _world_inputs(op: str, world: int, seed: int) -> dict:
@@ -27,6 +40,10 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
         xs_rows, ys = glob.sum(1), reference.global_gather
     elif op == "alltoall_single":
         xs_rows, ys = splits.sum(1), None
+    elif op in ("all_reduce", "broadcast"):
+        xs_rows, ys = [int(rows[0])] * world, None
+    elif op == "reduce_scatter":
+        xs_rows, ys = [int(rows.sum())] * world, None
     else:
         xs_rows, ys = rows, None
     xs = [rng.standard_normal((int(n), 2)) for n in xs_rows]
@@ -39,11 +56,20 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
         outs = reference.alltoall_single(xs, list(splits))
         ws = [rng.standard_normal(o.shape) for o in outs]
         grads = reference.alltoall_single(ws, list(splits.T))
+    elif op == "all_reduce":  # the gradient of a sum (avg: divided by W)
+        ws = [rng.standard_normal(x.shape) for x in xs]
+        grads = reference.all_reduce(ws, "sum")
+    elif op == "reduce_scatter":
+        ws = [rng.standard_normal((int(n), 2)) for n in rows]
+        grads = reference.all_gather(ws)
+    elif op == "broadcast":  # from the last rank: the sum of every rank's gradient there, zero elsewhere
+        ws = [rng.standard_normal(x.shape) for x in xs]
+        grads = [np.zeros_like(x) for x in xs[:-1]] + [reference.all_reduce(ws, "sum")[0]]
     else:
         outs = reference.all_gather(xs)
         ws = [rng.standard_normal(o.shape) for o in outs]
         grads = reference.all_gather_backward(ws, rows.tolist())
-    return dict(xs=xs, ws=ws, grads=grads, local=local, glob=glob, splits=splits)
+    return dict(xs=xs, ws=ws, grads=grads, local=local, glob=glob, splits=splits, rows=rows)
 
 
 def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
@@ -54,6 +80,12 @@ def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
         y = uc.global_gather(x, a["local"][r], a["glob"][r], **kw)
     elif op == "alltoall_single":
         y = uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r], **kw)
+    elif op == "all_reduce":  # in place: on a result of x, not on the leaf x
+        y = uc.all_reduce(x * 1, REDUCTION[op, sync], **kw)
+    elif op == "reduce_scatter":
+        y = uc.reduce_scatter(None, x, REDUCTION[op, sync], a["rows"], **kw)
+    elif op == "broadcast":
+        y = uc.broadcast(x * 1, len(a["xs"]) - 1, **kw)
     else:
         y = uc.all_gather(None, x, **kw)
     return y if sync else y.wait()
@@ -117,6 +149,7 @@ def gradients(rank: int, device: str = "cpu") -> dict[str, str]:
             assert y.grad_fn is not None, f"{op}: result has no grad_fn"
             assert y.device == x.device, f"{op}: result on {y.device}"
             (y * torch.tensor(a["ws"][rank], device=device)).sum().backward()
-            torch.testing.assert_close(x.grad, torch.tensor(a["grads"][rank], device=device))
+            expected = a["grads"][rank] / (world if REDUCTION.get((op, sync)) == "avg" else 1)
+            torch.testing.assert_close(x.grad, torch.tensor(expected, device=device))
             report[f"{op}-{'sync' if sync else 'async'}"] = "ok"
     return report

@@ -24,13 +24,27 @@ MISMATCHES = [
      "rank 0 calls global_scatter but rank 1 calls all_gather"),
     ("experts per rank", lambda: uc.global_scatter(X, [3, 3], [3, 3]), lambda: uc.global_scatter(X, [1, 2, 1, 2], [1, 2, 1, 2]),
      "global_scatter: ranks disagree (check mode): rank 0 passes 4 counts or sizes but rank 1 passes 8"),
-    ("split sizes", lambda: uc.alltoall_single(None, X, [1, 3], [1, 5]), lambda: uc.alltoall_single(None, X, [5, 2], [4, 2]),
-     "alltoall_single: ranks disagree (check mode): rank 0 expects 3 row(s) from rank 1, but rank 1 sends 4"),
+    ("split sizes", lambda: uc.alltoall_single(None, X, [2, 4], [2, 4]), lambda: uc.alltoall_single(None, X, [5, 1], [5, 1]),
+     "alltoall_single: ranks disagree (check mode): rank 0 expects 4 row(s) from rank 1, but rank 1 sends 5"),
     ("gather rows", lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((5, 2), np.float32)], X),
      lambda: uc.all_gather([np.empty((6, 2), np.float32), np.empty((6, 2), np.float32)], X),
      "all_gather: ranks disagree (check mode): rank 0 expects 5 row(s) from rank 1, but rank 1 sends 6"),
     ("gather back", lambda: uc.global_gather(X, [2, 1, 1, 2], [3, 0, 2, 1]), lambda: uc.global_gather(X, [3, 0, 2, 1], [2, 1, 1, 2]),
      "global_gather: ranks disagree (check mode): rank 0 expects 2 row(s) back from rank 0 for expert 0, but rank 0 returns 3"),
+    ("reduction", lambda: uc.all_reduce(X.copy()), lambda: uc.all_reduce(X.copy(), op="max"),
+     "all_reduce: ranks disagree (check mode): rank 0 reduces with 'sum' over 6 rows but rank 1 reduces with 'max' over 6 rows"),
+    ("all_reduce rows", lambda: uc.all_reduce(X.copy()), lambda: uc.all_reduce(X[:4].copy()),
+     "rank 0 reduces with 'sum' over 6 rows but rank 1 reduces with 'sum' over 4 rows"),
+    ("all_reduce dtype", lambda: uc.all_reduce(X.copy()), lambda: uc.all_reduce(X.astype(np.float64)),
+     "all_reduce: ranks disagree (check mode): rank 0 sends float32 rows but rank 1 sends float64"),
+    ("reduce_scatter blocks", lambda: uc.reduce_scatter(None, X, split_sizes=[2, 4]), lambda: uc.reduce_scatter(None, X),
+     "reduce_scatter: ranks disagree (check mode): rank 0 reduces with 'sum' blocks of [2, 4] rows but rank 1 "
+     "reduces with 'sum' blocks of [3, 3] rows"),
+    ("broadcast source", lambda: uc.broadcast(X.copy(), 0), lambda: uc.broadcast(X.copy(), 1),
+     "broadcast: ranks disagree (check mode): rank 0 broadcasts 6 rows from position 0 but rank 1 broadcasts 6 rows "
+     "from position 1"),
+    ("all_reduce against broadcast", lambda: uc.all_reduce(X.copy()), lambda: uc.broadcast(X.copy(), 0),
+     "rank 0 calls all_reduce but rank 1 calls broadcast"),
     ("top-k experts per rank", lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=1),
      lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=2),
      "moe.dispatch: ranks disagree (check mode): rank 0 passes experts_per_rank=1 but rank 1 passes 2"),
@@ -77,14 +91,22 @@ def async_in_any_order(rank: int) -> str:
             use_calc_stream=False,
         ),
         "all_gather": uc.all_gather(np.empty(world, np.int64), np.array([rank]), sync_op=False),
+        "all_reduce": uc.all_reduce(np.full(3, rank + 1.0), sync_op=False),
+        "reduce_scatter": uc.reduce_scatter(
+            None, np.arange(world * 2.0) + rank, split_sizes=[2] * world, sync_op=False
+        ),
+        "broadcast": uc.broadcast(torch.tensor([rank]), world - 1, sync_op=False),
     }
     expected = {
         "scatter": reference.global_scatter(xs, list(local))[rank],
         "alltoall": reference.alltoall_single([np.arange(4.0 * world) + r for r in range(world)])[rank],
         "gather": xs[rank],
         "all_gather": np.arange(world),
+        "all_reduce": np.full(3, world * (world + 1) / 2),
+        "reduce_scatter": world * np.arange(2 * rank, 2 * rank + 2) + world * (world - 1) / 2,
+        "broadcast": np.array([world - 1]),
     }
-    for name in ("all_gather", "gather", "scatter", "alltoall"):  # not the order issued
+    for name in ("broadcast", "all_gather", "gather", "reduce_scatter", "scatter", "alltoall", "all_reduce"):
         result = tasks[name].wait()
         assert tasks[name].is_completed()
         np.testing.assert_array_equal(np.asarray(result), expected[name], err_msg=name)

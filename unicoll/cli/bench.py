@@ -15,9 +15,13 @@ the bound that a transport within one machine is read against. docs/performance.
 the figures.
 
 Sizes are bytes per rank as nccl-tests counts them: the send (= receive) buffer of
-alltoall_single, the *output* buffer of all_gather (each rank contributes size / N), and the
-tokens a rank dispatches (global_scatter's input, global_gather's output) for the MoE operators.
-Data are rows of ``hidden`` elements of random bits; the results are compared bit for bit.
+alltoall_single, all_reduce and broadcast, the *output* buffer of all_gather (each rank
+contributes size / N), the *input* buffer of reduce_scatter (each rank receives size / N), and
+the tokens a rank dispatches (global_scatter's input, global_gather's output) for the MoE
+operators. Data are rows of ``hidden`` elements of random bits (of small integers for the
+summing operators, all_reduce and reduce_scatter with ``op="sum"``); the results are compared
+bit for bit. all_reduce and broadcast work in place: the correctness check restores their input
+first.
 
 ``moe_topk`` is ``unicoll.moe``: one ``dispatch`` (top-2, with weights for floating dtypes)
 and one ``combine`` of this rank's tokens (the size: their bytes before the top-2 copies), and
@@ -56,7 +60,16 @@ from ..launch import local as launcher
 from ..launch import mpi as mpirun
 from ..launch.process import write_atomically
 
-OPS: tuple[str, ...] = ("alltoall_single", "all_gather", "global_scatter", "global_gather", "moe_topk")
+OPS: tuple[str, ...] = (
+    "alltoall_single",
+    "all_gather",
+    "global_scatter",
+    "global_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "broadcast",
+    "moe_topk",
+)
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _BLOCK_BYTES, _MAX_BLOCK = 1 << 20, 16
@@ -229,6 +242,8 @@ class _Case:
     raw_expected: Callable[[], np.ndarray] | None = None
     """The raw call's own expected result when it does less than unicoll (the bare transfer of
     an MoE operator); None when it is ``expected``."""
+    reset: Callable[[], None] | None = None
+    """Restores the input of an in-place operator before each call of the correctness check."""
 
 
 class _World:
@@ -270,6 +285,20 @@ class _World:
         ``(rows, hidden * itemsize)``, the same on every rank that asks."""
         rng = np.random.default_rng([self.config.seed, rank, nbytes, OPS.index(tag)])
         return rng.integers(0, 256, (rows, hidden * self.itemsize), dtype=np.uint8)
+
+    def small(self, rank: int, tag: str, nbytes: int, rows: int, hidden: int) -> np.ndarray:
+        """Rank ``rank``'s data of a summing operator: integers 0..7 in float32 (bfloat16) or
+        the benchmark's dtype, so any order of summing them over the ranks is exact."""
+        rng = np.random.default_rng([self.config.seed, rank, nbytes, OPS.index(tag)])
+        return rng.integers(0, 8, (rows, hidden)).astype(
+            "float32" if self.config.dtype == "bfloat16" else self.config.dtype
+        )
+
+    def as_bits(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (as :meth:`small` makes them) as bytes of the benchmark's dtype."""
+        import torch
+
+        return torch.from_numpy(values).to(self.dtype).view(torch.uint8).numpy()
 
     def tensor(self, bits: np.ndarray) -> Any:
         """``bits`` as a tensor of the benchmark's dtype on the benchmark's device."""
@@ -333,6 +362,76 @@ def _all_gather(w: _World, nbytes: int, reorder: bool) -> _Case:
         return uc.reference.all_gather([w.bits(r, "all_gather", nbytes, rows, hidden) for r in range(w.world)])[0]
 
     return _Case("all_gather", out.numel() * w.itemsize, out.numel(), lambda: uc.all_gather(out, x), raw, expected, out)
+
+
+def _all_reduce(w: _World, nbytes: int, reorder: bool) -> _Case:
+    import torch
+
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    start = w.small(w.rank, "all_reduce", nbytes, rows, hidden)
+    x = torch.from_numpy(start).to(w.dtype).to(w.device)
+    pristine = x.clone()
+    transfer = w.baseline.all_reduce(x)
+
+    def raw() -> Any:
+        transfer()
+        return x
+
+    def expected() -> np.ndarray:
+        every = [w.small(r, "all_reduce", nbytes, rows, hidden) for r in range(w.world)]
+        return w.as_bits(uc.reference.all_reduce(every)[w.rank])
+
+    return _Case(
+        "all_reduce", x.numel() * w.itemsize, x.numel(), lambda: uc.all_reduce(x), raw, expected,
+        reset=lambda: x.copy_(pristine),
+    )  # fmt: skip
+
+
+def _reduce_scatter(w: _World, nbytes: int, reorder: bool) -> _Case:
+    import torch
+
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    rows = max(w.world, rows - rows % w.world)  # nbytes is the input; each rank receives 1/W of it
+    x = torch.from_numpy(w.small(w.rank, "reduce_scatter", nbytes, rows, hidden)).to(w.dtype).to(w.device)
+    out = x.new_empty((rows // w.world, hidden))
+    transfer = w.baseline.reduce_scatter(out, x)
+
+    def raw() -> Any:
+        transfer()
+        return out
+
+    def expected() -> np.ndarray:
+        every = [w.small(r, "reduce_scatter", nbytes, rows, hidden) for r in range(w.world)]
+        return w.as_bits(uc.reference.reduce_scatter(every)[w.rank])
+
+    return _Case(
+        "reduce_scatter", x.numel() * w.itemsize, x.numel(), lambda: uc.reduce_scatter(out, x), raw, expected, out
+    )
+
+
+def _broadcast(w: _World, nbytes: int, reorder: bool) -> _Case:
+    import unicoll as uc
+
+    rows, hidden = w.shape(nbytes)
+    mine = w.bits(w.rank, "broadcast", nbytes, rows, hidden)
+    x = w.tensor(mine)
+    transfer = w.baseline.broadcast(x)
+
+    def raw() -> Any:
+        transfer()
+        return x
+
+    def expected() -> np.ndarray:
+        return uc.reference.broadcast([w.bits(r, "broadcast", nbytes, rows, hidden) for r in range(w.world)], 0)[0]
+
+    return _Case(
+        "broadcast", x.numel() * w.itemsize, x.numel(), lambda: uc.broadcast(x, 0), raw, expected,
+        reset=lambda: x.copy_(w.tensor(mine)),
+    )  # fmt: skip
 
 
 def _expert_major_order(global_count: np.ndarray, world: int) -> np.ndarray:
@@ -457,6 +556,9 @@ _CASES: dict[str, Callable[[_World, int, bool], _Case]] = {  # (world, nbytes, r
     "all_gather": _all_gather,
     "global_scatter": partial(_moe, "global_scatter"),
     "global_gather": partial(_moe, "global_gather"),
+    "all_reduce": _all_reduce,
+    "reduce_scatter": _reduce_scatter,
+    "broadcast": _broadcast,
     "moe_topk": _moe_topk,
 }
 
@@ -469,6 +571,8 @@ def _check(w: _World, case: _Case) -> bool:
     for call, want in ((case.unicoll, expected), (case.raw, (case.raw_expected or case.expected)())):
         if case.out is not None:
             case.out.zero_()
+        if case.reset is not None:
+            case.reset()
         results.append(_same_bits(call(), want))
     if not results[1]:
         raise AssertionError(
@@ -502,12 +606,14 @@ def _time(
     return statistics.median(samples[case.unicoll]) / 1e3, statistics.median(samples[case.raw]) / 1e3
 
 
-def _bandwidths(nbytes: int, us: float, world: int) -> tuple[float, float]:
+def _bandwidths(op: str, nbytes: int, us: float, world: int) -> tuple[float, float]:
     """algbw and busbw in GB/s. nccl-tests (doc/PERFORMANCE.md): algbw = S / t with S the size
-    column (for all_gather the whole output, sendcount * N elements); busbw = algbw * (N-1)/N for
-    AllGather and AlltoAll alike, which we also use for the MoE operators (all-to-alls)."""
+    column (for all_gather the whole output, sendcount * N elements; for reduce_scatter the whole
+    input); busbw = algbw * 2(N-1)/N for AllReduce, algbw for Broadcast, and algbw * (N-1)/N for
+    AllGather, ReduceScatter and AlltoAll, which we also use for the MoE operators (all-to-alls)."""
     algbw = nbytes / (us * 1e3)
-    return algbw, algbw * (world - 1) / world
+    factor = {"all_reduce": 2 * (world - 1) / world, "broadcast": 1.0}.get(op, (world - 1) / world)
+    return algbw, algbw * factor
 
 
 def _sweep(config: Config, result_path: str, progress_path: str) -> None:
@@ -519,8 +625,8 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         block = min(_MAX_BLOCK, max(1, _BLOCK_BYTES // size))
         uc_us, raw_us = _time(w, case, config.iters, config.warmup, block, w.baseline.barrier)
         uc_us, raw_us, wrong = w.baseline.slowest([uc_us, raw_us, 0.0 if correct else 1.0])
-        algbw, busbw = _bandwidths(case.nbytes, uc_us, w.world)
-        raw_algbw, raw_busbw = _bandwidths(case.nbytes, raw_us, w.world)
+        algbw, busbw = _bandwidths(op, case.nbytes, uc_us, w.world)
+        raw_algbw, raw_busbw = _bandwidths(op, case.nbytes, raw_us, w.world)
         rows.append(
             {
                 "op": op,

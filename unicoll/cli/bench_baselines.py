@@ -1,9 +1,10 @@
 """The raw baselines that ``unicoll bench`` times beside unicoll: the transport's own calls.
 
 torch.distributed for the backends built on it (``gloo``, ``torch-nccl``) and bare mpi4py for
-``mpi``. A baseline prepares each raw collective on fixed buffers (torch tensors of the
-bench), so a timed call is the transport call and nothing else, and gives the bench its
-barrier and the slowest rank's figures. Imported only inside the ranks.
+``mpi`` (the sums of all_reduce and reduce_scatter on the typed numpy view of the tensor). A
+baseline prepares each raw collective on fixed buffers (torch tensors of the bench), so a timed
+call is the transport call and nothing else, and gives the bench its barrier and the slowest
+rank's figures. Imported only inside the ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ class Baseline(Protocol):
 
     def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
         """The raw all-gather of ``x`` into ``out``, ready to call."""
+
+    def all_reduce(self, x: Tensor) -> Callable[[], Any]:
+        """The raw in-place sum of ``x`` over the ranks, ready to call."""
+
+    def reduce_scatter(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
+        """The raw sum of ``x`` over the ranks, block r into ``out`` on rank r, ready to call."""
+
+    def broadcast(self, x: Tensor) -> Callable[[], Any]:
+        """The raw broadcast of rank 0's ``x``, in place, ready to call."""
 
 
 def for_backend(backend: str) -> Baseline:
@@ -86,6 +96,15 @@ class TorchDistBaseline:
     def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
         return lambda: self._dist.all_gather_single(out, x)
 
+    def all_reduce(self, x: Tensor) -> Callable[[], Any]:
+        return lambda: self._dist.all_reduce(x)
+
+    def reduce_scatter(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
+        return lambda: self._dist.reduce_scatter_single(out, x)
+
+    def broadcast(self, x: Tensor) -> Callable[[], Any]:
+        return lambda: self._dist.broadcast(x, src=0)
+
 
 class MpiBaseline:
     """Bare mpi4py on a duplicate of ``COMM_WORLD``: ``Alltoallv`` and ``Allgather`` of bytes,
@@ -121,6 +140,29 @@ class MpiBaseline:
     def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
         send, recv = [_bytes(x), self._mpi.BYTE], [_bytes(out), self._mpi.BYTE]
         return lambda: self._comm.Allgather(send, recv)
+
+    def all_reduce(self, x: Tensor) -> Callable[[], Any]:
+        values = _summable(x)
+        return lambda: self._comm.Allreduce(self._mpi.IN_PLACE, values, op=self._mpi.SUM)
+
+    def reduce_scatter(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
+        send, recv = _summable(x), _summable(out)
+        return lambda: self._comm.Reduce_scatter_block(send, recv, op=self._mpi.SUM)
+
+    def broadcast(self, x: Tensor) -> Callable[[], Any]:
+        data = [_bytes(x), self._mpi.BYTE]
+        return lambda: self._comm.Bcast(data, root=0)
+
+
+def _summable(t: torch.Tensor) -> np.ndarray:
+    """A typed numpy view of a contiguous CPU tensor, for MPI's own SUM; SystemExit for bfloat16,
+    which neither numpy nor MPICH can sum."""
+    if t.dtype == torch.bfloat16:
+        raise SystemExit(
+            "unicoll bench: bare mpi4py has no bfloat16 sum to time unicoll's against; "
+            "leave all_reduce and reduce_scatter out (--op) or pick another --dtype"
+        )
+    return t.reshape(-1).numpy()
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:

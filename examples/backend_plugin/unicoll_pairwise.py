@@ -1,0 +1,210 @@
+"""``pairwise``: a unicoll backend written outside unicoll, against ``unicoll.backends.base`` only.
+
+Every transfer is a batch of point-to-point messages of torch.distributed over gloo, one per
+pair of ranks that exchange rows, each moving the rows as bytes (so every dtype moves, bool and
+bfloat16 included). It implements the primitives; the operators (``global_scatter``,
+``global_gather``, ``alltoall_single``, ``all_gather``) come from the base class, and unicoll's
+conformance matrix holds them to the same results as the built-in backends.
+
+    pip install ./examples/backend_plugin
+    UNICOLL_BACKEND=pairwise unicoll run -n 2 examples/moe_dispatch.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+
+from unicoll.arrays import DTYPES
+from unicoll.backends.base import Backend, Capabilities, Work
+from unicoll.backends.torch.errors import torch_boundary
+from unicoll.errors import TransportError, init_error
+from unicoll.group import Group
+from unicoll.spec import OPS
+
+CAPABILITIES = Capabilities(
+    ops=frozenset(OPS),
+    dtypes=frozenset(DTYPES),
+    devices=frozenset({"cpu"}),
+    libraries=frozenset({"numpy", "torch"}),
+)
+
+
+class PairwiseFactory:
+    """What the entry point names: the capability table, whether it runs here, how to start it."""
+
+    capabilities = CAPABILITIES
+
+    def probe(self) -> str | None:
+        try:
+            import torch.distributed as dist
+        except ImportError as exc:
+            return f"torch is not installed ({exc})"
+        return None if dist.is_available() and dist.is_gloo_available() else "this torch build has no gloo"
+
+    def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
+        return PairwiseBackend(rank=rank, world_size=world_size, timeout=timeout)
+
+
+factory = PairwiseFactory()
+
+
+class _Batch:
+    """The point-to-point works of one transfer, waited for together (``Task.wait()``)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    @torch_boundary
+    def wait(self, timeout: float) -> None:
+        for work in self._works:
+            work.wait(timedelta(seconds=timeout))
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _as_bytes(t: Any) -> Any:
+    """The rows of contiguous tensor ``t`` as rows of bytes, sharing its memory (as a flat
+    view first: torch keeps any stride for dimensions of size 0 or 1, and views bytes only
+    with stride 1)."""
+    import torch
+
+    flat = t.as_strided((t.numel(),), (1,))
+    return flat.view(torch.uint8).reshape(t.shape[0], t.element_size() * math.prod(t.shape[1:]))
+
+
+def _starts(splits: Sequence[int]) -> list[int]:
+    return [0, *accumulate(splits)]
+
+
+class PairwiseBackend(Backend):
+    """torch.distributed's default group over gloo (created here), transfers as send/recv pairs."""
+
+    name = "pairwise"
+    capabilities = CAPABILITIES
+
+    def __init__(self, *, rank: int, world_size: int, timeout: float) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._timeout = timedelta(seconds=timeout)
+        try:
+            self._start()
+        except TransportError as exc:
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise init_error(
+                exc, self.name, rank, world_size, timeout, f"check that every rank meets at {where}"
+            ) from exc
+
+    @torch_boundary
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            store = dist.HashStore()
+        else:
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store = dist.TCPStore(addr, port, self.world_size, self.rank == 0, timeout=self._timeout)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=self._timeout)
+
+    # -- arrays ------------------------------------------------------------------------------
+
+    def to_native(self, x: Any) -> Any:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return x.detach().contiguous()
+        return torch.from_numpy(np.array(x, order="C") if not x.flags.c_contiguous or not x.flags.writeable else x)
+
+    def from_native(self, t: Any, library: str) -> Any:
+        return t if library == "torch" else t.numpy()
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def alltoallv(
+        self,
+        out: Any,
+        x: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Work | None:
+        """Rows ``in_splits[p]`` of ``x`` to the group's rank ``p``, rows ``out_splits[p]`` of
+        ``out`` from it; this rank's own rows are copied."""
+        send, recv = _as_bytes(x), _as_bytes(out)
+        sends, recvs = _starts(in_splits), _starts(out_splits)
+        pieces = [
+            (peer, send[sends[p] : sends[p + 1]], recv[recvs[p] : recvs[p + 1]]) for p, peer in enumerate(group.ranks)
+        ]
+        return self._exchange(pieces, group, async_op)
+
+    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        """``x`` to every rank of the group, rank ``p``'s rows into block ``p`` of ``out``."""
+        send, recv, rows = _as_bytes(x), _as_bytes(out), x.shape[0]
+        pieces = [(peer, send, recv[p * rows : (p + 1) * rows]) for p, peer in enumerate(group.ranks)]
+        return self._exchange(pieces, group, async_op)
+
+    @torch_boundary
+    def _exchange(self, pieces: list[tuple[int, Any, Any]], group: Group, async_op: bool) -> Work | None:
+        """Send and receive each ``(world peer, rows out, rows in)``, skipping empty messages."""
+        import torch.distributed as dist
+
+        ops = []
+        for peer, outgoing, incoming in pieces:
+            if peer == self.rank:
+                incoming.copy_(outgoing)
+                continue
+            if outgoing.shape[0]:
+                ops.append(dist.P2POp(dist.isend, outgoing, peer, group=self._pg(group)))
+            if incoming.shape[0]:
+                ops.append(dist.P2POp(dist.irecv, incoming, peer, group=self._pg(group)))
+        batch = _Batch(dist.batch_isend_irecv(ops) if ops else [])
+        if async_op:
+            return batch
+        batch.wait(self._timeout.total_seconds())
+        return None
+
+    def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        send = self.to_native(np.ascontiguousarray(values, dtype=np.int64))
+        recv = send.new_empty(send.shape)
+        k = send.shape[0] // group.world_size
+        self.alltoallv(recv, send, [k] * group.world_size, [k] * group.world_size, group, False)
+        return recv.numpy()
+
+    def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        send = self.to_native(np.ascontiguousarray(values, dtype=np.int64))
+        recv = send.new_empty((group.world_size * send.shape[0],))
+        self.all_gather_even(recv, send, group, False)
+        return recv.numpy().reshape(group.world_size, -1)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def _pg(self, group: Group) -> Any:
+        import torch.distributed as dist
+
+        return dist.group.WORLD if group.handle is None else group.handle
+
+    @torch_boundary
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        import torch.distributed as dist
+
+        return dist.new_group(list(ranks), timeout=self._timeout)
+
+    @torch_boundary
+    def barrier(self, group: Group) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self._pg(group))
+
+    def finalize(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""The example backend package (``examples/backend_plugin``): installed with pip into a
+temporary folder, found by unicoll through its ``unicoll.backends`` entry point, and run
+through the conformance matrix like the built-in backends (1 to 3 ranks, one spawned world
+each)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import unicoll as uc
+from helpers.conformance import cases, run_cases
+
+SOURCE = Path(__file__).resolve().parents[1] / "examples" / "backend_plugin"
+WORLD_SIZES = (1, 2, 3)
+
+
+def _capabilities():
+    """The example's capability table, read from its source (the matrix is generated when
+    tests are collected, before the package is installed)."""
+    spec = importlib.util.spec_from_file_location("unicoll_pairwise_source", SOURCE / "unicoll_pairwise.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CAPABILITIES
+
+
+CAPABILITIES = _capabilities()
+MATRIX = {w: cases(CAPABILITIES, w) for w in WORLD_SIZES}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example installed by pip into a folder of its own, put on ``sys.path`` (which the
+    spawned ranks inherit) for the duration of this module."""
+    root = tmp_path_factory.mktemp("plugin")
+    source, target = root / "source", root / "site"
+    shutil.copytree(SOURCE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--target", str(target), str(source)], check=True, capture_output=True, timeout=120)
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    yield target
+    sys.path.remove(str(target))
+
+
+@pytest.fixture(scope="module")
+def outcomes(installed: Path):
+    """Each world size's per-rank outcomes on ``pairwise``, computed once."""
+    cache: dict[int, list[dict[str, str | None]]] = {}
+
+    def get(world_size: int) -> list[dict[str, str | None]]:
+        if world_size not in cache:
+            cache[world_size] = uc.testing.spawn(
+                run_cases, world_size, MATRIX[world_size], backend="pairwise", timeout=240
+            )
+        return cache[world_size]
+
+    return get
+
+
+def test_info_lists_the_installed_backend(installed: Path) -> None:
+    env = {"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "unicoll", "info"], capture_output=True, text=True, env=env, check=True)
+    assert any(line.split() == ["pairwise", "usable"] for line in out.stdout.splitlines()), out.stdout
+
+
+@pytest.mark.parametrize("case", [c for w in WORLD_SIZES for c in MATRIX[w]], ids=lambda c: c.id)
+def test_conformance(case, outcomes) -> None:
+    per_rank = outcomes(case.world_size)
+    failures = [o[case.id] for o in per_rank if o.get(case.id)]
+    assert not failures, "\n".join(failures)
+    assert any(case.id in o for o in per_rank), "no rank ran this case"

@@ -1,0 +1,340 @@
+"""torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.torch_ops).
+
+A top-2 MoE layer compiles forward and backward with ``fullgraph=True`` on 2 and 3 gloo ranks,
+once for six inputs of different routing and sizes, and matches eager exactly in float64;
+every operator traces with no graph break and its compiled gradient is eager's; what cannot
+be traced runs eagerly behind one graph break that says why; bad input raises eager's errors
+from compiled code. Many cases run inside each spawned world, to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import unicoll as uc
+from helpers.gpu_backends import params
+from helpers.moe import moe_layer, parameters, step
+
+FLAGS = {"capture_dynamic_output_shape_ops": True}  # the one setting docs/compile.md asks for
+OPS = ("exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather")
+TOKENS = (5, 8, 3, 11, 6, 9)  # six inputs; rank r has r more tokens, and its own routing
+
+
+def _flags_on() -> None:
+    """The Dynamo settings of docs/compile.md, for the rest of a spawned rank's life."""
+    import torch._dynamo
+
+    for name, value in FLAGS.items():
+        setattr(torch._dynamo.config, name, value)
+
+
+def _counting_aot_eager(compiled: list) -> object:
+    """aot_eager, counting the graphs Dynamo hands it."""
+    import torch._dynamo
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
+
+
+def compiled_moe_matches_eager(rank: int, world: int, device: str = "cpu") -> tuple[list[bool], int]:
+    """Eager and compiled (fullgraph, aot_eager) MoE steps on six inputs: whether each output
+    and every gradient are equal (on CPU bit for bit; on CUDA, whose accumulating index kernels
+    use atomics, within 1e-12), and how many graphs were compiled."""
+    import torch._dynamo
+
+    if device == "cpu":
+        alike = torch.equal
+    else:
+        alike = functools.partial(torch.allclose, rtol=1e-12, atol=1e-12)
+
+    _flags_on()
+    compiled: list = []
+    weights = [p.detach().to(device).requires_grad_() for p in parameters(rank, 4, 3, 2, world)]
+    eager = functools.partial(moe_layer, world=world)
+    layer = torch.compile(eager, fullgraph=True, backend=_counting_aot_eager(compiled))
+    same = []
+    for i, tokens in enumerate(TOKENS):
+        seed = torch.Generator().manual_seed(100 * i + rank)
+        x = torch.randn(tokens + rank, 4, generator=seed, dtype=torch.float64).to(device).requires_grad_()
+        torch._dynamo.mark_dynamic(x, 0)  # the number of tokens varies, as in training
+        out, grads = step(eager, x, weights)
+        out_c, grads_c = step(layer, x, weights)
+        same.append(all(alike(a, b) for a, b in zip([out, *grads], [out_c, *grads_c])))
+    return same, len(compiled)
+
+
+def _inputs(rank: int) -> dict:
+    """Per-rank inputs for every operator (world of 2): uneven counts, splits and rows."""
+    local_count = torch.tensor([[2, 1, 0, 3], [1, 1, 2, 0]][rank])
+    in_splits = torch.tensor([[1, 3], [4, 0]][rank])
+    x = (torch.arange(12.0, dtype=torch.float64).reshape(6, 2) + 100 * rank)[: int(local_count.sum())]
+    return {"local_count": local_count, "in_splits": in_splits, "x": x}
+
+
+def _each_op(rank: int) -> dict:
+    """One function per operator (and per way of giving alltoall_single's split sizes), taking
+    ``x`` and returning a float tensor that depends on it (for gradients)."""
+    inputs = _inputs(rank)
+    lc, splits = inputs["local_count"], inputs["in_splits"]
+    gc = uc.exchange_counts(lc)
+    received = uc.exchange_counts(splits)
+    return {
+        "exchange_counts": lambda x: x.sum() * uc.exchange_counts(lc),
+        "global_scatter": lambda x: uc.global_scatter(x, lc, gc),
+        "global_gather": lambda x: uc.global_gather(uc.global_scatter(x, lc, gc) * 3.0, lc, gc),
+        "alltoall_single": lambda x: uc.alltoall_single(None, x[:4], received, splits),
+        "alltoall_single, sizes exchanged": lambda x: uc.alltoall_single(None, x[:4], None, splits),
+        "alltoall_single, even": lambda x: uc.alltoall_single(None, x[:4]),
+        "all_gather": lambda x: uc.all_gather(None, x[: 1 + 2 * rank]),
+    }
+
+
+def _every_op_traces(rank: int) -> dict:
+    """For each operator: its graph breaks and custom ops (torch._dynamo.explain); then all
+    of them compiled together (fullgraph): whether outputs and the gradient equal eager's."""
+    import torch._dynamo
+
+    x = _inputs(rank)["x"]
+    each = _each_op(rank)
+    report = {}
+    for name, fn in each.items():
+        explained = torch._dynamo.explain(fn)(x)
+        targets = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+        report[name] = (
+            explained.graph_break_count,
+            sorted(t.split(".")[1] for t in targets if t.startswith("unicoll.")),
+        )
+
+    def every(x):
+        return [fn(x) for fn in each.values()]
+
+    def loss(outputs):
+        return sum((out * torch.arange(1.0, out.numel() + 1).reshape(out.shape)).sum() for out in outputs)
+
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = every(eager_x), torch.compile(every, fullgraph=True, backend="aot_eager")(compiled_x)
+    loss(expected).backward()
+    loss(got).backward()
+    same = all(torch.equal(a, b) for a, b in zip(expected, got)) and torch.equal(eager_x.grad, compiled_x.grad)
+    return {"breaks": report, "same": same}
+
+
+def _mismatch_caught(rank: int) -> str:
+    """Check mode from compiled code: rank 1 expects a row that rank 1 does not send itself."""
+    local_count, global_count = torch.tensor([1, 1]), torch.tensor([1, 1 + rank])
+    scatter = torch.compile(lambda x: uc.global_scatter(x, local_count, global_count), fullgraph=True, backend="eager")
+    with pytest.raises(uc.CrossRankMismatchError) as caught:
+        scatter(torch.ones(2, 1))
+    return str(caught.value)
+
+
+def two_ranks(rank: int) -> dict:
+    """Everything the world of two checks (check mode on): the MoE layer, every operator, and
+    a mismatch that check mode finds."""
+    _flags_on()
+    assert uc.is_initialized()
+    moe, each_op = compiled_moe_matches_eager(rank, 2), _every_op_traces(rank)
+    return {"moe": moe, "ops": each_op, "mismatch": _mismatch_caught(rank)}
+
+
+@pytest.fixture(scope="module")
+def world_of_two() -> list[dict]:
+    return uc.testing.spawn(two_ranks, 2, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=300)
+
+
+def test_moe_layer_compiles_with_fullgraph_on_two_ranks(world_of_two) -> None:
+    for report in world_of_two:
+        assert report["moe"] == ([True] * len(TOKENS), 1)  # exact, and one graph for every routing and size
+
+
+def test_moe_layer_compiles_with_fullgraph_on_three_ranks() -> None:
+    for report in uc.testing.spawn(compiled_moe_matches_eager, 3, 3, backend="gloo", timeout=300):
+        assert report == ([True] * len(TOKENS), 1)
+
+
+def test_check_mode_compares_the_ranks_calls_from_compiled_code(world_of_two) -> None:
+    messages = {report["mismatch"] for report in world_of_two}
+    assert len(messages) == 1 and "global_scatter: ranks disagree (check mode)" in messages.pop()
+
+
+def test_every_operator_traces_without_a_break(world_of_two) -> None:
+    for report in world_of_two:
+        assert {name.split(",")[0] for name in report["ops"]["breaks"]} == set(OPS)
+        for name, (breaks, ours) in report["ops"]["breaks"].items():
+            assert breaks == 0, name
+            assert name.split(",")[0] in ours, (name, ours)
+        assert report["ops"]["same"]
+
+
+# -- one process, a world of one ------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(clean_env) -> None:
+    import torch._dynamo
+
+    uc.init("gloo")
+    with torch._dynamo.config.patch(FLAGS):
+        yield
+    torch._dynamo.reset()
+
+
+def test_ops_register_for_cpu_and_cuda() -> None:
+    import unicoll.torch_ops  # noqa: F401 (registers the ops)
+
+    for op in OPS:
+        for key in ("CPU", "CUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)
+
+
+def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> None:
+    x = torch.arange(6.0).reshape(3, 2)
+
+    def as_task(x):
+        return uc.alltoall_single(None, x * 2, sync_op=False)
+
+    def in_place(x):
+        out = torch.empty_like(x)
+        uc.alltoall_single(out, x * 2)
+        return out + 1
+
+    def numpy_array(x):
+        return x + torch.from_numpy(uc.all_gather(None, x.numpy() * 2))
+
+    for fn, reason, check in [
+        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2)),
+        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1)),
+        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3)),
+    ]:
+        (only,) = torch._dynamo.explain(fn)(x).break_reasons
+        assert reason in only.reason and "the call runs eagerly" in only.reason
+        assert check(torch.compile(fn, backend="eager")(x))
+        torch._dynamo.reset()  # forget that compilation, which fell back
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
+            torch.compile(fn, fullgraph=True, backend="eager")(x)
+
+
+def test_unicolls_internals_are_never_traced(world_of_one) -> None:
+    """Where Dynamo gives up on a frame and runs it, Dynamo still watches the functions it calls:
+    the eager operator called from there must run untraced, not be traced frame by frame."""
+    import importlib
+    import os
+
+    def counts_in_a_list(x):
+        return x + int(uc.exchange_counts([3])[0])  # exchange_counts of a list runs eagerly
+
+    x = torch.ones(2)
+    explained = torch._dynamo.explain(counts_in_a_list)(x)
+    internals = (os.path.dirname(uc.__file__), os.path.dirname(importlib.import_module("unicoll.backends").__file__))
+    traced_inside = [
+        f"{frame.filename}:{frame.lineno}"
+        for reason in explained.break_reasons
+        for frame in reason.user_stack
+        if frame.filename.startswith(internals) and not frame.filename.endswith(("tracing.py", "torch_ops.py"))
+    ]
+    assert traced_inside == []
+    assert torch.equal(torch.compile(counts_in_a_list, backend="eager")(x), x + 3)
+
+
+BAD_TRACED_CALLS = [
+    (lambda x: uc.global_scatter(x, torch.tensor([4, -1]), torch.tensor([3])), ValueError),
+    (lambda x: uc.global_scatter(x, torch.tensor([3.0]), torch.tensor([3])), TypeError),
+    (lambda x: uc.global_gather(x, [3], [2]), ValueError),
+    (lambda x: uc.alltoall_single(None, x, in_split_sizes=torch.tensor([1, 2])), ValueError),
+    (lambda x: uc.exchange_counts(torch.tensor([[3]])), ValueError),
+]
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_TRACED_CALLS)))
+def test_bad_input_raises_eagers_error_from_compiled_code(world_of_one, bad: int) -> None:
+    fn, error = BAD_TRACED_CALLS[bad]
+    x = torch.ones(3, 2)
+    with pytest.raises(error) as eager:
+        fn(x)
+    with pytest.raises(error) as compiled:
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+    assert str(compiled.value) == str(eager.value)
+
+
+def test_rows_are_known_while_tracing_where_the_counts_say_them(world_of_one) -> None:
+    """Counts in lists (constants) and even splits give static rows; counts in tensors, and
+    all_gather's rows, a new dynamic size."""
+    traced = []
+
+    def record(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("unicoll."):
+                value = node.meta["example_value"]
+                traced.append(str((value[0] if isinstance(value, tuple) else value).shape[0]))
+        return gm
+
+    x, three = torch.ones(3, 2), torch.tensor([3])
+    for fn in [
+        lambda x: uc.global_scatter(x, [3], [3]),
+        lambda x: uc.global_gather(x, (3,), (3,)),
+        lambda x: uc.alltoall_single(None, x, [3], [3]),
+        lambda x: uc.alltoall_single(None, x),
+        lambda x: uc.global_scatter(x, three, three),
+        lambda x: uc.alltoall_single(None, x, three, three),
+        lambda x: uc.all_gather(None, x),
+    ]:
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend=record)(x), x)
+    assert traced[:4] == ["3"] * 4
+    assert all(size.startswith("u") for size in traced[4:]), traced
+
+
+def test_the_groups_table_keeps_only_live_groups(world_of_one) -> None:
+    import gc
+
+    from unicoll.group import group_numbered
+    from unicoll.torch_ops import _group
+
+    group = uc.new_group([0])
+    number = group.number
+    assert group_numbered(number) is group and _group(number) is group
+    del group
+    gc.collect()
+    assert group_numbered(number) is None
+    with pytest.raises(ValueError, match=f"group: expected the number of a live unicoll.Group, got {number}"):
+        _group(number)
+
+
+def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> None:
+    group = uc.new_group([0])
+    fn = torch.compile(lambda x, g: uc.all_gather(None, x, group=g), fullgraph=True, backend="aot_eager")
+    x = torch.ones(2, 1)
+    assert torch.equal(fn(x, group), x)
+    uc.finalize()
+    uc.init("gloo")
+    with pytest.raises(ValueError, match="group: expected a group made since the last init"):
+        fn(x, group)
+
+
+# -- CUDA -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [p for p in params() if p.values[0] == "torch-nccl"])
+def test_moe_layer_compiles_on_cuda(backend: str) -> None:
+    (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", backend=backend, timeout=300)
+    assert report == ([True] * len(TOKENS), 1)
+
+
+def test_reductions_and_broadcast_run_eagerly_behind_one_break_each(world_of_one) -> None:
+    """all_reduce, reduce_scatter and broadcast have no traced form: compiled code runs each
+    eagerly behind one graph break that names it, with the eager result."""
+    x = torch.arange(6.0).reshape(3, 2)
+    for name, fn in [
+        ("all_reduce", lambda x: uc.all_reduce(x * 2) + 1),
+        ("reduce_scatter", lambda x: uc.reduce_scatter(None, x * 2) + 1),
+        ("broadcast", lambda x: uc.broadcast(x * 2, src=0) + 1),
+    ]:
+        (only,) = torch._dynamo.explain(fn)(x).break_reasons
+        assert f"unicoll: unicoll.{name} has no traced form; the call runs eagerly" in only.reason, only.reason
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="eager")(x), x * 2 + 1)

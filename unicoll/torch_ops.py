@@ -1,0 +1,439 @@
+"""unicoll's operators on torch tensors as ``torch.library`` custom ops, for torch.compile.
+
+While torch.compile traces a call to a public operator, :func:`unicoll.tracing.traceable`
+hands it to the function of the same name here. That function records the call as one custom
+op of the ``unicoll`` namespace, which the compiled graph runs as a whole:
+
+- the op's real implementation is the eager operator itself, so a call from compiled code is
+  validated, checked (check mode) and reported exactly as an eager call, at run time;
+- its fake implementation gives the output's shape without communicating: the rows of an
+  operator whose counts are tensors are a new dynamic size (torch's
+  ``capture_dynamic_output_shape_ops``), the rows given where they are known;
+- its backward (``torch.library.register_autograd``) is the backward collective of the eager
+  operator, itself one of these ops;
+- the group travels as an int: its :attr:`~unicoll.Group.number`, or :data:`WORLD`.
+
+What cannot be traced (``sync_op=False``, outputs filled in place, arrays of other libraries,
+arguments of unexpected types) runs the eager operator behind one graph break whose reason
+says why (``torch.compiler.disable``); docs/compile.md lists the cases. Importing this module
+registers the ops, for CPU and CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import ops, runtime
+from .group import Group, group_numbered
+
+WORLD = -1
+"""The group number of the world of the running session (``group=None``)."""
+
+_DEVICES = ("cpu", "cuda")
+
+_TAGS = (torch.Tag.nondeterministic_seeded,)
+"""A collective's result depends on the other ranks: torch must neither run the op on constant
+inputs while it traces (fake tensors' constant propagation) nor recompute it in the backward."""
+
+
+def _group(number: int) -> Group | None:
+    """The group a schema's ``number`` names: None (the world, resolved by the operator) for
+    :data:`WORLD`; ValueError for a group that no longer lives."""
+    if number == WORLD:
+        return None
+    group = group_numbered(number)
+    if group is None:
+        raise ValueError(f"group: expected the number of a live unicoll.Group, got {number}, a group since freed")
+    return group
+
+
+def _world_size(number: int, op: str) -> int:
+    """The size of the group a schema's ``number`` names (for the fake implementations)."""
+    group = _group(number)
+    return runtime.state(op).world.world_size if group is None else group.world_size
+
+
+def _rows_as_promised(result: torch.Tensor, rows: int | None, op: str) -> torch.Tensor:
+    """``result``, checked to have the ``rows`` rows that the fake implementation promised."""
+    if rows is not None and result.shape[0] != rows:
+        raise ValueError(f"{op}: rows: expected {rows} rows of output, got {result.shape[0]}")
+    return result
+
+
+def _new_rows(rows: int | None) -> Any:
+    """``rows`` where known, else a new dynamic size (data-dependent: from counts or an exchange)."""
+    return torch.library.get_ctx().new_dynamic_size() if rows is None else rows
+
+
+def _splits(number: int, op: str) -> torch.Tensor:
+    """A fake host int64 tensor of one size per rank of the group."""
+    return torch.empty((_world_size(number, op),), dtype=torch.int64)
+
+
+# -- the custom ops --------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "unicoll::exchange_counts",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor local_count, int group) -> Tensor",
+)
+def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
+    """The eager exchange_counts."""
+    return ops.exchange_counts(local_count, _group(group))
+
+
+@_exchange_counts.register_fake
+def _exchange_counts_fake(local_count: torch.Tensor, group: int) -> torch.Tensor:
+    """The global counts have the local counts' shape."""
+    return torch.empty_like(local_count)
+
+
+_MOE_SCHEMA = (
+    "(Tensor x, Tensor local_count, Tensor global_count, int group, bool use_calc_stream, SymInt? rows) -> Tensor"
+)
+
+
+@torch.library.custom_op(
+    "unicoll::global_scatter", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_SCHEMA
+)
+def _global_scatter(
+    x: torch.Tensor,
+    local_count: torch.Tensor,
+    global_count: torch.Tensor,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> torch.Tensor:
+    """The eager global_scatter, with the rows promised to the fake implementation where given."""
+    result = ops.global_scatter(x.detach(), local_count, global_count, _group(group), True, use_calc_stream)
+    return _rows_as_promised(result, rows, "global_scatter")
+
+
+@torch.library.custom_op(
+    "unicoll::global_gather", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_SCHEMA
+)
+def _global_gather(
+    x: torch.Tensor,
+    local_count: torch.Tensor,
+    global_count: torch.Tensor,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> torch.Tensor:
+    """The eager global_gather, with the rows promised to the fake implementation where given."""
+    result = ops.global_gather(x.detach(), local_count, global_count, _group(group), True, use_calc_stream)
+    return _rows_as_promised(result, rows, "global_gather")
+
+
+@_global_scatter.register_fake
+@_global_gather.register_fake
+def _moe_fake(
+    x: torch.Tensor,
+    local_count: torch.Tensor,
+    global_count: torch.Tensor,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> torch.Tensor:
+    """The output: the rows given, or a new dynamic size, and x's trailing shape."""
+    return x.new_empty((_new_rows(rows), *x.shape[1:]))
+
+
+def _save_moe(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep what the backward collective needs: the counts, the group and the input's rows."""
+    x, local_count, global_count, group, _, _ = inputs
+    ctx.save_for_backward(local_count, global_count)
+    ctx.group, ctx.rows = group, x.shape[0]
+
+
+def _global_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """global_gather of the output gradient with the same counts."""
+    local_count, global_count = ctx.saved_tensors
+    dx = torch.ops.unicoll.global_gather(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
+    return dx, None, None, None, None, None
+
+
+def _global_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """global_scatter of the output gradient with the same counts."""
+    local_count, global_count = ctx.saved_tensors
+    dx = torch.ops.unicoll.global_scatter(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
+    return dx, None, None, None, None, None
+
+
+_global_scatter.register_autograd(_global_scatter_backward, setup_context=_save_moe)
+_global_gather.register_autograd(_global_gather_backward, setup_context=_save_moe)
+
+
+@torch.library.custom_op(
+    "unicoll::alltoall_single",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor in_tensor, Tensor? out_split_sizes, Tensor? in_split_sizes, int group, bool use_calc_stream, "
+    "SymInt? rows) -> (Tensor, Tensor)",
+)
+def _alltoall_single(
+    in_tensor: torch.Tensor,
+    out_split_sizes: torch.Tensor | None,
+    in_split_sizes: torch.Tensor | None,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output, and the split sizes received (exchanged where only ``in_split_sizes`` is given)."""
+    result, received = ops.alltoall_single_and_splits(
+        in_tensor.detach(), out_split_sizes, in_split_sizes, _group(group), use_calc_stream
+    )
+    return _rows_as_promised(result, rows, "alltoall_single"), torch.tensor(received, dtype=torch.int64)
+
+
+@_alltoall_single.register_fake
+def _alltoall_single_fake(
+    in_tensor: torch.Tensor,
+    out_split_sizes: torch.Tensor | None,
+    in_split_sizes: torch.Tensor | None,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output (the rows given, in_tensor's rows for an even split both ways, else a new
+    dynamic size) and one received split size per rank."""
+    if rows is None and out_split_sizes is None and in_split_sizes is None:
+        rows = in_tensor.shape[0]  # an even split both ways: as many rows as were sent
+    return in_tensor.new_empty((_new_rows(rows), *in_tensor.shape[1:])), _splits(group, "alltoall_single")
+
+
+def _save_alltoall(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the split sizes sent (None for an even split) and received, the group and the rows."""
+    in_tensor, _, in_split_sizes, group, _, _ = inputs
+    _, received = output
+    ctx.save_for_backward(in_split_sizes, received)
+    ctx.group, ctx.rows = group, in_tensor.shape[0]
+
+
+def _alltoall_single_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
+    """The gradient goes back the way the rows came: the split sizes swapped (an even split
+    of the input where no sizes were given)."""
+    sent, received = ctx.saved_tensors
+    if sent is None:
+        sent = torch.full_like(received, ctx.rows // received.shape[0])
+    dx, _ = torch.ops.unicoll.alltoall_single(grad.contiguous(), sent, received, ctx.group, False, ctx.rows)
+    return dx, None, None, None, None, None
+
+
+_alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_save_alltoall)
+
+
+@torch.library.custom_op(
+    "unicoll::all_gather",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor tensor, int group, bool use_calc_stream) -> (Tensor, Tensor)",
+)
+def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows concatenated, and the rows each rank sent."""
+    result, rows = ops.all_gather_and_rows(tensor.detach(), _group(group), use_calc_stream)
+    return result, torch.tensor(rows, dtype=torch.int64)
+
+
+@_all_gather.register_fake
+def _all_gather_fake(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered rows (a new dynamic size) and one row count per rank."""
+    return tensor.new_empty((_new_rows(None), *tensor.shape[1:])), _splits(group, "all_gather")
+
+
+def _save_all_gather(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the rows each rank sent, the group and this rank's rows."""
+    tensor, group, _ = inputs
+    _, rows = output
+    ctx.save_for_backward(rows)
+    ctx.group, ctx.rows = group, tensor.shape[0]
+
+
+def _all_gather_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
+    """Each rank gets every rank's gradient of its rows, summed (a reduce-scatter)."""
+    (rows,) = ctx.saved_tensors
+    world = rows.shape[0]
+    mine = torch.full_like(rows, ctx.rows)
+    received, _ = torch.ops.unicoll.alltoall_single(grad.contiguous(), mine, rows, ctx.group, False, world * ctx.rows)
+    return received.reshape(world, ctx.rows, *grad.shape[1:]).sum(0), None, None
+
+
+_all_gather.register_autograd(_all_gather_backward, setup_context=_save_all_gather)
+
+
+# -- what runs eagerly, behind one graph break ------------------------------------------------
+
+
+def _eagerly(reason: str) -> Callable[..., Any]:
+    """A function that calls an operator eagerly, which torch.compile does not trace: one graph
+    break, whose reason reads ``unicoll: <reason>; the call runs eagerly``."""
+
+    @torch.compiler.disable(reason=f"unicoll: {reason}; the call runs eagerly")
+    def run(op: Callable[..., Any], *args: Any) -> Any:
+        """``op(*args)``, eagerly."""
+        return op(*args)
+
+    return run
+
+
+_as_task = _eagerly("sync_op=False returns a Task, which torch.compile cannot trace")
+_in_place = _eagerly("an output filled in place (out_tensor, or all_gather's output array or list) cannot be traced")
+_untraced = _eagerly(
+    "only torch tensors, counts as int tensors or lists of ints, a unicoll.Group or None and bool flags "
+    "are traced, on an initialized unicoll"
+)
+
+UNTRACED_OPERATORS = {
+    name: _eagerly(f"unicoll.{name} has no traced form") for name in ("all_reduce", "reduce_scatter", "broadcast")
+}
+"""The operators without a custom op, each run eagerly behind one graph break that names it."""
+
+_UNTRACEABLE = object()
+"""What :func:`_number` and :func:`_counts` return for a value that is not traced."""
+
+
+def _number(group: Any) -> Any:
+    """The int that names ``group`` in a schema, or :data:`_UNTRACEABLE` (not a group, or
+    unicoll not initialized: the eager operator raises its error)."""
+    if not runtime.is_initialized():
+        return _UNTRACEABLE
+    if group is None:
+        return WORLD
+    return group.number if isinstance(group, Group) else _UNTRACEABLE
+
+
+def _counts(value: Any) -> Any:
+    """Counts as a tensor: a tensor as it is, a list or tuple of ints as a host int64 tensor;
+    None as None; anything else :data:`_UNTRACEABLE`."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if type(value) in (list, tuple) and all(type(v) is int for v in value):
+        return torch.tensor(value, dtype=torch.int64)
+    return _UNTRACEABLE
+
+
+def _traced(*values: Any) -> bool:
+    """Whether none of ``values`` is :data:`_UNTRACEABLE`."""
+    return all(v is not _UNTRACEABLE for v in values)
+
+
+def _total(value: Any) -> int | None:
+    """The rows that counts given as a list of non-negative ints add up to, known while
+    tracing; None for counts in a tensor (or a list the eager operator will refuse)."""
+    if type(value) in (list, tuple) and all(type(v) is int and v >= 0 for v in value):
+        return sum(value)
+    return None
+
+
+# -- the traced forms of the public operators (same signatures) --------------------------------
+
+
+def exchange_counts(local_count: Any, group: Group | None = None) -> Any:
+    """:func:`unicoll.exchange_counts` as traced: counts given as a tensor become one op."""
+    number = _number(group)
+    if not isinstance(local_count, torch.Tensor) or not _traced(number):
+        return _untraced(ops.exchange_counts, local_count, group)
+    return torch.ops.unicoll.exchange_counts(local_count, number)
+
+
+def _moe(
+    op: Callable[..., Any],
+    traced_op: Callable[..., Any],
+    output_counts: str,
+    args: tuple[Any, Any, Any, Group | None, bool, bool],
+) -> Any:
+    """global_scatter or global_gather (``op``) as ``traced_op``, whose output has the rows of
+    its ``output_counts`` ("local_count" or "global_count")."""
+    x, local_count, global_count, group, sync_op, use_calc_stream = args
+    if sync_op is False:
+        return _as_task(op, *args)
+    number, lc, gc = _number(group), _counts(local_count), _counts(global_count)
+    flags_ok = sync_op is True and type(use_calc_stream) is bool
+    if not isinstance(x, torch.Tensor) or not flags_ok or not _traced(number, lc, gc) or lc is None or gc is None:
+        return _untraced(op, *args)
+    rows = _total(local_count if output_counts == "local_count" else global_count)
+    return traced_op(x, lc, gc, number, use_calc_stream, rows)
+
+
+def global_scatter(
+    x: Any,
+    local_count: Any,
+    global_count: Any,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = True,
+) -> Any:
+    """:func:`unicoll.global_scatter` as traced: one op, whose output rows are a dynamic size
+    (``sum(global_count)`` for counts in a list)."""
+    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
+    return _moe(ops.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
+
+
+def global_gather(
+    x: Any,
+    local_count: Any,
+    global_count: Any,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = True,
+) -> Any:
+    """:func:`unicoll.global_gather` as traced: one op, whose output rows are a dynamic size
+    (``sum(local_count)`` for counts in a list)."""
+    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
+    return _moe(ops.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
+
+
+def alltoall_single(
+    out_tensor: Any,
+    in_tensor: Any,
+    out_split_sizes: Any = None,
+    in_split_sizes: Any = None,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """:func:`unicoll.alltoall_single` as traced, for ``out_tensor=None``: one op, whose
+    output rows are a dynamic size (those of ``in_tensor`` when no split sizes are given,
+    ``sum(out_split_sizes)`` for a list)."""
+    args = (out_tensor, in_tensor, out_split_sizes, in_split_sizes, group, sync_op, use_calc_stream)
+    if out_tensor is not None:
+        return _in_place(ops.alltoall_single, *args)
+    if sync_op is False:
+        return _as_task(ops.alltoall_single, *args)
+    number, out_splits, in_splits = _number(group), _counts(out_split_sizes), _counts(in_split_sizes)
+    flags_ok = sync_op is True and type(use_calc_stream) is bool
+    if not isinstance(in_tensor, torch.Tensor) or not flags_ok or not _traced(number, out_splits, in_splits):
+        return _untraced(ops.alltoall_single, *args)
+    rows = _total(out_split_sizes)
+    result, _ = torch.ops.unicoll.alltoall_single(in_tensor, out_splits, in_splits, number, use_calc_stream, rows)
+    return result
+
+
+def all_gather(
+    tensor_or_tensor_list: Any,
+    tensor: Any,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """:func:`unicoll.all_gather` as traced, for ``tensor_or_tensor_list=None`` (the
+    concatenated form): one op, whose output rows are a dynamic size."""
+    args = (tensor_or_tensor_list, tensor, group, sync_op, use_calc_stream)
+    if tensor_or_tensor_list is not None:
+        return _in_place(ops.all_gather, *args)
+    if sync_op is False:
+        return _as_task(ops.all_gather, *args)
+    number = _number(group)
+    flags_ok = sync_op is True and type(use_calc_stream) is bool
+    if not isinstance(tensor, torch.Tensor) or not flags_ok or not _traced(number):
+        return _untraced(ops.all_gather, *args)
+    result, _ = torch.ops.unicoll.all_gather(tensor, number, use_calc_stream)
+    return result
