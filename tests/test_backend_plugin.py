@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import unicoll as uc
-from helpers.conformance import cases, run_cases
+from helpers.conformance import Worlds, assert_passed, cases, run_cases
 
 SOURCE = Path(__file__).resolve().parents[1] / "examples" / "backend_plugin"
 WORLD_SIZES = (1, 2, 3)
@@ -49,18 +48,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outcomes(installed: Path):
-    """Each world size's per-rank outcomes on ``pairwise``, computed once."""
-    cache: dict[int, list[dict[str, str | None]]] = {}
-
-    def get(world_size: int) -> list[dict[str, str | None]]:
-        if world_size not in cache:
-            cache[world_size] = uc.testing.spawn(
-                run_cases, world_size, MATRIX[world_size], backend="pairwise", timeout=240
-            )
-        return cache[world_size]
-
-    return get
+def worlds(installed: Path) -> Worlds:
+    return Worlds()
 
 
 def test_info_lists_the_installed_backend(installed: Path) -> None:
@@ -70,8 +59,6 @@ def test_info_lists_the_installed_backend(installed: Path) -> None:
 
 
 @pytest.mark.parametrize("case", [c for w in WORLD_SIZES for c in MATRIX[w]], ids=lambda c: c.id)
-def test_conformance(case, outcomes) -> None:
-    per_rank = outcomes(case.world_size)
-    failures = [o[case.id] for o in per_rank if o.get(case.id)]
-    assert not failures, "\n".join(failures)
-    assert any(case.id in o for o in per_rank), "no rank ran this case"
+def test_conformance(case, worlds) -> None:
+    w = case.world_size
+    assert_passed(worlds.outcomes(w, run_cases, w, MATRIX[w], backend="pairwise", timeout=240), case)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import unicoll as uc
-from helpers.conformance import cases, run_cases
+from helpers.conformance import Worlds, assert_passed, cases, run_cases
 from unicoll import registry
 
 CPU_BACKENDS = ("gloo", "mpi")
@@ -25,23 +24,11 @@ def _params():
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict[tuple[str, int], list[dict[str, str | None]]]:
-    """Each (backend, world size)'s per-rank outcomes, computed lazily, one spawned world each."""
-    cache: dict[tuple[str, int], list[dict[str, str | None]]] = {}
-
-    def get(backend: str, world_size: int) -> list[dict[str, str | None]]:
-        key = (backend, world_size)
-        if key not in cache:
-            cache[key] = uc.testing.spawn(run_cases, world_size, MATRIX[key], backend=backend, timeout=240)
-        return cache[key]
-
-    return get
+def worlds() -> Worlds:
+    return Worlds()
 
 
 @pytest.mark.parametrize(("backend", "case"), list(_params()))
-def test_conformance(backend, case, outcomes) -> None:
-    per_rank = outcomes(backend, case.world_size)
-    failures = [o[case.id] for o in per_rank if o.get(case.id)]
-    assert not failures, "\n".join(failures)
-    ran = [o for o in per_rank if case.id in o]
-    assert ran, "no rank ran this case"
+def test_conformance(backend, case, worlds) -> None:
+    w = case.world_size
+    assert_passed(worlds.outcomes((backend, w), run_cases, w, MATRIX[backend, w], backend=backend, timeout=240), case)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-import unicoll as uc
-from helpers.conformance import cases, run_cases
+from helpers.conformance import Worlds, assert_passed, cases, run_cases
 from helpers.gpu_backends import GPU_BACKENDS, marks
 from unicoll import registry
 
@@ -21,14 +20,10 @@ def _matrix():
             yield pytest.param(name, case, marks=marks(name), id=f"{name}-{case.id}")
 
 
-_outcomes: dict[str, list[dict[str, str | None]]] = {}
+_worlds = Worlds()
 
 
 @pytest.mark.parametrize(("backend", "case"), list(_matrix()))
 def test_gpu_conformance(backend, case) -> None:
-    if backend not in _outcomes:
-        matrix = cases(registry.registered()[backend].capabilities, 1, STREAMS)
-        _outcomes[backend] = uc.testing.spawn(run_cases, 1, matrix, "cuda", backend=backend, timeout=600)
-    assert case.id in _outcomes[backend][0], "the case did not run"
-    failure = _outcomes[backend][0][case.id]
-    assert failure is None, failure
+    matrix = cases(registry.registered()[backend].capabilities, 1, STREAMS)
+    assert_passed(_worlds.outcomes(backend, run_cases, 1, matrix, "cuda", backend=backend, timeout=600), case)

@@ -2,9 +2,11 @@
 
 Every transfer is a batch of point-to-point messages of torch.distributed over gloo, one per
 pair of ranks that exchange rows, each moving the rows as bytes (so every dtype moves, bool and
-bfloat16 included). It implements the primitives; the operators (``global_scatter``,
-``global_gather``, ``alltoall_single``, ``all_gather``) come from the base class, and unicoll's
-conformance matrix holds them to the same results as the built-in backends.
+bfloat16 included); reductions gather the blocks they need and fold them here, in rank order,
+in the array's dtype. It implements the primitives; the operators (``global_scatter``,
+``global_gather``, ``alltoall_single``, ``all_gather``, ``all_reduce``, ``reduce_scatter``,
+``broadcast``) come from the base class, and unicoll's conformance matrix holds them to the same
+results as the built-in backends.
 
     pip install ./examples/backend_plugin
     UNICOLL_BACKEND=pairwise unicoll run -n 2 examples/moe_dispatch.py
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from itertools import accumulate
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import Backend, Capabilities, Work
+from unicoll.backends.base import Backend, Capabilities, Work, reductions
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.errors import TransportError, init_error
 from unicoll.group import Group
@@ -33,6 +35,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),
+    reductions=reductions(frozenset(DTYPES)),
 )
 
 
@@ -56,15 +59,20 @@ factory = PairwiseFactory()
 
 
 class _Batch:
-    """The point-to-point works of one transfer, waited for together (``Task.wait()``)."""
+    """The point-to-point works of one transfer, waited for together (``Task.wait()``), then
+    ``then()`` once (the local fold of a reduction)."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Any], then: Callable[[], None] | None = None) -> None:
         self._works = works
+        self._then = then
 
     @torch_boundary
     def wait(self, timeout: float) -> None:
         for work in self._works:
             work.wait(timedelta(seconds=timeout))
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
@@ -78,6 +86,21 @@ def _as_bytes(t: Any) -> Any:
 
     flat = t.as_strided((t.numel(),), (1,))
     return flat.view(torch.uint8).reshape(t.shape[0], t.element_size() * math.prod(t.shape[1:]))
+
+
+_FOLDS = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+"""The elementwise function of torch that folds each reduction (on bool: or, and, or, and)."""
+
+
+def _fold(blocks: Any, op: str) -> Any:
+    """``blocks[0] op blocks[1] op ...``, left to right, in the blocks' dtype (integers wrap)."""
+    import torch
+
+    step = getattr(torch, _FOLDS[op])
+    total = blocks[0].clone()
+    for block in blocks[1:]:
+        total = step(total, block)
+    return total
 
 
 def _starts(splits: Sequence[int]) -> list[int]:
@@ -150,6 +173,40 @@ class PairwiseBackend(Backend):
         send, recv, rows = _as_bytes(x), _as_bytes(out), x.shape[0]
         pieces = [(peer, send, recv[p * rows : (p + 1) * rows]) for p, peer in enumerate(group.ranks)]
         return self._exchange(pieces, group, async_op)
+
+    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        """Every rank's ``x`` gathered, then folded into ``x`` in rank order."""
+        gathered = self.empty_rows(x, group.world_size * x.shape[0])
+        blocks = gathered.view(group.world_size, *x.shape)
+        return self._then(self.all_gather_even(gathered, x, group, True), lambda: x.copy_(_fold(blocks, op)), async_op)
+
+    def reduce_scatter_even(
+        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Work | None:
+        """Block ``p`` of every rank's ``x`` sent to position ``p``, then folded into ``out``."""
+        rows, world = out.shape[0], group.world_size
+        received = self.empty_rows(x, world * rows)
+        work = self.alltoallv(received, x, [rows] * world, [rows] * world, group, True)
+        blocks = received.view(world, *out.shape)
+        return self._then(work, lambda: out.copy_(_fold(blocks, op)), async_op)
+
+    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        """Position ``src`` sends its rows to every other rank of the group."""
+        rows, source = _as_bytes(x), group.ranks[src]
+        nothing = rows[:0]
+        if source == self.rank:
+            pieces = [(peer, rows, nothing) for peer in group.ranks if peer != self.rank]
+        else:
+            pieces = [(source, nothing, rows)]
+        return self._exchange(pieces, group, async_op)
+
+    def _then(self, work: _Batch, then: Callable[[], Any], async_op: bool) -> Work | None:
+        """``then()`` once ``work`` (a :class:`_Batch`) completes: now, or in ``Task.wait()``."""
+        batch = _Batch(work._works, then)  # work: what _exchange returned asynchronously
+        if async_op:
+            return batch
+        batch.wait(self._timeout.total_seconds())
+        return None
 
     @torch_boundary
     def _exchange(self, pieces: list[tuple[int, Any, Any]], group: Group, async_op: bool) -> Work | None:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import traceback
 import zlib
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 
 import unicoll as uc
 from unicoll import reference
@@ -70,6 +72,34 @@ class Case:
     @property
     def seed(self) -> int:
         return zlib.crc32(self.id.encode())
+
+
+class Worlds:
+    """The spawned worlds of a matrix, each started once for all its cases; a world that fails
+    fails each of its cases at once with its error, instead of being started again per case."""
+
+    def __init__(self) -> None:
+        self._started: dict[Hashable, tuple[list[dict[str, str | None]] | None, str | None]] = {}
+
+    def outcomes(self, key: Hashable, *spawn_args: Any, **spawn_kwargs: Any) -> list[dict[str, str | None]]:
+        """The per-rank outcomes of world ``key``: ``uc.testing.spawn(*spawn_args, **spawn_kwargs)``
+        (of :func:`run_cases`) the first time it is asked for."""
+        if key not in self._started:
+            try:
+                self._started[key] = (uc.testing.spawn(*spawn_args, **spawn_kwargs), None)
+            except Exception as exc:  # reported for every case of the world
+                self._started[key] = (None, f"{type(exc).__name__}: {exc}")
+        outcomes, error = self._started[key]
+        if error is not None:
+            pytest.fail(f"the world {key!r} that runs this case failed: {error}", pytrace=False)
+        return outcomes
+
+
+def assert_passed(per_rank: list[dict[str, str | None]], case: Case) -> None:
+    """Fail with every rank's traceback where ``case`` failed, or when no rank ran it."""
+    failures = [o[case.id] for o in per_rank if o.get(case.id)]
+    assert not failures, "\n".join(failures)
+    assert any(case.id in o for o in per_rank), "no rank ran this case"
 
 
 def subgroup_ranks(world_size: int) -> list[int]:
