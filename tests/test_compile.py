@@ -16,10 +16,13 @@ import torch
 
 import unicoll as uc
 from helpers.gpu_backends import params
-from helpers.moe import moe_layer, parameters, step
+from helpers.moe import moe_layer, moe_topk_layer, parameters, step
 
-FLAGS = {"capture_dynamic_output_shape_ops": True}  # the one setting docs/compile.md asks for
-OPS = ("exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather")
+FLAGS = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}  # docs/compile.md's settings
+OPS = (
+    "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
+    "all_reduce", "broadcast", "reduce_scatter", "moe_layout",
+)  # fmt: skip
 TOKENS = (5, 8, 3, 11, 6, 9)  # six inputs; rank r has r more tokens, and its own routing
 
 
@@ -42,10 +45,12 @@ def _counting_aot_eager(compiled: list) -> object:
     return backend
 
 
-def compiled_moe_matches_eager(rank: int, world: int, device: str = "cpu") -> tuple[list[bool], int]:
-    """Eager and compiled (fullgraph, aot_eager) MoE steps on six inputs: whether each output
-    and every gradient are equal (on CPU bit for bit; on CUDA, whose accumulating index kernels
-    use atomics, within 1e-12), and how many graphs were compiled."""
+def compiled_moe_matches_eager(
+    rank: int, world: int, device: str = "cpu", layer: object = moe_layer
+) -> tuple[list[bool], int]:
+    """Eager and compiled (fullgraph, aot_eager) MoE steps of ``layer`` on six inputs: whether
+    each output and every gradient are equal (on CPU bit for bit; on CUDA, whose accumulating
+    index kernels use atomics, within 1e-12), and how many graphs were compiled."""
     import torch._dynamo
 
     if device == "cpu":
@@ -56,7 +61,7 @@ def compiled_moe_matches_eager(rank: int, world: int, device: str = "cpu") -> tu
     _flags_on()
     compiled: list = []
     weights = [p.detach().to(device).requires_grad_() for p in parameters(rank, 4, 3, 2, world)]
-    eager = functools.partial(moe_layer, world=world)
+    eager = functools.partial(layer, world=world)
     layer = torch.compile(eager, fullgraph=True, backend=_counting_aot_eager(compiled))
     same = []
     for i, tokens in enumerate(TOKENS):
@@ -84,6 +89,13 @@ def _each_op(rank: int) -> dict:
     lc, splits = inputs["local_count"], inputs["in_splits"]
     gc = uc.exchange_counts(lc)
     received = uc.exchange_counts(splits)
+    routing = torch.tensor([[[0, 3], [2, 1], [1, 1], [3, 0]], [[2, 0], [0, 1], [3, 2], [1, 3]]][rank])
+
+    def dispatch_and_combine(x):
+        rows, rows_per_expert, handle = uc.moe.dispatch(x[:4], routing, x[:4].softmax(-1), experts_per_rank=2)
+        parts = torch.split(rows, rows_per_expert)
+        return uc.moe.combine(torch.cat([part * (e + 2.0) for e, part in enumerate(parts)]), handle)
+
     return {
         "exchange_counts": lambda x: x.sum() * uc.exchange_counts(lc),
         "global_scatter": lambda x: uc.global_scatter(x, lc, gc),
@@ -92,6 +104,12 @@ def _each_op(rank: int) -> dict:
         "alltoall_single, sizes exchanged": lambda x: uc.alltoall_single(None, x[:4], None, splits),
         "alltoall_single, even": lambda x: uc.alltoall_single(None, x[:4]),
         "all_gather": lambda x: uc.all_gather(None, x[: 1 + 2 * rank]),
+        "all_reduce": lambda x: uc.all_reduce(x[:4] * (rank + 2)),
+        "all_reduce, avg": lambda x: uc.all_reduce(x[:4] * (rank + 2), op="avg") + x[:4],
+        "broadcast": lambda x: uc.broadcast(x[:4] * (rank + 2), src=1),
+        "reduce_scatter": lambda x: uc.reduce_scatter(None, x[:4] * (rank + 2), split_sizes=torch.tensor([3, 1])),
+        "reduce_scatter, even, avg": lambda x: uc.reduce_scatter(None, x[:4], "avg"),
+        "moe_layout, dispatch and combine": dispatch_and_combine,
     }
 
 
@@ -140,7 +158,8 @@ def two_ranks(rank: int) -> dict:
     _flags_on()
     assert uc.is_initialized()
     moe, each_op = compiled_moe_matches_eager(rank, 2), _every_op_traces(rank)
-    return {"moe": moe, "ops": each_op, "mismatch": _mismatch_caught(rank)}
+    moe_topk = compiled_moe_matches_eager(rank, 2, layer=moe_topk_layer)
+    return {"moe": moe, "moe_topk": moe_topk, "ops": each_op, "mismatch": _mismatch_caught(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +170,11 @@ def world_of_two() -> list[dict]:
 def test_moe_layer_compiles_with_fullgraph_on_two_ranks(world_of_two) -> None:
     for report in world_of_two:
         assert report["moe"] == ([True] * len(TOKENS), 1)  # exact, and one graph for every routing and size
+
+
+def test_moe_layer_written_with_unicoll_moe_compiles_with_fullgraph(world_of_two) -> None:
+    for report in world_of_two:
+        assert report["moe_topk"] == ([True] * len(TOKENS), 1)
 
 
 def test_moe_layer_compiles_with_fullgraph_on_three_ranks() -> None:
