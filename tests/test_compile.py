@@ -9,6 +9,7 @@ from compiled code. Many cases run inside each spawned world, to keep the suite 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -231,17 +232,39 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
     def numpy_array(x):
         return x + torch.from_numpy(uc.all_gather(None, x.numpy() * 2))
 
-    for fn, reason, check in [
-        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2)),
-        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1)),
-        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3)),
+    def reduce_scatter_into(x):
+        out = torch.empty_like(x)
+        uc.reduce_scatter(out, x * 2)
+        return out + 1
+
+    def dispatch_as_task(x):
+        return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [-1]]), experts_per_rank=1, sync_op=False)
+
+    _, _, eager_handle = uc.moe.dispatch(x, torch.tensor([[0], [0], [0]]), experts_per_rank=1)
+
+    def combine_eager_handle(x):
+        return uc.moe.combine(x * 2, eager_handle) + 1
+
+    def dispatched_rows(x):
+        return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [0]]), experts_per_rank=1)[0]
+
+    scalars_off = torch._dynamo.config.patch(capture_scalar_outputs=False)
+    for fn, reason, check, config in [
+        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2), None),
+        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
+        (reduce_scatter_into, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
+        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3), None),
+        (dispatch_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait()[0], x[:2] * 2), None),
+        (combine_eager_handle, "a moe.Handle made by an eager moe.dispatch", lambda r: torch.equal(r, x * 2 + 1), None),
+        (dispatched_rows, "capture_scalar_outputs = True", lambda r: torch.equal(r, x * 2), scalars_off),
     ]:
-        (only,) = torch._dynamo.explain(fn)(x).break_reasons
-        assert reason in only.reason and "the call runs eagerly" in only.reason
-        assert check(torch.compile(fn, backend="eager")(x))
-        torch._dynamo.reset()  # forget that compilation, which fell back
-        with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
-            torch.compile(fn, fullgraph=True, backend="eager")(x)
+        with config or contextlib.nullcontext():
+            (only,) = torch._dynamo.explain(fn)(x).break_reasons
+            assert reason in only.reason and "the call runs eagerly" in only.reason, only.reason
+            assert check(torch.compile(fn, backend="eager")(x))
+            torch._dynamo.reset()  # forget that compilation, which fell back
+            with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
+                torch.compile(fn, fullgraph=True, backend="eager")(x)
 
 
 def test_unicolls_internals_are_never_traced(world_of_one) -> None:
@@ -272,6 +295,20 @@ BAD_TRACED_CALLS = [
     (lambda x: uc.global_gather(x, [3], [2]), ValueError),
     (lambda x: uc.alltoall_single(None, x, in_split_sizes=torch.tensor([1, 2])), ValueError),
     (lambda x: uc.exchange_counts(torch.tensor([[3]])), ValueError),
+    (lambda x: uc.all_reduce(x * 2, op="mean"), ValueError),
+    (lambda x: (uc.all_reduce(x * 2, op="mean"), x + 1)[1], ValueError),  # runs though its result goes unused
+    (lambda x: (uc.global_gather(x, [3], [2]), x + 1)[1], ValueError),
+    (lambda x: uc.all_reduce(x.t() * 2), ValueError),  # not contiguous
+    (lambda x: uc.broadcast(x * 2, src=1), ValueError),
+    (lambda x: uc.reduce_scatter(None, x * 2, split_sizes=torch.tensor([2])), ValueError),
+    (lambda x: uc.moe.dispatch(x, torch.tensor([[0], [1], [0]]), experts_per_rank=1), ValueError),
+    (
+        lambda x: uc.moe.dispatch(
+            x, torch.tensor([[0], [0], [0]]), torch.ones(3, 1, dtype=torch.int64), experts_per_rank=1
+        ),
+        TypeError,
+    ),  # fmt: skip
+    (lambda x: uc.moe.dispatch(x, torch.tensor([[0, 0], [0, 0]]), experts_per_rank=1), ValueError),
 ]
 
 
@@ -284,6 +321,33 @@ def test_bad_input_raises_eagers_error_from_compiled_code(world_of_one, bad: int
     with pytest.raises(error) as compiled:
         torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
     assert str(compiled.value) == str(eager.value)
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.clone().requires_grad_()
+
+
+GRAD_REFUSALS = [  # (function of an x that requires grad, whether it compiles under torch.no_grad())
+    (lambda x: uc.all_reduce(x * 2, op="max"), True),
+    (lambda x: uc.reduce_scatter(None, x * 2, op="prod"), True),
+    (lambda x: uc.all_reduce(x), True),  # a leaf that requires grad, in place
+    # a view of a leaf; under no_grad, torch's aot_eager refuses any in-place change of a view of an input
+    (lambda x: uc.broadcast(x[1:], src=0), False),
+]
+
+
+@pytest.mark.parametrize("bad", range(len(GRAD_REFUSALS)))
+def test_what_autograd_cannot_record_raises_eagers_error_from_compiled_code(world_of_one, bad: int) -> None:
+    fn, under_no_grad = GRAD_REFUSALS[bad]
+    x = torch.arange(6.0).reshape(3, 2)
+    with pytest.raises(ValueError) as eager:
+        fn(_leaf(x))
+    with pytest.raises(ValueError) as compiled:
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(_leaf(x))
+    assert str(compiled.value) == str(eager.value)
+    if under_no_grad:  # where autograd records nothing, the call runs
+        with torch.no_grad():
+            assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(_leaf(x)), fn(_leaf(x)))
 
 
 def test_rows_are_known_while_tracing_where_the_counts_say_them(world_of_one) -> None:
@@ -347,18 +411,3 @@ def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> No
 def test_moe_layer_compiles_on_cuda(backend: str) -> None:
     (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", backend=backend, timeout=300)
     assert report == ([True] * len(TOKENS), 1)
-
-
-def test_reductions_and_broadcast_run_eagerly_behind_one_break_each(world_of_one) -> None:
-    """all_reduce, reduce_scatter and broadcast have no traced form: compiled code runs each
-    eagerly behind one graph break that names it, with the eager result."""
-    x = torch.arange(6.0).reshape(3, 2)
-    for name, fn in [
-        ("all_reduce", lambda x: uc.all_reduce(x * 2) + 1),
-        ("reduce_scatter", lambda x: uc.reduce_scatter(None, x * 2) + 1),
-        ("broadcast", lambda x: uc.broadcast(x * 2, src=0) + 1),
-    ]:
-        (only,) = torch._dynamo.explain(fn)(x).break_reasons
-        assert f"unicoll: unicoll.{name} has no traced form; the call runs eagerly" in only.reason, only.reason
-        torch._dynamo.reset()
-        assert torch.equal(torch.compile(fn, backend="eager")(x), x * 2 + 1)

@@ -438,6 +438,15 @@ def _moe_layout_fake(
     return counts, torch.empty_like(counts), send_tokens, x.new_empty((topk_idx.numel(),), dtype=torch.int64)
 
 
+for _op in (
+    "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
+    "all_reduce", "broadcast", "reduce_scatter", "moe_layout",
+):  # fmt: skip
+    # a collective runs on every rank even where its result goes unused: never dead code to the
+    # compiler (AOT autograd's graphs would drop it, and the other ranks would wait for it)
+    torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, _op).default)
+
+
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 
 
