@@ -92,8 +92,9 @@ def _each_op(rank: int) -> dict:
     received = uc.exchange_counts(splits)
     routing = torch.tensor([[[0, 3], [2, 1], [1, 1], [3, 0]], [[2, 0], [0, 1], [3, 2], [1, 3]]][rank])
 
-    def dispatch_and_combine(x):
+    def dispatch_redispatch_and_combine(x):
         rows, rows_per_expert, handle = uc.moe.dispatch(x[:4], routing, x[:4].softmax(-1), experts_per_rank=2)
+        rows = rows * uc.moe.redispatch(x[:4].flip(0)[:, :1], handle)
         parts = torch.split(rows, rows_per_expert)
         return uc.moe.combine(torch.cat([part * (e + 2.0) for e, part in enumerate(parts)]), handle)
 
@@ -110,7 +111,7 @@ def _each_op(rank: int) -> dict:
         "broadcast": lambda x: uc.broadcast(x[:4] * (rank + 2), src=1),
         "reduce_scatter": lambda x: uc.reduce_scatter(None, x[:4] * (rank + 2), split_sizes=torch.tensor([3, 1])),
         "reduce_scatter, even, avg": lambda x: uc.reduce_scatter(None, x[:4], "avg"),
-        "moe_layout, dispatch and combine": dispatch_and_combine,
+        "moe_layout, dispatch, redispatch and combine": dispatch_redispatch_and_combine,
     }
 
 
@@ -211,9 +212,10 @@ def world_of_one(clean_env) -> None:
 
 
 def test_ops_register_for_cpu_and_cuda() -> None:
-    import unicoll.torch_ops  # noqa: F401 (registers the ops)
+    from unicoll.torch_ops import CUSTOM_OPS  # registers the ops
 
-    for op in OPS:
+    assert set(CUSTOM_OPS) == {*OPS, "moe_check"}
+    for op in CUSTOM_OPS:
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)
 
@@ -289,6 +291,11 @@ def test_unicolls_internals_are_never_traced(world_of_one) -> None:
     assert torch.equal(torch.compile(counts_in_a_list, backend="eager")(x), x + 3)
 
 
+def _dispatched(x: torch.Tensor, weights: torch.Tensor | None = None) -> tuple:
+    """``moe.dispatch`` of 3 tokens to the one expert of a world of one."""
+    return uc.moe.dispatch(x, torch.tensor([[0], [0], [0]]), weights, experts_per_rank=1)
+
+
 BAD_TRACED_CALLS = [
     (lambda x: uc.global_scatter(x, torch.tensor([4, -1]), torch.tensor([3])), ValueError),
     (lambda x: uc.global_scatter(x, torch.tensor([3.0]), torch.tensor([3])), TypeError),
@@ -309,6 +316,10 @@ BAD_TRACED_CALLS = [
         TypeError,
     ),  # fmt: skip
     (lambda x: uc.moe.dispatch(x, torch.tensor([[0, 0], [0, 0]]), experts_per_rank=1), ValueError),
+    (lambda x: uc.moe.redispatch(x[:2], _dispatched(x)[2]), ValueError),
+    (lambda x: uc.moe.combine(_dispatched(x)[0][:2], _dispatched(x)[2]), ValueError),
+    (lambda x: uc.moe.combine(_dispatched(x)[0] > 0, _dispatched(x)[2]), TypeError),
+    (lambda x: uc.moe.combine(_dispatched(x)[0].long(), _dispatched(x, torch.ones(3, 1))[2]), TypeError),
 ]
 
 

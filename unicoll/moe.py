@@ -16,6 +16,7 @@ handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,21 @@ def layout(
         return routing.local_count, global_count, routing.send_tokens, routing.slot_rows
     finally:
         leave()
+
+
+def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weighted: bool) -> None:
+    """Check the rows given to ``op`` (moe.redispatch's x or moe.combine's y) against a handle
+    of ``tokens`` tokens, ``received`` rows and x's place ``like``, raising eager's error where
+    its rules fail: for the traced operators (:mod:`unicoll.torch_ops`), whose handle is made
+    of tensors."""
+    spec = MOE_REDISPATCH if op == MOE_REDISPATCH.name else MOE_COMBINE
+    handle = SimpleNamespace(tokens=tokens, received=received, weighted=weighted, library=library_of(like),
+                             device=getattr(like, "device", None))  # fmt: skip
+    call = SimpleNamespace(**{spec.params[0].name: rows, "handle": handle})
+    for rule in spec.rules:
+        given = rule.check(call)
+        if given is not None:
+            raise bad_input(spec.name, rule.param, rule.expected, given, rule.error)
 
 
 def _handle_group(op: str, handle: Any) -> Group:

@@ -438,12 +438,37 @@ def _moe_layout_fake(
     return counts, torch.empty_like(counts), send_tokens, x.new_empty((topk_idx.numel(),), dtype=torch.int64)
 
 
-for _op in (
+@torch.library.custom_op(
+    "unicoll::moe_check",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor rows, Tensor send_tokens, SymInt tokens, SymInt received, bool weighted, str op) -> ()",
+)
+def _moe_check(
+    rows: torch.Tensor, send_tokens: torch.Tensor, tokens: int, received: int, weighted: bool, op: str
+) -> None:
+    """Eager's checks of the rows given to moe.redispatch or moe.combine (``op``) against the
+    handle (``send_tokens`` is on the dispatched x's device)."""
+    moe.check_rows(op, rows, send_tokens, tokens, received, weighted)
+
+
+@_moe_check.register_fake
+def _moe_check_fake(
+    rows: torch.Tensor, send_tokens: torch.Tensor, tokens: int, received: int, weighted: bool, op: str
+) -> None:
+    """Nothing comes out."""
+
+
+CUSTOM_OPS = (
     "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
-    "all_reduce", "broadcast", "reduce_scatter", "moe_layout",
-):  # fmt: skip
-    # a collective runs on every rank even where its result goes unused: never dead code to the
-    # compiler (AOT autograd's graphs would drop it, and the other ranks would wait for it)
+    "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check",
+)  # fmt: skip
+"""The ops of the ``unicoll`` namespace."""
+
+for _op in CUSTOM_OPS:
+    # a collective runs on every rank even where its result goes unused, and a check raises:
+    # never dead code to the compiler (AOT autograd would drop it; the other ranks would wait)
     torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, _op).default)
 
 
@@ -463,7 +488,10 @@ def _eagerly(reason: str) -> Callable[..., Any]:
 
 
 _as_task = _eagerly("sync_op=False returns a Task, which torch.compile cannot trace")
-_in_place = _eagerly("an output filled in place (out_tensor, or all_gather's output array or list) cannot be traced")
+_in_place = _eagerly(
+    "an output filled in place (alltoall_single's out_tensor, reduce_scatter's out, all_gather's output array or list) "
+    "cannot be traced"
+)
 _untraced = _eagerly(
     "only torch tensors, counts as int tensors or lists of ints, a unicoll.Group or None and bool flags "
     "are traced, on an initialized unicoll"
@@ -792,17 +820,10 @@ def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
         return _as_task(eager)
     if not isinstance(x, torch.Tensor) or not _flags(sync_op):
         return _untraced(eager)
-    torch._check(
-        x.shape[0] == handle.tokens,
-        lambda: (
-            f"moe.redispatch: x: expected one row per token of the handle's dispatch, got "
-            f"{x.shape[0]} rows for {handle.tokens} tokens"
-        ),
-    )
+    received = sum(handle.rows_per_expert)
+    torch.ops.unicoll.moe_check(x, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.redispatch")
     sent = x.index_select(0, handle.send_tokens)
-    return torch.ops.unicoll.global_scatter(
-        sent, handle.local_count, handle.global_count, handle.group, True, sum(handle.rows_per_expert)
-    )
+    return torch.ops.unicoll.global_scatter(sent, handle.local_count, handle.global_count, handle.group, True, received)
 
 
 def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
@@ -817,6 +838,8 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     if not isinstance(y, torch.Tensor) or not _flags(sync_op):
         return _untraced(eager)
     sent = handle.send_tokens.shape[0]
+    received = sum(handle.rows_per_expert)
+    torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")
     back = torch.ops.unicoll.global_gather(y, handle.local_count, handle.global_count, handle.group, True, sent)
     tokens, k, trailing = handle.tokens, handle.topk, tuple(y.shape[1:])
     back = torch.cat([back, back.new_zeros((1, *trailing))])
