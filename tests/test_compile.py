@@ -1,7 +1,8 @@
 """torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.torch_ops).
 
 A top-2 MoE layer compiles forward and backward with ``fullgraph=True`` on 2 and 3 gloo ranks,
-once for six inputs of different routing and sizes, and matches eager exactly in float64;
+once for six inputs of different routing and sizes, and matches eager exactly in float64 (on 2
+ranks also written with ``unicoll.moe``);
 every operator traces with no graph break and its compiled gradient is eager's; what cannot
 be traced runs eagerly behind one graph break that says why; bad input raises eager's errors
 from compiled code. Many cases run inside each spawned world, to keep the suite fast.
@@ -418,7 +419,8 @@ def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> No
 # -- CUDA -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layer", [moe_layer, moe_topk_layer], ids=["operators", "unicoll.moe"])
 @pytest.mark.parametrize("backend", [p for p in params() if p.values[0] == "torch-nccl"])
-def test_moe_layer_compiles_on_cuda(backend: str) -> None:
-    (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", backend=backend, timeout=300)
+def test_moe_layer_compiles_on_cuda(backend: str, layer: object) -> None:
+    (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", layer, backend=backend, timeout=300)
     assert report == ([True] * len(TOKENS), 1)
