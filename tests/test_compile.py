@@ -243,6 +243,7 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
     def dispatch_as_task(x):
         return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [-1]]), experts_per_rank=1, sync_op=False)
 
+    by_row = torch.tensor([[2.0], [0.0], [2.0]])  # the slot of token 1 is dropped
     _, _, eager_handle = uc.moe.dispatch(x, torch.tensor([[0], [0], [0]]), experts_per_rank=1)
 
     def combine_eager_handle(x):
@@ -251,6 +252,10 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
     def dispatched_rows(x):
         return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [0]]), experts_per_rank=1)[0]
 
+    def combine_as_task(x):
+        rows, _, handle = uc.moe.dispatch(x * 2, torch.tensor([[0], [-1], [0]]), experts_per_rank=1)
+        return uc.moe.combine(rows, handle, sync_op=False)
+
     scalars_off = torch._dynamo.config.patch(capture_scalar_outputs=False)
     for fn, reason, check, config in [
         (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2), None),
@@ -258,6 +263,7 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
         (reduce_scatter_into, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
         (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3), None),
         (dispatch_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait()[0], x[:2] * 2), None),
+        (combine_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * by_row), None),
         (combine_eager_handle, "a moe.Handle made by an eager moe.dispatch", lambda r: torch.equal(r, x * 2 + 1), None),
         (dispatched_rows, "capture_scalar_outputs = True", lambda r: torch.equal(r, x * 2), scalars_off),
     ]:

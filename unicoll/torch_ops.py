@@ -30,6 +30,7 @@ import torch
 
 from . import moe, ops, runtime
 from .group import Group, group_numbered
+from .routing import Handle, Routing
 
 WORLD = -1
 """The group number of the world of the running session (``group=None``)."""
@@ -766,6 +767,24 @@ class TracedHandle(NamedTuple):
         return self.weights is not None
 
 
+def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_op: Any) -> Any:
+    """``op`` (the eager moe.redispatch or moe.combine) of ``rows`` with the :class:`~unicoll.moe.Handle`
+    of a traced handle's layout: for the calls that run eagerly (``sync_op=False``)."""
+    send_tokens, slot_rows = handle.send_tokens.cpu().numpy(), handle.slot_rows.cpu().numpy()
+    dropped = bool((slot_rows == send_tokens.size).any())
+    routing = Routing(handle.local_count.numpy(), send_tokens, slot_rows, dropped)
+    group = _group(handle.group)
+    if group is None:
+        group = runtime.state(f"moe.{op.__name__}").world
+    kept = None
+    if dropped and handle.weights is not None:
+        kept = (handle.slot_rows < send_tokens.size).reshape(handle.tokens, handle.topk)
+    shape = (handle.tokens, handle.topk)
+    eager = Handle(routing, handle.global_count.numpy(), group, shape, handle.weights, handle.send_tokens,
+                   handle.slot_rows, kept, like=handle.send_tokens)  # fmt: skip
+    return op(rows, eager, sync_op=sync_op)
+
+
 def moe_dispatch(
     x: Any,
     topk_idx: Any,
@@ -813,13 +832,12 @@ def moe_dispatch(
 def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.redispatch` as traced, for a :class:`TracedHandle`: the rows taken by
     ``index_select`` and sent by ``unicoll::global_scatter``."""
-    eager = functools.partial(moe.redispatch, x, handle, sync_op=sync_op)
     if not isinstance(handle, TracedHandle):
-        return _eager_handle(eager)
+        return _eager_handle(functools.partial(moe.redispatch, x, handle, sync_op=sync_op))
     if sync_op is False:
-        return _as_task(eager)
+        return _as_task(_with_handle, moe.redispatch, x, handle, sync_op)
     if not isinstance(x, torch.Tensor) or not _flags(sync_op):
-        return _untraced(eager)
+        return _untraced(_with_handle, moe.redispatch, x, handle, sync_op)
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(x, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.redispatch")
     sent = x.index_select(0, handle.send_tokens)
@@ -830,13 +848,12 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.combine` as traced, for a :class:`TracedHandle`: the rows sent back by
     ``unicoll::global_gather``, then each token's slots weighted and summed as eager does (a
     zero row read by dropped slots, whose weights count as zero)."""
-    eager = functools.partial(moe.combine, y, handle, sync_op=sync_op)
     if not isinstance(handle, TracedHandle):
-        return _eager_handle(eager)
+        return _eager_handle(functools.partial(moe.combine, y, handle, sync_op=sync_op))
     if sync_op is False:
-        return _as_task(eager)
+        return _as_task(_with_handle, moe.combine, y, handle, sync_op)
     if not isinstance(y, torch.Tensor) or not _flags(sync_op):
-        return _untraced(eager)
+        return _untraced(_with_handle, moe.combine, y, handle, sync_op)
     sent = handle.send_tokens.shape[0]
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")
