@@ -683,9 +683,8 @@ def all_reduce(
     if sync_op is False:
         return _as_task(ops.all_reduce, *args)
     number = _number(group)
-    if not isinstance(tensor, torch.Tensor) or type(op) is not str or not _flags(sync_op, use_calc_stream):
-        return _untraced(ops.all_reduce, *args)
-    if not _traced(number):
+    traced = _traced(number) and type(op) is str and _flags(sync_op, use_calc_stream)
+    if not isinstance(tensor, torch.Tensor) or not traced:
         return _untraced(ops.all_reduce, *args)
     state = _autograd_state(tensor)
     return _copied_back(tensor, torch.ops.unicoll.all_reduce(tensor, op, number, use_calc_stream, state), state)
@@ -704,9 +703,8 @@ def broadcast(
     if sync_op is False:
         return _as_task(ops.broadcast, *args)
     number = _number(group)
-    if not isinstance(tensor, torch.Tensor) or type(src) is not int or not _flags(sync_op, use_calc_stream):
-        return _untraced(ops.broadcast, *args)
-    if not _traced(number):
+    traced = _traced(number) and type(src) is int and _flags(sync_op, use_calc_stream)
+    if not isinstance(tensor, torch.Tensor) or not traced:
         return _untraced(ops.broadcast, *args)
     state = _autograd_state(tensor)
     return _copied_back(tensor, torch.ops.unicoll.broadcast(tensor, src, number, use_calc_stream, state), state)
@@ -729,9 +727,8 @@ def reduce_scatter(
     if sync_op is False:
         return _as_task(ops.reduce_scatter, *args)
     number, splits = _number(group), _counts(split_sizes)
-    if not isinstance(tensor, torch.Tensor) or type(op) is not str or not _flags(sync_op, use_calc_stream):
-        return _untraced(ops.reduce_scatter, *args)
-    if not _traced(number, splits):
+    traced = _traced(number, splits) and type(op) is str and _flags(sync_op, use_calc_stream)
+    if not isinstance(tensor, torch.Tensor) or not traced:
         return _untraced(ops.reduce_scatter, *args)
     state = _autograd_state(tensor)
     return torch.ops.unicoll.reduce_scatter(tensor, op, splits, number, use_calc_stream, state)
