@@ -1,7 +1,8 @@
 """torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.torch_ops).
 
 A top-2 MoE layer compiles forward and backward with ``fullgraph=True`` on 2 and 3 gloo ranks,
-once for six inputs of different routing and sizes, and matches eager exactly in float64;
+once for six inputs of different routing and sizes, and matches eager exactly in float64 (on 2
+ranks also written with ``unicoll.moe``);
 every operator traces with no graph break and its compiled gradient is eager's; what cannot
 be traced runs eagerly behind one graph break that says why; bad input raises eager's errors
 from compiled code. Many cases run inside each spawned world, to keep the suite fast.
@@ -9,6 +10,7 @@ from compiled code. Many cases run inside each spawned world, to keep the suite 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -16,10 +18,13 @@ import torch
 
 import unicoll as uc
 from helpers.gpu_backends import params
-from helpers.moe import moe_layer, parameters, step
+from helpers.moe import moe_layer, moe_topk_layer, parameters, step
 
-FLAGS = {"capture_dynamic_output_shape_ops": True}  # the one setting docs/compile.md asks for
-OPS = ("exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather")
+FLAGS = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}  # docs/compile.md's settings
+OPS = (
+    "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
+    "all_reduce", "broadcast", "reduce_scatter", "moe_layout",
+)  # fmt: skip
 TOKENS = (5, 8, 3, 11, 6, 9)  # six inputs; rank r has r more tokens, and its own routing
 
 
@@ -42,10 +47,12 @@ def _counting_aot_eager(compiled: list) -> object:
     return backend
 
 
-def compiled_moe_matches_eager(rank: int, world: int, device: str = "cpu") -> tuple[list[bool], int]:
-    """Eager and compiled (fullgraph, aot_eager) MoE steps on six inputs: whether each output
-    and every gradient are equal (on CPU bit for bit; on CUDA, whose accumulating index kernels
-    use atomics, within 1e-12), and how many graphs were compiled."""
+def compiled_moe_matches_eager(
+    rank: int, world: int, device: str = "cpu", layer: object = moe_layer
+) -> tuple[list[bool], int]:
+    """Eager and compiled (fullgraph, aot_eager) MoE steps of ``layer`` on six inputs: whether
+    each output and every gradient are equal (on CPU bit for bit; on CUDA, whose accumulating
+    index kernels use atomics, within 1e-12), and how many graphs were compiled."""
     import torch._dynamo
 
     if device == "cpu":
@@ -56,7 +63,7 @@ def compiled_moe_matches_eager(rank: int, world: int, device: str = "cpu") -> tu
     _flags_on()
     compiled: list = []
     weights = [p.detach().to(device).requires_grad_() for p in parameters(rank, 4, 3, 2, world)]
-    eager = functools.partial(moe_layer, world=world)
+    eager = functools.partial(layer, world=world)
     layer = torch.compile(eager, fullgraph=True, backend=_counting_aot_eager(compiled))
     same = []
     for i, tokens in enumerate(TOKENS):
@@ -84,6 +91,14 @@ def _each_op(rank: int) -> dict:
     lc, splits = inputs["local_count"], inputs["in_splits"]
     gc = uc.exchange_counts(lc)
     received = uc.exchange_counts(splits)
+    routing = torch.tensor([[[0, 3], [2, 1], [1, 1], [3, 0]], [[2, 0], [0, 1], [3, 2], [1, 3]]][rank])
+
+    def dispatch_redispatch_and_combine(x):
+        rows, rows_per_expert, handle = uc.moe.dispatch(x[:4], routing, x[:4].softmax(-1), experts_per_rank=2)
+        rows = rows * uc.moe.redispatch(x[:4].flip(0)[:, :1], handle)
+        parts = torch.split(rows, rows_per_expert)
+        return uc.moe.combine(torch.cat([part * (e + 2.0) for e, part in enumerate(parts)]), handle)
+
     return {
         "exchange_counts": lambda x: x.sum() * uc.exchange_counts(lc),
         "global_scatter": lambda x: uc.global_scatter(x, lc, gc),
@@ -92,6 +107,12 @@ def _each_op(rank: int) -> dict:
         "alltoall_single, sizes exchanged": lambda x: uc.alltoall_single(None, x[:4], None, splits),
         "alltoall_single, even": lambda x: uc.alltoall_single(None, x[:4]),
         "all_gather": lambda x: uc.all_gather(None, x[: 1 + 2 * rank]),
+        "all_reduce": lambda x: uc.all_reduce(x[:4] * (rank + 2)),
+        "all_reduce, avg": lambda x: uc.all_reduce(x[:4] * (rank + 2), op="avg") + x[:4],
+        "broadcast": lambda x: uc.broadcast(x[:4] * (rank + 2), src=1),
+        "reduce_scatter": lambda x: uc.reduce_scatter(None, x[:4] * (rank + 2), split_sizes=torch.tensor([3, 1])),
+        "reduce_scatter, even, avg": lambda x: uc.reduce_scatter(None, x[:4], "avg"),
+        "moe_layout, dispatch, redispatch and combine": dispatch_redispatch_and_combine,
     }
 
 
@@ -140,7 +161,8 @@ def two_ranks(rank: int) -> dict:
     _flags_on()
     assert uc.is_initialized()
     moe, each_op = compiled_moe_matches_eager(rank, 2), _every_op_traces(rank)
-    return {"moe": moe, "ops": each_op, "mismatch": _mismatch_caught(rank)}
+    moe_topk = compiled_moe_matches_eager(rank, 2, layer=moe_topk_layer)
+    return {"moe": moe, "moe_topk": moe_topk, "ops": each_op, "mismatch": _mismatch_caught(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +173,11 @@ def world_of_two() -> list[dict]:
 def test_moe_layer_compiles_with_fullgraph_on_two_ranks(world_of_two) -> None:
     for report in world_of_two:
         assert report["moe"] == ([True] * len(TOKENS), 1)  # exact, and one graph for every routing and size
+
+
+def test_moe_layer_written_with_unicoll_moe_compiles_with_fullgraph(world_of_two) -> None:
+    for report in world_of_two:
+        assert report["moe_topk"] == ([True] * len(TOKENS), 1)
 
 
 def test_moe_layer_compiles_with_fullgraph_on_three_ranks() -> None:
@@ -186,9 +213,10 @@ def world_of_one(clean_env) -> None:
 
 
 def test_ops_register_for_cpu_and_cuda() -> None:
-    import unicoll.torch_ops  # noqa: F401 (registers the ops)
+    from unicoll.torch_ops import CUSTOM_OPS  # registers the ops
 
-    for op in OPS:
+    assert set(CUSTOM_OPS) == {*OPS, "moe_check"}
+    for op in CUSTOM_OPS:
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)
 
@@ -207,17 +235,45 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
     def numpy_array(x):
         return x + torch.from_numpy(uc.all_gather(None, x.numpy() * 2))
 
-    for fn, reason, check in [
-        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2)),
-        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1)),
-        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3)),
+    def reduce_scatter_into(x):
+        out = torch.empty_like(x)
+        uc.reduce_scatter(out, x * 2)
+        return out + 1
+
+    def dispatch_as_task(x):
+        return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [-1]]), experts_per_rank=1, sync_op=False)
+
+    by_row = torch.tensor([[2.0], [0.0], [2.0]])  # the slot of token 1 is dropped
+    _, _, eager_handle = uc.moe.dispatch(x, torch.tensor([[0], [0], [0]]), experts_per_rank=1)
+
+    def combine_eager_handle(x):
+        return uc.moe.combine(x * 2, eager_handle) + 1
+
+    def dispatched_rows(x):
+        return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [0]]), experts_per_rank=1)[0]
+
+    def combine_as_task(x):
+        rows, _, handle = uc.moe.dispatch(x * 2, torch.tensor([[0], [-1], [0]]), experts_per_rank=1)
+        return uc.moe.combine(rows, handle, sync_op=False)
+
+    scalars_off = torch._dynamo.config.patch(capture_scalar_outputs=False)
+    for fn, reason, check, config in [
+        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2), None),
+        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
+        (reduce_scatter_into, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
+        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3), None),
+        (dispatch_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait()[0], x[:2] * 2), None),
+        (combine_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * by_row), None),
+        (combine_eager_handle, "a moe.Handle made by an eager moe.dispatch", lambda r: torch.equal(r, x * 2 + 1), None),
+        (dispatched_rows, "capture_scalar_outputs = True", lambda r: torch.equal(r, x * 2), scalars_off),
     ]:
-        (only,) = torch._dynamo.explain(fn)(x).break_reasons
-        assert reason in only.reason and "the call runs eagerly" in only.reason
-        assert check(torch.compile(fn, backend="eager")(x))
-        torch._dynamo.reset()  # forget that compilation, which fell back
-        with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
-            torch.compile(fn, fullgraph=True, backend="eager")(x)
+        with config or contextlib.nullcontext():
+            (only,) = torch._dynamo.explain(fn)(x).break_reasons
+            assert reason in only.reason and "the call runs eagerly" in only.reason, only.reason
+            assert check(torch.compile(fn, backend="eager")(x))
+            torch._dynamo.reset()  # forget that compilation, which fell back
+            with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
+                torch.compile(fn, fullgraph=True, backend="eager")(x)
 
 
 def test_unicolls_internals_are_never_traced(world_of_one) -> None:
@@ -242,12 +298,35 @@ def test_unicolls_internals_are_never_traced(world_of_one) -> None:
     assert torch.equal(torch.compile(counts_in_a_list, backend="eager")(x), x + 3)
 
 
+def _dispatched(x: torch.Tensor, weights: torch.Tensor | None = None) -> tuple:
+    """``moe.dispatch`` of 3 tokens to the one expert of a world of one."""
+    return uc.moe.dispatch(x, torch.tensor([[0], [0], [0]]), weights, experts_per_rank=1)
+
+
 BAD_TRACED_CALLS = [
     (lambda x: uc.global_scatter(x, torch.tensor([4, -1]), torch.tensor([3])), ValueError),
     (lambda x: uc.global_scatter(x, torch.tensor([3.0]), torch.tensor([3])), TypeError),
     (lambda x: uc.global_gather(x, [3], [2]), ValueError),
     (lambda x: uc.alltoall_single(None, x, in_split_sizes=torch.tensor([1, 2])), ValueError),
     (lambda x: uc.exchange_counts(torch.tensor([[3]])), ValueError),
+    (lambda x: uc.all_reduce(x * 2, op="mean"), ValueError),
+    (lambda x: (uc.all_reduce(x * 2, op="mean"), x + 1)[1], ValueError),  # runs though its result goes unused
+    (lambda x: (uc.global_gather(x, [3], [2]), x + 1)[1], ValueError),
+    (lambda x: uc.all_reduce(x.t() * 2), ValueError),  # not contiguous
+    (lambda x: uc.broadcast(x * 2, src=1), ValueError),
+    (lambda x: uc.reduce_scatter(None, x * 2, split_sizes=torch.tensor([2])), ValueError),
+    (lambda x: uc.moe.dispatch(x, torch.tensor([[0], [1], [0]]), experts_per_rank=1), ValueError),
+    (
+        lambda x: uc.moe.dispatch(
+            x, torch.tensor([[0], [0], [0]]), torch.ones(3, 1, dtype=torch.int64), experts_per_rank=1
+        ),
+        TypeError,
+    ),  # fmt: skip
+    (lambda x: uc.moe.dispatch(x, torch.tensor([[0, 0], [0, 0]]), experts_per_rank=1), ValueError),
+    (lambda x: uc.moe.redispatch(x[:2], _dispatched(x)[2]), ValueError),
+    (lambda x: uc.moe.combine(_dispatched(x)[0][:2], _dispatched(x)[2]), ValueError),
+    (lambda x: uc.moe.combine(_dispatched(x)[0] > 0, _dispatched(x)[2]), TypeError),
+    (lambda x: uc.moe.combine(_dispatched(x)[0].long(), _dispatched(x, torch.ones(3, 1))[2]), TypeError),
 ]
 
 
@@ -260,6 +339,33 @@ def test_bad_input_raises_eagers_error_from_compiled_code(world_of_one, bad: int
     with pytest.raises(error) as compiled:
         torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
     assert str(compiled.value) == str(eager.value)
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.clone().requires_grad_()
+
+
+GRAD_REFUSALS = [  # (function of an x that requires grad, whether it compiles under torch.no_grad())
+    (lambda x: uc.all_reduce(x * 2, op="max"), True),
+    (lambda x: uc.reduce_scatter(None, x * 2, op="prod"), True),
+    (lambda x: uc.all_reduce(x), True),  # a leaf that requires grad, in place
+    # a view of a leaf; under no_grad, torch's aot_eager refuses any in-place change of a view of an input
+    (lambda x: uc.broadcast(x[1:], src=0), False),
+]
+
+
+@pytest.mark.parametrize("bad", range(len(GRAD_REFUSALS)))
+def test_what_autograd_cannot_record_raises_eagers_error_from_compiled_code(world_of_one, bad: int) -> None:
+    fn, under_no_grad = GRAD_REFUSALS[bad]
+    x = torch.arange(6.0).reshape(3, 2)
+    with pytest.raises(ValueError) as eager:
+        fn(_leaf(x))
+    with pytest.raises(ValueError) as compiled:
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(_leaf(x))
+    assert str(compiled.value) == str(eager.value)
+    if under_no_grad:  # where autograd records nothing, the call runs
+        with torch.no_grad():
+            assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(_leaf(x)), fn(_leaf(x)))
 
 
 def test_rows_are_known_while_tracing_where_the_counts_say_them(world_of_one) -> None:
@@ -319,22 +425,8 @@ def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> No
 # -- CUDA -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layer", [moe_layer, moe_topk_layer], ids=["operators", "unicoll.moe"])
 @pytest.mark.parametrize("backend", [p for p in params() if p.values[0] == "torch-nccl"])
-def test_moe_layer_compiles_on_cuda(backend: str) -> None:
-    (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", backend=backend, timeout=300)
+def test_moe_layer_compiles_on_cuda(backend: str, layer: object) -> None:
+    (report,) = uc.testing.spawn(compiled_moe_matches_eager, 1, 1, "cuda", layer, backend=backend, timeout=300)
     assert report == ([True] * len(TOKENS), 1)
-
-
-def test_reductions_and_broadcast_run_eagerly_behind_one_break_each(world_of_one) -> None:
-    """all_reduce, reduce_scatter and broadcast have no traced form: compiled code runs each
-    eagerly behind one graph break that names it, with the eager result."""
-    x = torch.arange(6.0).reshape(3, 2)
-    for name, fn in [
-        ("all_reduce", lambda x: uc.all_reduce(x * 2) + 1),
-        ("reduce_scatter", lambda x: uc.reduce_scatter(None, x * 2) + 1),
-        ("broadcast", lambda x: uc.broadcast(x * 2, src=0) + 1),
-    ]:
-        (only,) = torch._dynamo.explain(fn)(x).break_reasons
-        assert f"unicoll: unicoll.{name} has no traced form; the call runs eagerly" in only.reason, only.reason
-        torch._dynamo.reset()
-        assert torch.equal(torch.compile(fn, backend="eager")(x), x * 2 + 1)

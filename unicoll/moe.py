@@ -16,6 +16,7 @@ handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,17 +26,19 @@ from .arrays import describe, library_of
 from .backends.base import Pending
 from .check import verify
 from .entry import enter, leave
-from .errors import bad_input
+from .errors import bad_input, translated
 from .group import Group
 from .ops import _functional, _run
 from .routing import Handle, route
 from .spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from .task import Task
+from .tracing import traceable
 from .validate import prepare
 
 __all__ = ["Handle", "combine", "dispatch", "redispatch"]
 
 
+@traceable
 def dispatch(
     x: Any,
     topk_idx: Any,
@@ -67,6 +70,7 @@ def dispatch(
         leave()
 
 
+@traceable
 def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send other rows of the same tokens along a handle's routing: a second layer's dispatch
     with no sort and no count exchange. Returns the rows, laid out as :func:`dispatch`'s were
@@ -85,6 +89,7 @@ def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
         leave()
 
 
+@traceable
 def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send expert outputs back and sum each token's slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
 
@@ -102,6 +107,43 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
         return _combine(prepare(MOE_COMBINE, arguments))
     finally:
         leave()
+
+
+def layout(
+    x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, group: Group | None, capacity: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`dispatch`'s validation, check and counts exchange, without sending the rows: the
+    counts sent and received, the send order (each row's token) and each slot's row, as host
+    int64 arrays (see :class:`~unicoll.routing.Routing`). For the traced operator
+    (:mod:`unicoll.torch_ops`), which sends the rows with ``global_scatter``."""
+    enter(MOE_DISPATCH.name)
+    try:
+        arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
+                         group=group, sync_op=True, capacity=capacity)  # fmt: skip
+        call = prepare(MOE_DISPATCH, arguments)
+        routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
+        with translated(MOE_DISPATCH.name, call.group, call.timeout):
+            if call.check:
+                verify(MOE_DISPATCH, call)
+            global_count = call.backend.exchange_ints(routing.local_count.copy(), call.group)
+        return routing.local_count, global_count, routing.send_tokens, routing.slot_rows
+    finally:
+        leave()
+
+
+def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weighted: bool) -> None:
+    """Check the rows given to ``op`` (moe.redispatch's x or moe.combine's y) against a handle
+    of ``tokens`` tokens, ``received`` rows and x's place ``like``, raising eager's error where
+    its rules fail: for the traced operators (:mod:`unicoll.torch_ops`), whose handle is made
+    of tensors."""
+    spec = MOE_REDISPATCH if op == MOE_REDISPATCH.name else MOE_COMBINE
+    handle = SimpleNamespace(tokens=tokens, received=received, weighted=weighted, library=library_of(like),
+                             device=getattr(like, "device", None))  # fmt: skip
+    call = SimpleNamespace(**{spec.params[0].name: rows, "handle": handle})
+    for rule in spec.rules:
+        given = rule.check(call)
+        if given is not None:
+            raise bad_input(spec.name, rule.param, rule.expected, given, rule.error)
 
 
 def _handle_group(op: str, handle: Any) -> Group:

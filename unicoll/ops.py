@@ -86,24 +86,37 @@ _DIFFERENTIABLE = ("sum", "avg")
 """The reductions whose result has a gradient here."""
 
 
-def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool) -> bool:
+def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool, state: str | None = None) -> bool:
     """Whether the result computed from ``x`` joins autograd; raises, before anything is sent,
     for what autograd cannot record: a reduction without a gradient, or (``in_place``) a leaf
-    that requires grad, which torch never lets change in place."""
-    if library_of(x) != "torch" or not x.requires_grad:
-        return False
-    from .autograd import needs_grad
-
-    if not needs_grad(x):
+    that requires grad, which torch never lets change in place. ``state``: x's
+    :func:`autograd_state` where x is not the caller's tensor (the traced operators')."""
+    if state is None:
+        state = autograd_state(x)
+    if state == "none":
         return False
     if reduction is not None and reduction not in _DIFFERENTIABLE:
         expected = "'sum' or 'avg' for a tensor that requires grad (max, min and prod have no gradient here)"
         raise bad_input(op, "op", expected, repr(reduction))
-    if in_place and (x.is_leaf or (x._base is not None and x._base.is_leaf)):
+    if in_place and state != "recorded":
         expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
-        what = "a leaf" if x.is_leaf else "a view of a leaf"
-        raise bad_input(op, "tensor", expected, f"{what} {describe(x)} that requires grad")
+        raise bad_input(op, "tensor", expected, f"{state} {describe(x)} that requires grad")
     return True
+
+
+def autograd_state(x: Any) -> str:
+    """How autograd sees a result computed from ``x``: ``"none"`` (not recorded: not a tensor
+    that requires grad, or grad mode off), ``"a leaf"`` or ``"a view of a leaf"`` (which
+    cannot change in place), else ``"recorded"``."""
+    if library_of(x) != "torch" or not x.requires_grad:
+        return "none"
+    from .autograd import needs_grad
+
+    if not needs_grad(x):
+        return "none"
+    if x.is_leaf:
+        return "a leaf"
+    return "a view of a leaf" if x._base is not None and x._base.is_leaf else "recorded"
 
 
 def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -387,18 +400,40 @@ def all_reduce(
 
     >>> g = uc.all_reduce(param.grad, op="avg")   # data-parallel gradients  # doctest: +SKIP
     """
-    call = prepare(ALL_REDUCE, locals())
+    return _all_reduce(locals(), None)
+
+
+def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: bool, state: str) -> Any:
+    """``all_reduce(tensor, op, group)`` (synchronous) into a copy of ``tensor``, which is
+    returned; validated, checked and refused as the in-place call on a tensor whose
+    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.torch_ops`),
+    which copies the result back."""
+    enter(ALL_REDUCE.name)
+    try:
+        arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
+        return _all_reduce(arguments, state)
+    finally:
+        leave()
+
+
+def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
+    """all_reduce in place (``state`` None), or into a copy of the tensor for the traced operator."""
+    call = prepare(ALL_REDUCE, arguments)
+    tensor, op, sync_op = arguments["tensor"], arguments["op"], arguments["sync_op"]
     backend, grp = call.backend, call.group
-    recorded = _recorded(ALL_REDUCE.name, call, tensor, op, in_place=True)
+    recorded = _recorded(ALL_REDUCE.name, call, tensor, op, True, state)
+    target = tensor if state is None else _copy(tensor)
 
     def issue() -> Pending:
         if call.check:
             verify(ALL_REDUCE, call)
-        return backend.all_reduce(backend.to_native(tensor), op, grp, not sync_op, use_calc_stream)
+        return backend.all_reduce(backend.to_native(target), op, grp, not sync_op, arguments["use_calc_stream"])
 
     def backward(g: Any) -> Any:
         return backend.all_reduce(_copy(g), op, grp, False).finish()  # torch may use the gradient elsewhere
 
+    if state is not None:
+        return _run(ALL_REDUCE.name, call, issue, lambda _: target)
     return _run(ALL_REDUCE.name, call, issue, _in_place(ALL_REDUCE.name, call, tensor, recorded, backward))
 
 
@@ -423,7 +458,28 @@ def reduce_scatter(
     >>> uc.reduce_scatter(None, tensor, split_sizes=[1, 2])   # doctest: +SKIP
     array([11])   # rank 1: array([22, 33])
     """
-    call = prepare(REDUCE_SCATTER, locals())
+    return _reduce_scatter(locals(), None)
+
+
+def reduce_scatter_of(
+    tensor: Any, op: str, split_sizes: Counts | None, group: Group | None, use_calc_stream: bool, state: str
+) -> Any:
+    """``reduce_scatter(None, tensor, op, split_sizes, group)`` (synchronous), refused as the
+    call on a tensor whose :func:`autograd_state` is ``state``, without autograd: for the
+    traced operator (:mod:`unicoll.torch_ops`), which records its own backward."""
+    enter(REDUCE_SCATTER.name)
+    try:
+        arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
+                         use_calc_stream=use_calc_stream)  # fmt: skip
+        return _reduce_scatter(arguments, state)
+    finally:
+        leave()
+
+
+def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
+    """reduce_scatter; ``state`` as for :func:`reduce_scatter_of` (None: the caller's tensor's)."""
+    call = prepare(REDUCE_SCATTER, arguments)
+    out, tensor, op, sync_op = arguments["out"], arguments["tensor"], arguments["op"], arguments["sync_op"]
     backend, grp = call.backend, call.group
     rows = call.split_sizes.tolist() if call.split_sizes is not None else _even(tensor.shape[0], call.W)
 
@@ -432,17 +488,19 @@ def reduce_scatter(
             verify(REDUCE_SCATTER, call, rows=rows)
         out_native = None if out is None else backend.to_native(out)
         return backend.reduce_scatter(
-            out_native, _native_input(backend, tensor, out), op, rows, grp, not sync_op, use_calc_stream
+            out_native, _native_input(backend, tensor, out), op, rows, grp, not sync_op, arguments["use_calc_stream"]
         )
 
     if out is not None:
         return _run(REDUCE_SCATTER.name, call, issue, lambda _: out)
-    _recorded(REDUCE_SCATTER.name, call, tensor, op, in_place=False)
+    _recorded(REDUCE_SCATTER.name, call, tensor, op, False, state)
 
     def backward(g: Any) -> Any:
         gathered = backend.all_gather(None, g, rows, grp, False).finish()
         return gathered / call.W if op == "avg" else gathered
 
+    if state is not None:
+        return _run(REDUCE_SCATTER.name, call, issue, lambda result: backend.from_native(result, "torch"))
     return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
 
 
@@ -465,14 +523,34 @@ def broadcast(
     ...     with torch.no_grad():
     ...         uc.broadcast(p, src=0)               # doctest: +SKIP
     """
-    call = prepare(BROADCAST, locals())
+    return _broadcast(locals(), None)
+
+
+def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: bool, state: str) -> Any:
+    """``broadcast(tensor, src, group)`` (synchronous) into a copy of ``tensor``, which is
+    returned; validated, checked and refused as the in-place call on a tensor whose
+    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.torch_ops`),
+    which copies the result back."""
+    enter(BROADCAST.name)
+    try:
+        arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
+        return _broadcast(arguments, state)
+    finally:
+        leave()
+
+
+def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
+    """broadcast in place (``state`` None), or into a copy of the tensor for the traced operator."""
+    call = prepare(BROADCAST, arguments)
+    tensor, sync_op = arguments["tensor"], arguments["sync_op"]
     backend, grp = call.backend, call.group
-    recorded = _recorded(BROADCAST.name, call, tensor, None, in_place=True)
+    recorded = _recorded(BROADCAST.name, call, tensor, None, True, state)
+    target = tensor if state is None else _copy(tensor)
 
     def issue() -> Pending:
         if call.check:
             verify(BROADCAST, call)
-        return backend.broadcast(backend.to_native(tensor), call.src, grp, not sync_op, use_calc_stream)
+        return backend.broadcast(backend.to_native(target), call.src, grp, not sync_op, arguments["use_calc_stream"])
 
     def backward(g: Any) -> Any:
         total = backend.all_reduce(_copy(g), "sum", grp, False).finish()
@@ -480,6 +558,8 @@ def broadcast(
             total[...] = 0
         return total
 
+    if state is not None:
+        return _run(BROADCAST.name, call, issue, lambda _: target)
     return _run(BROADCAST.name, call, issue, _in_place(BROADCAST.name, call, tensor, recorded, backward))
 
 

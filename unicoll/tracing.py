@@ -30,9 +30,10 @@ def compiling() -> bool:
 
 def traceable(fn: F) -> F:
     """``fn`` (a public operator), called as ``unicoll.torch_ops.<its name>`` while torch.compile
-    traces, and never traced itself: an operator without a traced form
-    (``torch_ops.UNTRACED_OPERATORS``) runs eagerly behind one graph break."""
-    name = fn.__name__
+    traces (``moe_<its name>`` for ``unicoll.moe``'s), and never traced itself."""
+    module = fn.__module__.rsplit(".", 1)[-1]
+    name = fn.__name__ if module == "ops" else f"{module}_{fn.__name__}"
+    public = fn.__name__ if module == "ops" else f"{module}.{fn.__name__}"
     untraced = None  # fn behind torch.compiler.disable, made once Dynamo is loaded
 
     @functools.wraps(fn)
@@ -43,11 +44,9 @@ def traceable(fn: F) -> F:
         if compiling():
             from . import torch_ops
 
-            if name in torch_ops.UNTRACED_OPERATORS:
-                return torch_ops.UNTRACED_OPERATORS[name](functools.partial(fn, *args, **kwargs))
             return getattr(torch_ops, name)(*args, **kwargs)
         if untraced is None:
-            untraced = sys.modules["torch"].compiler.disable(fn, reason=f"unicoll.{name} runs eagerly here")
+            untraced = sys.modules["torch"].compiler.disable(fn, reason=f"unicoll.{public} runs eagerly here")
         return untraced(*args, **kwargs)
 
     return call  # type: ignore[return-value]

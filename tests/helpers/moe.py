@@ -40,6 +40,20 @@ def moe_layer(
     return (mine.view(-1, TOP_K, x.shape[1]) * gates.unsqueeze(-1)).sum(1)
 
 
+def moe_topk_layer(
+    x: torch.Tensor, router: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, world: int
+) -> torch.Tensor:
+    """The same layer written with ``unicoll.moe``: ``dispatch`` with the gate weights (each rank
+    sends each expert at most 3 rows, so larger inputs drop slots), one FFN per local expert on
+    its part of the rows (split on ``rows_per_expert``), ``combine``."""
+    experts = w_in.shape[0]
+    gates, chosen = (x @ router).softmax(-1).topk(TOP_K, dim=-1)
+    rows, rows_per_expert, handle = uc.moe.dispatch(x, chosen, gates, experts_per_rank=experts, capacity=3)
+    parts = torch.split(rows, rows_per_expert)
+    done = [(part @ w_in[e]).relu() @ w_out[e] for e, part in enumerate(parts)]
+    return uc.moe.combine(torch.cat(done), handle)
+
+
 def parameters(rank: int, dim: int, hidden: int, experts: int, world: int) -> list[torch.Tensor]:
     """The router (the same on every rank) and this rank's experts, float64, requiring grad."""
     shared = torch.Generator().manual_seed(0)
