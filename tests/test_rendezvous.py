@@ -125,6 +125,9 @@ def _fake_cupy(failing: int | None) -> dict[str, types.ModuleType]:
             return types.SimpleNamespace(done=True)
 
     nccl.NcclError, nccl.NcclCommunicator, nccl.made = NcclError, NcclCommunicator, []
+    constants = ("FLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64", "SUM", "MAX", "MIN", "PROD")
+    for number, name in enumerate(constants):  # the element types and reductions the transport names
+        setattr(nccl, f"NCCL_{name}", number)
     nccl.get_unique_id = lambda: b"\x00" + secrets.token_bytes(127)
     runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
     cuda.nccl, cuda.runtime, cuda.Stream, cupy.cuda = nccl, runtime, Stream, cuda
