@@ -7,7 +7,7 @@ reduction the table lists for the dtype; each reduce_scatter case draws one of t
 random whole-world inputs from its own seed (zero counts, empty ranks, several trailing
 shapes), runs on each rank of a spawned world, and is compared with ``unicoll.reference``.
 
-Top-k dispatch and combine (``unicoll.moe``, on every backend) run as one case each: four
+Top-k dispatch and combine (``unicoll.moe``, on every backend) run as one case each: six
 settings of E, k, sync/async and world/sub-group (:data:`MOE_VARIANTS`) x every library and
 dtype; random expert ids with dropped slots, duplicates, tokenless ranks and now and then a
 capacity; ``moe.redispatch`` of the same rows in the E = 3, k = 2 setting.
@@ -40,8 +40,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "broadcast": ("src",),
 }
 
-#: The top-k cases: (experts per rank, k, synchronous, on the sub-group); E = 1 and 3, k = 1, 2 and 4.
-MOE_VARIANTS = ((1, 1, True, False), (1, 4, False, True), (3, 2, False, False), (3, 4, True, True))
+#: The top-k cases: (experts per rank, k, synchronous, on the sub-group): every E of 1 and 3 with
+#: every k of 1, 2 and 4, each E both sync and async, on the world and on a sub-group.
+MOE_VARIANTS = (
+    (1, 1, True, False), (1, 2, False, True), (1, 4, True, True),
+    (3, 1, False, True), (3, 2, False, False), (3, 4, True, False),
+)  # fmt: skip
 
 TRAILING = ((), (3,), (2, 2))
 
