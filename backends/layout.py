@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from unicoll.cache import BoundedCache
+from unicoll.counts import rank_totals
 
 PLAN_CACHE_BYTES = 16 * 2**20
 """The most the plans of recent counts may hold: their reorder indices grow with the rows
@@ -91,14 +92,13 @@ def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> M
 
 
 def _plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
-    sent = local_count.reshape(world, -1)
     received = global_count.reshape(world, -1)
     if world == 1 or received.shape[1] == 1:
         forward = inverse = None
     else:
         forward = rank_major_to_expert_major(received)
         inverse = expert_major_to_rank_major(received)
-    return MoePlan(sent.sum(axis=1).tolist(), received.sum(axis=1).tolist(), forward, inverse)
+    return MoePlan(rank_totals(local_count, world), rank_totals(global_count, world), forward, inverse)
 
 
 def _plan_bytes(plan: MoePlan, key: tuple[bytes, bytes, int]) -> int:

@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
+from .counts import total
 from .kinds import (
     ARRAY,
     COUNTS,
@@ -249,8 +250,8 @@ GLOBAL_SCATTER = OpSpec(
     rules=(
         *_MOE_COUNT_RULES,
         Rule("local_count", "sum(local_count) equal to the number of rows of x",
-             lambda c: None if int(c.local_count.sum()) == _rows(c.x)
-             else f"sum(local_count)={int(c.local_count.sum())} for x with {_rows(c.x)} rows"),
+             lambda c: None if total(c.local_count) == _rows(c.x)
+             else f"sum(local_count)={total(c.local_count)} for x with {_rows(c.x)} rows"),
         _stream_rule(),
     ),
     backward="global_gather of the output gradient with the same counts",
@@ -270,8 +271,8 @@ GLOBAL_GATHER = OpSpec(
     rules=(
         *_MOE_COUNT_RULES,
         Rule("global_count", "sum(global_count) equal to the number of rows of x",
-             lambda c: None if int(c.global_count.sum()) == _rows(c.x)
-             else f"sum(global_count)={int(c.global_count.sum())} for x with {_rows(c.x)} rows"),
+             lambda c: None if total(c.global_count) == _rows(c.x)
+             else f"sum(global_count)={total(c.global_count)} for x with {_rows(c.x)} rows"),
         _stream_rule(),
     ),
     backward="global_scatter of the output gradient with the same counts",

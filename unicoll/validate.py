@@ -31,7 +31,8 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     Raises NotInitializedError before ``init``, TypeError/ValueError for a bad argument.
     """
     state = runtime.state(spec.name)
-    group = runtime.resolve_group(arguments["group"], spec.name)
+    given = arguments["group"]
+    group = state.world if given is None else runtime.resolve_group(given, spec.name)
     if state.check:
         count_call(group)
     key = (spec, group, *[sign(arguments[name]) for name, sign in spec.signed])
