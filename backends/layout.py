@@ -8,7 +8,7 @@ the index array that takes one order to the other, so the move itself is one ``t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,11 +60,12 @@ def expert_major_to_rank_major(counts: np.ndarray) -> np.ndarray:
     return inverse
 
 
-@dataclass(frozen=True)
-class MoePlan:
+class MoePlan(NamedTuple):
     """What global_scatter and global_gather derive from their counts, computed once per
     distinct (local_count, global_count, W) while it stays among the recent ones (at most
-    :data:`PLAN_CACHE_BYTES` of plans), and shared between calls: treat it as read-only.
+    :data:`PLAN_CACHE_BYTES` of plans), and shared between calls: treat it as read-only. (A
+    named tuple: one is made for every call with new counts, in a few hundred nanoseconds less
+    than a frozen dataclass.)
 
     ``send[c]``/``recv[c]``: rows global_scatter sends to / receives from rank c (global_gather
     swaps them). ``to_expert_major``/``to_rank_major``: the reorders of the received rows, None

@@ -169,6 +169,11 @@ class OpSpec:
         """Names of the parameters whose value the call carries as given, computed once."""
         return tuple(p.name for p in self.params if p.kind.passed_through)
 
+    @cached_property
+    def counted(self) -> tuple[str, ...]:
+        """Names of the parameters whose read value is a counts array, computed once."""
+        return tuple(p.name for p in self.params if p.kind.holds_counts)
+
 
 def _rows(a: Any) -> int:
     return int(a.shape[0])

@@ -59,14 +59,14 @@ def _frozen(call: Call, spec: OpSpec) -> Call:
     arrays and the running backend)."""
     kept = call.copy()
     kept.backend = None
-    for param in spec.params:
-        value = getattr(call, param.name)
-        if param.kind.passed_through:
-            setattr(kept, param.name, None)
-        elif param.kind.holds_counts and value is not None:
+    for name in spec.passed_through:
+        setattr(kept, name, None)
+    for name in spec.counted:
+        value = getattr(call, name)
+        if value is not None:
             value = value.copy()
             value.flags.writeable = False
-            setattr(kept, param.name, value)
+            setattr(kept, name, value)
     return kept
 
 
@@ -77,7 +77,7 @@ or, for counts given as a list, a tuple of ints and one of their types."""
 
 def _remembered_bytes(kept: Call, spec: OpSpec) -> int:
     """What remembering ``kept`` (and its key) costs, counted from its counts."""
-    counts = [getattr(kept, p.name) for p in spec.params if p.kind.holds_counts]
+    counts = [getattr(kept, name) for name in spec.counted]
     return _BYTES_PER_COUNT * sum(c.size for c in counts if c is not None) + _ENTRY_OVERHEAD
 
 
