@@ -104,5 +104,5 @@ def _plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoeP
 
 def _plan_bytes(plan: MoePlan, key: tuple[bytes, bytes, int]) -> int:
     """What ``plan`` and its ``key`` hold: the counts, the rank sums and the reorder indices."""
-    indices = sum(a.nbytes for a in (plan.to_expert_major, plan.to_rank_major) if a is not None)
+    indices = 0 if plan.to_expert_major is None else 2 * plan.to_expert_major.nbytes  # the order and its inverse
     return len(key[0]) + len(key[1]) + 16 * len(plan.send) + indices + _ENTRY_OVERHEAD

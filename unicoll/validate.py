@@ -77,8 +77,12 @@ or, for counts given as a list, a tuple of ints and one of their types."""
 
 def _remembered_bytes(kept: Call, spec: OpSpec) -> int:
     """What remembering ``kept`` (and its key) costs, counted from its counts."""
-    counts = [getattr(kept, name) for name in spec.counted]
-    return _BYTES_PER_COUNT * sum(c.size for c in counts if c is not None) + _ENTRY_OVERHEAD
+    remembered = 0
+    for name in spec.counted:
+        counts = getattr(kept, name)
+        if counts is not None:
+            remembered += counts.size
+    return _BYTES_PER_COUNT * remembered + _ENTRY_OVERHEAD
 
 
 def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) -> Call:
