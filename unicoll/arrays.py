@@ -146,7 +146,7 @@ def overlaps(a: Any, b: Any) -> bool:
     if library == "torch":
         if a.is_contiguous() and b.is_contiguous():  # the usual case: one span each, no strides to read
             start_a, start_b = a.data_ptr(), b.data_ptr()
-            return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes and a.numel() > 0 and b.numel() > 0
+            return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes  # an empty span meets none
         starts = (a.data_ptr(), b.data_ptr())
         spans = [_span(t.shape, [s * t.element_size() for s in t.stride()], t.element_size()) for t in (a, b)]
     else:  # cupy: strides in bytes, like numpy

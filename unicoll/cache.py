@@ -7,8 +7,8 @@ values only).
 
 It is one :class:`collections.OrderedDict` of ``key -> (value, nbytes)``, oldest first: a hit
 is a lookup and a ``move_to_end``, both in C, on every call of a training loop's steady state.
-Each entry adds one tuple beside the caller's key and value, so a cache of keys and values that
-hold only ints, bytes and numpy arrays gives the garbage collector nothing to traverse.
+Each entry adds one tuple beside the caller's key and value (which the garbage collector stops
+tracking once it holds only ints, bytes and numpy arrays), and a cache is one dictionary.
 """
 
 from __future__ import annotations
