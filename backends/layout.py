@@ -8,11 +8,12 @@ the index array that takes one order to the other, so the move itself is one ``t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from unicoll.cache import BoundedCache
+from unicoll.counts import rank_totals
 
 PLAN_CACHE_BYTES = 16 * 2**20
 """The most the plans of recent counts may hold: their reorder indices grow with the rows
@@ -59,11 +60,12 @@ def expert_major_to_rank_major(counts: np.ndarray) -> np.ndarray:
     return inverse
 
 
-@dataclass(frozen=True)
-class MoePlan:
+class MoePlan(NamedTuple):
     """What global_scatter and global_gather derive from their counts, computed once per
     distinct (local_count, global_count, W) while it stays among the recent ones (at most
-    :data:`PLAN_CACHE_BYTES` of plans), and shared between calls: treat it as read-only.
+    :data:`PLAN_CACHE_BYTES` of plans), and shared between calls: treat it as read-only. (A
+    named tuple: one is made for every call with new counts, in a few hundred nanoseconds less
+    than a frozen dataclass.)
 
     ``send[c]``/``recv[c]``: rows global_scatter sends to / receives from rank c (global_gather
     swaps them). ``to_expert_major``/``to_rank_major``: the reorders of the received rows, None
@@ -91,17 +93,16 @@ def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> M
 
 
 def _plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
-    sent = local_count.reshape(world, -1)
     received = global_count.reshape(world, -1)
     if world == 1 or received.shape[1] == 1:
         forward = inverse = None
     else:
         forward = rank_major_to_expert_major(received)
         inverse = expert_major_to_rank_major(received)
-    return MoePlan(sent.sum(axis=1).tolist(), received.sum(axis=1).tolist(), forward, inverse)
+    return MoePlan(rank_totals(local_count, world), rank_totals(global_count, world), forward, inverse)
 
 
 def _plan_bytes(plan: MoePlan, key: tuple[bytes, bytes, int]) -> int:
     """What ``plan`` and its ``key`` hold: the counts, the rank sums and the reorder indices."""
-    indices = sum(a.nbytes for a in (plan.to_expert_major, plan.to_rank_major) if a is not None)
+    indices = 0 if plan.to_expert_major is None else 2 * plan.to_expert_major.nbytes  # the order and its inverse
     return len(key[0]) + len(key[1]) + 16 * len(plan.send) + indices + _ENTRY_OVERHEAD

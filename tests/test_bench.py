@@ -56,6 +56,12 @@ def test_json_holds_every_figure(tiny_sweep: tuple[str, dict]) -> None:
         if op in ("global_scatter", "global_gather"):
             assert figures["frontend_fresh_counts_us"] > 0
         assert figures["difference_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
+    overhead = result["overhead"]
+    assert overhead["ranks"] == 2 and set(overhead["ops"]) == set(bench.OPS)
+    for figures in overhead["ops"].values():
+        assert figures["unicoll_us"] > 0 and figures["raw_us"] > 0
+        assert figures["difference_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
+        assert figures["ratio"] == pytest.approx(figures["unicoll_us"] / figures["raw_us"])
 
 
 def test_table_is_printed_like_nccl_tests(tiny_sweep: tuple[str, dict]) -> None:
@@ -68,6 +74,9 @@ def test_table_is_printed_like_nccl_tests(tiny_sweep: tuple[str, dict]) -> None:
     assert len(data) == len(result["rows"])
     assert all(fields[7] == "yes" for fields in data)
     assert "front end" in stdout
+    rows = [line.split() for line in lines if line.split() and line.split()[0] in bench.OPS]
+    assert [fields[0] for fields in rows[-len(bench.OPS) :]] == list(bench.OPS)  # the N-rank overhead, last
+    assert "2 ranks" in next(line for line in lines if line.startswith("# 2 ranks"))
 
 
 def test_plot_is_drawn(tiny_sweep: tuple[str, dict], tmp_path: Path) -> None:

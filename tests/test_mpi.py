@@ -89,6 +89,33 @@ def test_gradients_match_the_reference() -> None:
     assert all(len(r) == 2 * len(GRADIENT_OPS) and set(r.values()) == {"ok"} for r in reports)
 
 
+def moe_both_paths(rank: int) -> list[str]:
+    """global_scatter and global_gather below and above the size from which mpi fuses the
+    reorder into the transfer (``_FUSED_FROM_BYTES``), numpy and torch, against the reference."""
+    from unicoll import reference
+    from unicoll.backends.mpi.transport import _FUSED_FROM_BYTES
+
+    world, seen = uc.get_world_size(), []
+    for hidden in (2, 4 * _FUSED_FROM_BYTES // 8 // 64):  # float64 rows, about 64 rows per rank
+        rng = np.random.default_rng(hidden)
+        local = [rng.multinomial(64, np.full(world * 3, 1 / (world * 3))) for _ in range(world)]
+        glob = reference.global_counts(local)
+        xs = [rng.standard_normal((64, hidden)) for _ in range(world)]
+        for as_array in (np.asarray, torch.from_numpy):
+            scattered = uc.global_scatter(as_array(xs[rank]), local[rank], glob[rank])
+            np.testing.assert_array_equal(np.asarray(scattered), reference.global_scatter(xs, local)[rank])
+            back = uc.global_gather(scattered, local[rank], glob[rank])
+            np.testing.assert_array_equal(np.asarray(back), xs[rank])
+            fused = xs[rank].nbytes >= _FUSED_FROM_BYTES
+            seen.append(f"{'fused' if fused else 'reordered'} {as_array.__name__}")
+    return seen
+
+
+def test_moe_operators_fused_or_not_match_the_reference() -> None:
+    expected = ["reordered asarray", "reordered from_numpy", "fused asarray", "fused from_numpy"]
+    assert uc.testing.spawn(moe_both_paths, 3, backend="mpi") == [expected] * 3
+
+
 def test_check_mode_names_the_disagreement() -> None:
     for seen in uc.testing.spawn(mismatches, 2, backend="mpi", env={"UNICOLL_CHECK": "1"}):
         for (label, _, _, message), got in zip(MISMATCHES, seen, strict=True):

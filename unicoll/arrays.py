@@ -62,9 +62,18 @@ def kind_of(x: Any) -> ArrayKind:
     >>> kind_of(np.zeros(3, dtype=np.int8))
     ArrayKind(library='numpy', dtype='int8', device='cpu')
     """
+    kind = known_kind(x)
+    if kind is None:
+        raise TypeError(f"kind_of: x: expected a numpy, torch or cupy array, got {type(x).__name__}")
+    return kind
+
+
+def known_kind(x: Any) -> ArrayKind | None:
+    """:func:`kind_of` for an array of a known library, None for any other value (the front
+    end's signatures ask this of every array argument, on every call)."""
     library = library_of(x)
     if library is None:
-        raise TypeError(f"kind_of: x: expected a numpy, torch or cupy array, got {type(x).__name__}")
+        return None
     key = (type(x), x.dtype, x.device if library == "torch" else None)  # cupy's Device is unhashable
     try:
         return _kinds[key]
@@ -113,9 +122,10 @@ def describe(x: Any) -> str:
     return f"{lib} {dtype_name(x)} {tuple(x.shape)} on {device_kind(x)}"
 
 
-def is_fillable(x: Any) -> bool:
-    """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy."""
-    library = library_of(x)
+def is_fillable(x: Any, library: str | None = None) -> bool:
+    """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy.
+    ``library``: ``x``'s, where the caller knows it already."""
+    library = library or library_of(x)
     if library == "numpy":
         return bool(x.flags.c_contiguous and x.flags.writeable)
     if library == "torch":
@@ -134,6 +144,9 @@ def overlaps(a: Any, b: Any) -> bool:
     if library == "numpy":
         return bool(np.may_share_memory(a, b))
     if library == "torch":
+        if a.is_contiguous() and b.is_contiguous():  # the usual case: one span each, no strides to read
+            start_a, start_b = a.data_ptr(), b.data_ptr()
+            return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes  # an empty span meets none
         starts = (a.data_ptr(), b.data_ptr())
         spans = [_span(t.shape, [s * t.element_size() for s in t.stride()], t.element_size()) for t in (a, b)]
     else:  # cupy: strides in bytes, like numpy

@@ -29,6 +29,10 @@ _INT_DTYPES = ("int32", "int64")
 _HOST_OR_CUDA = ("cpu", "cuda")
 INT64_MAX = 2**63 - 1
 
+_FEW = 32
+"""Up to this many counts, their checks run on a Python list: a numpy reduction costs about a
+microsecond whatever its size, which is most of a call of the training loop's steady state."""
+
 
 def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     """Return ``value`` as a 1-D, non-negative, host ``int64`` numpy array.
@@ -42,6 +46,9 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     >>> as_counts([1, 0, 2], "global_scatter", "local_count")
     array([1, 0, 2])
     """
+    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1 and value.size <= _FEW:
+        _check_values(value.tolist(), op, param)  # the usual case, read as below but faster
+        return value
     lib = library_of(value)
     if lib is None:
         return _from_sequence(value, op, param)
@@ -58,6 +65,23 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     if counts.size and counts.max() > INT64_MAX // counts.size:  # the int64 sum might wrap: add exactly
         _check_total(sum(counts.tolist()), op, param)
     return counts
+
+
+def total(counts: np.ndarray) -> int:
+    """The sum of validated counts (host int64, whose sum fits in int64)."""
+    return sum(counts.tolist()) if counts.size <= _FEW else int(counts.sum())
+
+
+def rank_totals(counts: np.ndarray, world: int) -> list[int]:
+    """The sums of the ``world`` consecutive blocks of validated counts (one per rank).
+
+    >>> rank_totals(np.array([1, 0, 2, 1]), 2)
+    [1, 3]
+    """
+    if counts.size > _FEW:
+        return counts.reshape(world, -1).sum(axis=1).tolist()
+    values, per_rank = counts.tolist(), counts.size // world
+    return [sum(values[c * per_rank : (c + 1) * per_rank]) for c in range(world)]
 
 
 def _check_total(total: int, op: str, param: str) -> None:
@@ -78,12 +102,18 @@ def _from_sequence(value: Any, op: str, param: str) -> np.ndarray:
     if not all(map(_is_int_type, kinds)):
         names = ", ".join(sorted(kind.__name__ for kind in kinds))
         raise bad_input(op, param, "a sequence of ints", f"a sequence holding {names}", TypeError)
-    if value and min(value) < 0:
-        smallest = min(value)
-        raise bad_input(op, param, "non-negative counts", f"{int(smallest)} at index {list(value).index(smallest)}")
-    if value and max(value) > INT64_MAX // len(value):  # a count or the sum might not fit in int64
-        _check_total(sum(map(int, value)), op, param)
+    _check_values(value, op, param)
     return np.array(value, dtype=np.int64)
+
+
+def _check_values(values: Sequence[int], op: str, param: str) -> None:
+    """Counts that are ints, checked in Python: non-negative, and each count and their sum
+    within int64."""
+    if values and min(values) < 0:
+        smallest = min(values)
+        raise bad_input(op, param, "non-negative counts", f"{int(smallest)} at index {list(values).index(smallest)}")
+    if values and max(values) > INT64_MAX // len(values):  # a count or the sum might not fit in int64
+        _check_total(sum(map(int, values)), op, param)
 
 
 def as_expert_ids(value: Any, op: str, param: str) -> np.ndarray:

@@ -14,25 +14,28 @@ import functools
 import os
 import threading
 from collections.abc import Callable
+from threading import current_thread
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable)
 
 _lock = threading.Lock()
-_holder: tuple[str, str] = ("", "")
-"""The operator and the thread name inside, while :data:`_lock` is held."""
+_holder: tuple[str, threading.Thread | None] = ("", None)
+"""The operator and the thread inside, while :data:`_lock` is held (the thread's name is read
+only for the error: this runs on every call)."""
 
 
 def enter(op: str) -> None:
     """Take the right to issue a collective for ``op``; RuntimeError when another thread has it."""
     global _holder
     if not _lock.acquire(blocking=False):
-        inside, thread = _holder
+        inside, holder = _holder
+        thread = holder.name if holder is not None else ""
         raise RuntimeError(
             f"{op}: thread {threading.current_thread().name!r} called it while thread {thread!r} is inside {inside}; "
             "unicoll's collectives must be issued from one thread at a time, in the same order on every rank"
         )
-    _holder = (op, threading.current_thread().name)
+    _holder = (op, current_thread())
 
 
 def leave() -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import NON_NATIVE, describe, is_fillable, kind_of, library_of
+from .arrays import NON_NATIVE, describe, is_fillable, kind_of, known_kind, library_of
 from .backends.base import REDUCE_OPS
 from .counts import as_counts, as_expert_ids
 from .errors import bad_input
@@ -161,13 +161,15 @@ def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str
 
 
 def _sign_array(x: Any) -> Any:
-    return (kind_of(x), x.shape) if library_of(x) is not None else None
+    kind = known_kind(x)
+    return None if kind is None else (kind, x.shape)
 
 
 def _sign_optional_output(x: Any) -> Any:
     if x is None:
         return ()
-    return (kind_of(x), x.shape, is_fillable(x)) if library_of(x) is not None else None
+    kind = known_kind(x)
+    return None if kind is None else (kind, x.shape, is_fillable(x, kind.library))
 
 
 def _sign_gather_output(value: Any) -> Any:
@@ -180,11 +182,13 @@ def _sign_counts(value: Any) -> Any:
     kind = type(value)
     if kind is list or kind is tuple:
         return (kind, tuple(value), tuple(map(type, value)))
-    library = library_of(value)
-    if library == "numpy":
-        return (kind_of(value), value.shape, value.tobytes())
-    if library == "torch" and value.device.type == "cpu":
-        return (kind_of(value), value.shape, value.numpy().tobytes())
+    array_kind = known_kind(value)
+    if array_kind is None:
+        return None
+    if array_kind.library == "numpy":
+        return (array_kind, value.shape, value.tobytes())
+    if array_kind.library == "torch" and array_kind.device == "cpu":
+        return (array_kind, value.shape, value.numpy().tobytes())
     return None
 
 

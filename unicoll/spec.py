@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
+from .counts import total
 from .kinds import (
     ARRAY,
     COUNTS,
@@ -168,6 +169,11 @@ class OpSpec:
         """Names of the parameters whose value the call carries as given, computed once."""
         return tuple(p.name for p in self.params if p.kind.passed_through)
 
+    @cached_property
+    def counted(self) -> tuple[str, ...]:
+        """Names of the parameters whose read value is a counts array, computed once."""
+        return tuple(p.name for p in self.params if p.kind.holds_counts)
+
 
 def _rows(a: Any) -> int:
     return int(a.shape[0])
@@ -249,8 +255,8 @@ GLOBAL_SCATTER = OpSpec(
     rules=(
         *_MOE_COUNT_RULES,
         Rule("local_count", "sum(local_count) equal to the number of rows of x",
-             lambda c: None if int(c.local_count.sum()) == _rows(c.x)
-             else f"sum(local_count)={int(c.local_count.sum())} for x with {_rows(c.x)} rows"),
+             lambda c: None if total(c.local_count) == _rows(c.x)
+             else f"sum(local_count)={total(c.local_count)} for x with {_rows(c.x)} rows"),
         _stream_rule(),
     ),
     backward="global_gather of the output gradient with the same counts",
@@ -270,8 +276,8 @@ GLOBAL_GATHER = OpSpec(
     rules=(
         *_MOE_COUNT_RULES,
         Rule("global_count", "sum(global_count) equal to the number of rows of x",
-             lambda c: None if int(c.global_count.sum()) == _rows(c.x)
-             else f"sum(global_count)={int(c.global_count.sum())} for x with {_rows(c.x)} rows"),
+             lambda c: None if total(c.global_count) == _rows(c.x)
+             else f"sum(global_count)={total(c.global_count)} for x with {_rows(c.x)} rows"),
         _stream_rule(),
     ),
     backward="global_scatter of the output gradient with the same counts",

@@ -31,7 +31,8 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     Raises NotInitializedError before ``init``, TypeError/ValueError for a bad argument.
     """
     state = runtime.state(spec.name)
-    group = runtime.resolve_group(arguments["group"], spec.name)
+    given = arguments["group"]
+    group = state.world if given is None else runtime.resolve_group(given, spec.name)
     if state.check:
         count_call(group)
     key = (spec, group, *[sign(arguments[name]) for name, sign in spec.signed])
@@ -58,14 +59,14 @@ def _frozen(call: Call, spec: OpSpec) -> Call:
     arrays and the running backend)."""
     kept = call.copy()
     kept.backend = None
-    for param in spec.params:
-        value = getattr(call, param.name)
-        if param.kind.passed_through:
-            setattr(kept, param.name, None)
-        elif param.kind.holds_counts and value is not None:
+    for name in spec.passed_through:
+        setattr(kept, name, None)
+    for name in spec.counted:
+        value = getattr(call, name)
+        if value is not None:
             value = value.copy()
             value.flags.writeable = False
-            setattr(kept, param.name, value)
+            setattr(kept, name, value)
     return kept
 
 
@@ -76,8 +77,12 @@ or, for counts given as a list, a tuple of ints and one of their types."""
 
 def _remembered_bytes(kept: Call, spec: OpSpec) -> int:
     """What remembering ``kept`` (and its key) costs, counted from its counts."""
-    counts = [getattr(kept, p.name) for p in spec.params if p.kind.holds_counts]
-    return _BYTES_PER_COUNT * sum(c.size for c in counts if c is not None) + _ENTRY_OVERHEAD
+    remembered = 0
+    for name in spec.counted:
+        counts = getattr(kept, name)
+        if counts is not None:
+            remembered += counts.size
+    return _BYTES_PER_COUNT * remembered + _ENTRY_OVERHEAD
 
 
 def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) -> Call:

@@ -16,7 +16,8 @@ with per-rank counts, uneven blocks included.
 
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
-expert-major order, so MPI's own copy does the reorder and no second buffer is needed.
+expert-major order, so MPI's own copy does the reorder and no second buffer is needed. Below
+:data:`_FUSED_FROM_BYTES` they are an ``Ialltoallv`` and a reorder instead, which costs less there.
 
 Every collective is issued non-blocking (``Ialltoallv``, ``Iallgather``, ``Ialltoall``,
 ``Ibarrier``, ``Idup``) and waited for by polling ``Test()`` against a deadline, so no call
@@ -51,6 +52,12 @@ _YIELD_AFTER_S = 50e-6
 """On an oversubscribed node, how long a wait polls back to back before it yields the CPU
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
 it waits for run (docs/mpi.md)."""
+
+_FUSED_FROM_BYTES = 128 * 2**10
+"""global_scatter and global_gather of fewer bytes than this run as an ``Ialltoallv`` and a
+reorder with the plan the counts' last calls left (:func:`unicoll.backends.layout.moe_plan`):
+making the fused path's datatypes costs more than the copy it saves, on 2 ranks, up to about
+this size (docs/performance.md)."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
@@ -337,7 +344,7 @@ class MpiBackend(Backend):
         """Fused: the rows from each rank land straight in expert-major order (see the module)."""
         world = group.world_size
         received = global_count.reshape(world, -1)
-        if world == 1 or received.shape[1] == 1:  # rank-major is already expert-major
+        if world == 1 or received.shape[1] == 1 or x.nbytes < _FUSED_FROM_BYTES:  # rank-major is expert-major, or small
             return super().global_scatter(x, local_count, global_count, group, async_op, calc_stream)
         out = self.empty_rows(x, int(received.sum()))
         sent = local_count.reshape(world, -1).sum(axis=1).tolist()
@@ -356,7 +363,7 @@ class MpiBackend(Backend):
         """Fused: each rank's rows are sent straight from their expert-major places."""
         world = group.world_size
         held = global_count.reshape(world, -1)
-        if world == 1 or held.shape[1] == 1:
+        if world == 1 or held.shape[1] == 1 or x.nbytes < _FUSED_FROM_BYTES:
             return super().global_gather(x, local_count, global_count, group, async_op, calc_stream)
         out = self.empty_rows(x, int(local_count.sum()))
         back = local_count.reshape(world, -1).sum(axis=1).tolist()

@@ -77,6 +77,9 @@ _BLOCK_BYTES, _MAX_BLOCK = 1 << 20, 16
 _FRONTEND_BYTES = 256
 """Payload of the front-end measurement: small enough that the transfer costs next to nothing."""
 _FRONTEND_ITERS, _FRONTEND_WARMUP = 2000, 200
+_OVERHEAD_SAMPLES = 5
+"""The whole call on N ranks at the front-end payload: this many times ``--iters`` samples of
+``_MAX_BLOCK`` calls, so that a difference of a few microseconds shows through the noise."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     print(bench_report.format_table(result))
     print(bench_report.format_copy(result))
     print(bench_report.format_frontend(result))
+    print(bench_report.format_overhead(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot is not None:
@@ -647,8 +651,25 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         done += 1
         if w.rank == 0:
             write_atomically(progress_path, f"{done} {op} {case.nbytes}")
+    overhead = _overhead(w)
     if w.rank == 0:
-        write_atomically(result_path, json.dumps({**_environment(w), "config": asdict(config), "rows": rows}))
+        result = {**_environment(w), "config": asdict(config), "rows": rows, "overhead": overhead}
+        write_atomically(result_path, json.dumps(result))
+
+
+def _overhead(w: _World) -> dict[str, Any]:
+    """Per operator, on every rank of the sweep: the whole call at the front-end payload beside
+    the raw call with the same arguments (the sweep's baseline: for the MoE operators on
+    torch.distributed the transfer and the reorder by hand), the slowest rank's medians; what
+    unicoll costs on top of the transport on this machine."""
+    figures, samples = {}, _OVERHEAD_SAMPLES * w.config.iters
+    for op in w.config.ops:
+        case = _CASES[op](w, _FRONTEND_BYTES, w.baseline.moe_reorder)
+        uc_us, raw_us = _time(w, case, samples, w.config.warmup, _MAX_BLOCK, w.baseline.barrier)
+        uc_us, raw_us = w.baseline.slowest([uc_us, raw_us])
+        figures[op] = {"unicoll_us": uc_us, "raw_us": raw_us, "difference_us": uc_us - raw_us, "ratio": uc_us / raw_us}
+    blocks = {"samples": samples, "calls_per_sample": _MAX_BLOCK}
+    return {"bytes": _FRONTEND_BYTES, "ranks": w.world, **blocks, "ops": figures}
 
 
 def _single(config: Config, result_path: str) -> None:

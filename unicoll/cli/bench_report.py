@@ -94,6 +94,23 @@ def format_frontend(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_overhead(result: dict[str, Any]) -> str:
+    """The whole call beside the raw call with the same arguments, on the sweep's ranks: what
+    unicoll adds to the transport on this machine."""
+    overhead = result["overhead"]
+    lines = [
+        f"# {overhead['ranks']} ranks, {overhead['bytes']} B, median of {overhead['samples']} samples of "
+        f"{overhead['calls_per_sample']} calls, slowest rank: call = the whole unicoll call, raw = the raw call "
+        "with the same arguments (as in the sweep)",
+        f"# {'op':>15}  {'call (us)':>9}  {'raw (us)':>9}  {'difference (us)':>15}  {'ratio':>6}",
+    ]
+    for op, f in overhead["ops"].items():
+        lines.append(
+            f"  {op:>15}  {f['unicoll_us']:9.2f}  {f['raw_us']:9.2f}  {f['difference_us']:15.2f}  {f['ratio']:6.3f}"
+        )
+    return "\n".join(lines)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Draw busbw against size (log-2 axis), unicoll and raw, one panel per operator, to ``path``."""
     import matplotlib
