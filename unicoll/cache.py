@@ -3,19 +3,24 @@
 Training loops bring new counts every step, so every cache here sees an endless stream of
 keys; each is bounded by the bytes it holds (keys and values, as the caller measures them),
 not by its number of entries, and holds no caller array (callers store copies or derived
-values only).
-
-It is one :class:`collections.OrderedDict` of ``key -> (value, nbytes)``, oldest first: a hit
-is a lookup and a ``move_to_end``, both in C, on every call of a training loop's steady state.
-Each entry adds one tuple beside the caller's key and value (which the garbage collector stops
-tracking once it holds only ints, bytes and numpy arrays), and a cache is one dictionary.
+values only). Built on :class:`cachetools.LRUCache`, which does the byte accounting.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
+
+import cachetools
+
+
+class _Entry(NamedTuple):
+    value: Any
+    nbytes: int
+
+
+def _entry_bytes(entry: _Entry) -> int:
+    return entry.nbytes
 
 
 class BoundedCache:
@@ -29,41 +34,27 @@ class BoundedCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
-        self._nbytes = 0
+        self._lru: cachetools.LRUCache = cachetools.LRUCache(max_bytes, getsizeof=_entry_bytes)
 
     def get(self, key: Hashable) -> Any:
-        """The value stored under ``key`` (now the most recently used), else None. TypeError
-        for an unhashable key."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[0]
+        """The value stored under ``key`` (now the most recently used), else None."""
+        entry = self._lru.get(key)
+        return None if entry is None else entry.value
 
     def put(self, key: Hashable, value: Any, nbytes: int) -> None:
-        """Store ``value`` under ``key``, counting ``nbytes`` for both; the least recently used
-        entries go until it fits, and an entry larger than the whole bound is not stored."""
-        if nbytes > self.max_bytes:
-            return
-        entries = self._entries
-        old = entries.pop(key, None)
-        if old is not None:
-            self._nbytes -= old[1]
-        while self._nbytes + nbytes > self.max_bytes:
-            self._nbytes -= entries.popitem(last=False)[1][1]
-        entries[key] = (value, nbytes)
-        self._nbytes += nbytes
+        """Store ``value`` under ``key``, counting ``nbytes`` for both; an entry larger than
+        the whole bound is not stored."""
+        if nbytes <= self.max_bytes:
+            self._lru[key] = _Entry(value, nbytes)
 
     def clear(self) -> None:
         """Forget every entry."""
-        self._entries.clear()
-        self._nbytes = 0
+        self._lru.clear()
 
     @property
     def nbytes(self) -> int:
         """The bytes the entries hold, as their callers measured them."""
-        return self._nbytes
+        return self._lru.currsize
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
