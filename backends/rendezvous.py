@@ -12,6 +12,7 @@ torch until a store is opened, and the store's failures leave as unicoll's
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import socket
 import time
@@ -23,6 +24,21 @@ from unicoll.errors import TransportError, TransportTimeoutError
 
 _POLL_S = 0.05
 """How often a rank retries connecting to rank 0's store while rank 0 is not listening yet."""
+
+_SESSION_KEY = "unicoll/session"
+"""The key under which rank 0 names each store it hosts (its pid and the store's number)."""
+
+_SESSION_WAIT_S = 1.0
+"""How long a rank waits for that name on a store it connected to before it tries again."""
+
+_hosted = itertools.count(1)
+"""Rank 0: the number of each store this process hosts."""
+
+_joined: bytes | None = None
+"""Another rank: the name of the last store this process joined. After ``finalize()`` and
+``init()``, a rank may reach rank 0's store of the session that is ending, with its keys of that
+session, before rank 0 has finalized: a store under that name is passed over until rank 0
+listens with its new one."""
 
 
 class Meeting(NamedTuple):
@@ -100,11 +116,36 @@ def open_store(rank: int, world_size: int, timeout: float, deadline: float) -> M
         store = dist.TCPStore(
             addr, port, world_size, True, timedelta(seconds=timeout), master_listen_fd=listen_fd, wait_for_workers=False
         )
+        store.set(_SESSION_KEY, f"{os.getpid()}-{next(_hosted)}".encode())
         return Meeting(store, addr, listen_fd)
-    _await_listener(addr, port, deadline)
-    store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=remaining(deadline)))
-    store.set_timeout(timedelta(seconds=timeout))
-    return Meeting(store, addr, None)
+    return Meeting(_join_new_store(addr, port, world_size, timeout, deadline), addr, None)
+
+
+def _join_new_store(addr: str, port: int, world_size: int, timeout: float, deadline: float) -> Any:
+    """A client of rank 0's store at ``addr:port`` that is not the store this process joined
+    last (see :data:`_joined`), connected again every :data:`_POLL_S` until ``deadline``."""
+    import torch.distributed as dist
+
+    global _joined
+    while True:
+        _await_listener(addr, port, deadline)
+        store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=remaining(deadline)))
+        store.set_timeout(timedelta(seconds=min(_SESSION_WAIT_S, remaining(deadline))))
+        try:
+            session = store.get(_SESSION_KEY)
+        except RuntimeError:  # torch's store errors: the store closed, or no name yet
+            session = None
+        if session is not None and session != _joined:
+            _joined = session
+            store.set_timeout(timedelta(seconds=timeout))
+            return store
+        del store
+        if time.monotonic() + _POLL_S >= deadline:
+            raise TransportTimeoutError(
+                f"rendezvous: rank 0's store at {addr}:{port} still belongs to the session this rank "
+                "finalized (rank 0 has not called finalize() and init() again); timed out"
+            )
+        time.sleep(_POLL_S)
 
 
 def _await_listener(addr: str, port: int, deadline: float) -> None:

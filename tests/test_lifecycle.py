@@ -291,6 +291,31 @@ def test_init_again_while_the_old_sessions_objects_are_held(backend: str) -> Non
             assert seen["backward"].startswith(f"Group(ranks=[0, 1]) cannot be used any more: {ended}")
 
 
+def init_again_while_rank_0_lags(rank: int, lag: float) -> list[int]:
+    """finalize() and init() again, rank 0 ``lag`` seconds after the others: they reach rank 0's
+    store of the ending session (with that session's keys) before rank 0 leaves it, while a task
+    of that session is still held."""
+    held = uc.all_gather(None, np.array([rank]), sync_op=False)
+    held.wait()
+    uc.barrier()
+    if rank == 0:
+        time.sleep(lag)
+    uc.finalize()
+    uc.init("gloo", timeout=30)
+    return uc.all_gather(None, np.array([rank + 30])).tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_init_again_when_rank_0_finalizes_last(world_size: int) -> None:
+    """The other ranks pass over rank 0's old store until rank 0 listens with its new one (before,
+    they joined the old session's process group: a peer-lost error or a hang until the timeout)."""
+    expected = [30 + r for r in range(world_size)]
+    assert (
+        uc.testing.spawn(init_again_while_rank_0_lags, world_size, 1.0, backend="gloo", timeout=90)
+        == [expected] * world_size
+    )
+
+
 # -- in this process ---------------------------------------------------------------------------
 
 
