@@ -141,10 +141,12 @@ def _join_new_store(addr: str, port: int, world_size: int, timeout: float, deadl
             return store
         del store
         if time.monotonic() + _POLL_S >= deadline:
-            raise TransportTimeoutError(
-                f"rendezvous: rank 0's store at {addr}:{port} still belongs to the session this rank "
-                "finalized (rank 0 has not called finalize() and init() again); timed out"
+            why = (
+                "never named its session (is it unicoll's rank 0?)"
+                if session is None
+                else "still belongs to the session this rank finalized (rank 0 has not called init() again)"
             )
+            raise TransportTimeoutError(f"rendezvous: rank 0's store at {addr}:{port} {why}; timed out")
         time.sleep(_POLL_S)
 
 
