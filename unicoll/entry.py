@@ -43,19 +43,27 @@ def leave() -> None:
     _lock.release()
 
 
+def exclusive_as(op: str) -> Callable[[F], F]:
+    """A decorator: the function run between :func:`enter` and :func:`leave` for ``op`` (the
+    name its errors give: ``"moe.dispatch"``, or the operator an internal entry point serves)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def entered(*args, **kwargs):
+            enter(op)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave()
+
+        return entered  # type: ignore[return-value]
+
+    return decorate
+
+
 def exclusive(fn: F) -> F:
-    """``fn`` (a public collective) run between :func:`enter` and :func:`leave`."""
-    op = fn.__name__
-
-    @functools.wraps(fn)
-    def entered(*args, **kwargs):
-        enter(op)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            leave()
-
-    return entered  # type: ignore[return-value]
+    """``fn`` (a public collective) run between :func:`enter` and :func:`leave`, for its name."""
+    return exclusive_as(fn.__name__)(fn)
 
 
 def _reset_in_child() -> None:

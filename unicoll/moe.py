@@ -25,7 +25,7 @@ from array_api_compat import array_namespace, device
 from .arrays import describe, library_of
 from .backends.base import Pending
 from .check import verify
-from .entry import enter, leave
+from .entry import exclusive_as
 from .errors import bad_input, translated
 from .group import Group
 from .ops import _functional, _run
@@ -39,6 +39,7 @@ __all__ = ["Handle", "combine", "dispatch", "redispatch"]
 
 
 @traceable
+@exclusive_as(MOE_DISPATCH.name)
 def dispatch(
     x: Any,
     topk_idx: Any,
@@ -63,14 +64,11 @@ def dispatch(
     >>> rows.tolist(), rows_per_expert                                                      # doctest: +SKIP
     ([0, 2, 0, 1, 2], [2, 3])
     """
-    enter(MOE_DISPATCH.name)
-    try:
-        return _dispatch(prepare(MOE_DISPATCH, locals()))
-    finally:
-        leave()
+    return _dispatch(prepare(MOE_DISPATCH, locals()))
 
 
 @traceable
+@exclusive_as(MOE_REDISPATCH.name)
 def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send other rows of the same tokens along a handle's routing: a second layer's dispatch
     with no sort and no count exchange. Returns the rows, laid out as :func:`dispatch`'s were
@@ -81,15 +79,12 @@ def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     >>> rows, rows_per_expert, handle = uc.moe.dispatch(h1, topk_idx, w, experts_per_rank=2)  # doctest: +SKIP
     >>> rows2 = uc.moe.redispatch(h2, handle)                                                  # doctest: +SKIP
     """
-    enter(MOE_REDISPATCH.name)
-    try:
-        arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH.name, handle))
-        return _redispatch(prepare(MOE_REDISPATCH, arguments))
-    finally:
-        leave()
+    arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH.name, handle))
+    return _redispatch(prepare(MOE_REDISPATCH, arguments))
 
 
 @traceable
+@exclusive_as(MOE_COMBINE.name)
 def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send expert outputs back and sum each token's slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
 
@@ -101,14 +96,11 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     >>> out.tolist()                                # doctest: +SKIP
     [0, 10, 40]
     """
-    enter(MOE_COMBINE.name)
-    try:
-        arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE.name, handle))
-        return _combine(prepare(MOE_COMBINE, arguments))
-    finally:
-        leave()
+    arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE.name, handle))
+    return _combine(prepare(MOE_COMBINE, arguments))
 
 
+@exclusive_as(MOE_DISPATCH.name)
 def layout(
     x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, group: Group | None, capacity: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -116,19 +108,15 @@ def layout(
     counts sent and received, the send order (each row's token) and each slot's row, as host
     int64 arrays (see :class:`~unicoll.routing.Routing`). For the traced operator
     (:mod:`unicoll.torch_ops`), which sends the rows with ``global_scatter``."""
-    enter(MOE_DISPATCH.name)
-    try:
-        arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
-                         group=group, sync_op=True, capacity=capacity)  # fmt: skip
-        call = prepare(MOE_DISPATCH, arguments)
-        routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
-        with translated(MOE_DISPATCH.name, call.group, call.timeout):
-            if call.check:
-                verify(MOE_DISPATCH, call)
-            global_count = call.backend.exchange_ints(routing.local_count.copy(), call.group)
-        return routing.local_count, global_count, routing.send_tokens, routing.slot_rows
-    finally:
-        leave()
+    arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
+                     group=group, sync_op=True, capacity=capacity)  # fmt: skip
+    call = prepare(MOE_DISPATCH, arguments)
+    routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
+    with translated(MOE_DISPATCH.name, call.group, call.timeout):
+        if call.check:
+            verify(MOE_DISPATCH, call)
+        global_count = call.backend.exchange_ints(routing.local_count.copy(), call.group)
+    return routing.local_count, global_count, routing.send_tokens, routing.slot_rows
 
 
 def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weighted: bool) -> None:

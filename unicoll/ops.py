@@ -20,7 +20,7 @@ from .arrays import describe, library_of, overlaps
 from .backends.base import Backend, Pending
 from .check import verify
 from .counts import Counts
-from .entry import enter, exclusive, leave
+from .entry import enter, exclusive, exclusive_as, leave
 from .errors import TransportError, bad_input, reported, translated
 from .group import Group
 from .spec import (
@@ -228,6 +228,7 @@ def alltoall_single(
     return _alltoall_single(locals())[0]
 
 
+@exclusive_as(ALLTOALL_SINGLE.name)
 def alltoall_single_and_splits(
     in_tensor: Any,
     out_split_sizes: Counts | None,
@@ -238,14 +239,10 @@ def alltoall_single_and_splits(
     """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
     exchanged where only ``in_split_sizes`` is given: for the traced operator
     (:mod:`unicoll.torch_ops`), whose backward sends the gradient back with them."""
-    enter(ALLTOALL_SINGLE.name)
-    try:
-        return _alltoall_single(
-            {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
-             "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
-        )  # fmt: skip
-    finally:
-        leave()
+    return _alltoall_single(
+        {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
+         "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
+    )  # fmt: skip
 
 
 def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
@@ -314,17 +311,14 @@ def all_gather(
     return _all_gather(locals())[0]
 
 
+@exclusive_as(ALL_GATHER.name)
 def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
     """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: for the
     traced operator (:mod:`unicoll.torch_ops`), whose backward sends each rank its rows' gradient."""
-    enter(ALL_GATHER.name)
-    try:
-        return _all_gather(
-            {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
-             "use_calc_stream": use_calc_stream}
-        )  # fmt: skip
-    finally:
-        leave()
+    return _all_gather(
+        {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
+         "use_calc_stream": use_calc_stream}
+    )  # fmt: skip
 
 
 def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
@@ -403,17 +397,14 @@ def all_reduce(
     return _all_reduce(locals(), None)
 
 
+@exclusive_as(ALL_REDUCE.name)
 def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: bool, state: str) -> Any:
     """``all_reduce(tensor, op, group)`` (synchronous) into a copy of ``tensor``, which is
     returned; validated, checked and refused as the in-place call on a tensor whose
     :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.torch_ops`),
     which copies the result back."""
-    enter(ALL_REDUCE.name)
-    try:
-        arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
-        return _all_reduce(arguments, state)
-    finally:
-        leave()
+    arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
+    return _all_reduce(arguments, state)
 
 
 def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
@@ -461,19 +452,16 @@ def reduce_scatter(
     return _reduce_scatter(locals(), None)
 
 
+@exclusive_as(REDUCE_SCATTER.name)
 def reduce_scatter_of(
     tensor: Any, op: str, split_sizes: Counts | None, group: Group | None, use_calc_stream: bool, state: str
 ) -> Any:
     """``reduce_scatter(None, tensor, op, split_sizes, group)`` (synchronous), refused as the
     call on a tensor whose :func:`autograd_state` is ``state``, without autograd: for the
     traced operator (:mod:`unicoll.torch_ops`), which records its own backward."""
-    enter(REDUCE_SCATTER.name)
-    try:
-        arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
-                         use_calc_stream=use_calc_stream)  # fmt: skip
-        return _reduce_scatter(arguments, state)
-    finally:
-        leave()
+    arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    return _reduce_scatter(arguments, state)
 
 
 def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
@@ -526,17 +514,14 @@ def broadcast(
     return _broadcast(locals(), None)
 
 
+@exclusive_as(BROADCAST.name)
 def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: bool, state: str) -> Any:
     """``broadcast(tensor, src, group)`` (synchronous) into a copy of ``tensor``, which is
     returned; validated, checked and refused as the in-place call on a tensor whose
     :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.torch_ops`),
     which copies the result back."""
-    enter(BROADCAST.name)
-    try:
-        arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
-        return _broadcast(arguments, state)
-    finally:
-        leave()
+    arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
+    return _broadcast(arguments, state)
 
 
 def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
