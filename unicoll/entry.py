@@ -14,28 +14,33 @@ import functools
 import os
 import threading
 from collections.abc import Callable
-from threading import current_thread
+from threading import get_ident
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable)
 
 _lock = threading.Lock()
-_holder: tuple[str, threading.Thread | None] = ("", None)
-"""The operator and the thread inside, while :data:`_lock` is held (the thread's name is read
-only for the error: this runs on every call)."""
+_holder: tuple[str, int] = ("", 0)
+"""The operator and the identity of the thread inside, while :data:`_lock` is held (the
+thread's name is looked up only for the error: this runs on every call)."""
+
+
+def _busy(op: str) -> RuntimeError:
+    """The error for a thread that calls ``op`` while another thread is inside a collective."""
+    inside, ident = _holder
+    thread = next((t.name for t in threading.enumerate() if t.ident == ident), "")
+    return RuntimeError(
+        f"{op}: thread {threading.current_thread().name!r} called it while thread {thread!r} is inside {inside}; "
+        "unicoll's collectives must be issued from one thread at a time, in the same order on every rank"
+    )
 
 
 def enter(op: str) -> None:
     """Take the right to issue a collective for ``op``; RuntimeError when another thread has it."""
     global _holder
     if not _lock.acquire(blocking=False):
-        inside, holder = _holder
-        thread = holder.name if holder is not None else ""
-        raise RuntimeError(
-            f"{op}: thread {threading.current_thread().name!r} called it while thread {thread!r} is inside {inside}; "
-            "unicoll's collectives must be issued from one thread at a time, in the same order on every rank"
-        )
-    _holder = (op, current_thread())
+        raise _busy(op)
+    _holder = (op, get_ident())
 
 
 def leave() -> None:
@@ -50,11 +55,14 @@ def exclusive_as(op: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def entered(*args, **kwargs):
-            enter(op)
+            global _holder
+            if not _lock.acquire(blocking=False):  # enter() and leave() inlined: every call passes here
+                raise _busy(op)
+            _holder = (op, get_ident())
             try:
                 return fn(*args, **kwargs)
             finally:
-                leave()
+                _lock.release()
 
         return entered  # type: ignore[return-value]
 

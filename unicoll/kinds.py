@@ -161,13 +161,24 @@ def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str
 
 
 def _sign_array(x: Any) -> Any:
-    kind = known_kind(x)
+    library = library_of(x)
+    if library == "torch":  # what the reader checks, without looking the kind up
+        return ("torch", x.dtype, x.device, x.shape)
+    if library == "numpy":  # the dtype tells the byte order apart
+        return ("numpy", x.dtype, x.shape)
+    kind = known_kind(x)  # cupy, whose devices do not hash
     return None if kind is None else (kind, x.shape)
 
 
 def _sign_optional_output(x: Any) -> Any:
     if x is None:
         return ()
+    library = library_of(x)
+    if library == "torch":
+        return ("torch", x.dtype, x.device, x.shape, x.is_contiguous())
+    if library == "numpy":
+        flags = x.flags
+        return ("numpy", x.dtype, x.shape, flags.c_contiguous and flags.writeable)
     kind = known_kind(x)
     return None if kind is None else (kind, x.shape, is_fillable(x, kind.library))
 
@@ -182,13 +193,11 @@ def _sign_counts(value: Any) -> Any:
     kind = type(value)
     if kind is list or kind is tuple:
         return (kind, tuple(value), tuple(map(type, value)))
-    array_kind = known_kind(value)
-    if array_kind is None:
-        return None
-    if array_kind.library == "numpy":
-        return (array_kind, value.shape, value.tobytes())
-    if array_kind.library == "torch" and array_kind.device == "cpu":
-        return (array_kind, value.shape, value.numpy().tobytes())
+    library = library_of(value)
+    if library == "numpy":  # the dtype tells the byte order apart
+        return ("numpy", value.dtype, value.shape, value.tobytes())
+    if library == "torch" and value.device.type == "cpu":
+        return ("torch", value.dtype, value.shape, value.numpy().tobytes())
     return None
 
 

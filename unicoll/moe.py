@@ -64,7 +64,8 @@ def dispatch(
     >>> rows.tolist(), rows_per_expert                                                      # doctest: +SKIP
     ([0, 2, 0, 1, 2], [2, 3])
     """
-    return _dispatch(prepare(MOE_DISPATCH, locals()))
+    arguments = locals()
+    return _dispatch(prepare(MOE_DISPATCH, arguments), arguments)
 
 
 @traceable
@@ -80,7 +81,7 @@ def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     >>> rows2 = uc.moe.redispatch(h2, handle)                                                  # doctest: +SKIP
     """
     arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH.name, handle))
-    return _redispatch(prepare(MOE_REDISPATCH, arguments))
+    return _redispatch(prepare(MOE_REDISPATCH, arguments), arguments)
 
 
 @traceable
@@ -97,7 +98,7 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     [0, 10, 40]
     """
     arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE.name, handle))
-    return _combine(prepare(MOE_COMBINE, arguments))
+    return _combine(prepare(MOE_COMBINE, arguments), arguments)
 
 
 @exclusive_as(MOE_DISPATCH.name)
@@ -146,13 +147,14 @@ def _handle_group(op: str, handle: Any) -> Group:
     return handle.group
 
 
-def _dispatch(call: Call) -> Any:
-    backend, grp, x = call.backend, call.group, call.x
+def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
+    """The arrays come from ``arguments``, as from every remembered call (:func:`unicoll.validate.prepare`)."""
+    backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
     local_count, shape = routing.local_count, call.topk_idx.shape
     slot_rows = _like(routing.slot_rows, x)
     kept = None
-    if routing.dropped and call.topk_weights is not None:
+    if routing.dropped and weights is not None:
         kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
     send_tokens = _like(routing.send_tokens, x)
     sent = _take(x, send_tokens)  # in x's library: autograd sums each token's slots
@@ -172,16 +174,16 @@ def _dispatch(call: Call) -> Any:
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, global_count, grp, shape, call.topk_weights, send_tokens, slot_rows, kept, like=x)
+        handle = Handle(routing, global_count, grp, shape, weights, send_tokens, slot_rows, kept, like=x)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
 
 
-def _redispatch(call: Call) -> Any:
-    backend, grp, handle = call.backend, call.group, call.handle
+def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
+    backend, grp, handle = call.backend, call.group, arguments["handle"]
     local_count, global_count = handle.local_count, handle.global_count
-    sent = _take(call.x, handle.send_tokens)
+    sent = _take(arguments["x"], handle.send_tokens)
 
     def issue() -> Pending:
         if call.check:
@@ -195,8 +197,8 @@ def _redispatch(call: Call) -> Any:
     return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, sent, backward))
 
 
-def _combine(call: Call) -> Any:
-    backend, grp, y, handle = call.backend, call.group, call.y, call.handle
+def _combine(call: Call, arguments: dict[str, Any]) -> Any:
+    backend, grp, y, handle = call.backend, call.group, arguments["y"], arguments["handle"]
     local_count, global_count = handle.local_count, handle.global_count
 
     def issue() -> Pending:

@@ -132,16 +132,22 @@ def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[A
 def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
     """global_scatter or global_gather (``spec``); the other one, ``inverse``, is its backward."""
     call = prepare(spec, arguments)
-    backend = call.backend
+    backend, x = call.backend, arguments["x"]
     lc, gc, grp = call.local_count, call.global_count, call.group
     forward, backward = getattr(backend, spec.name), getattr(backend, inverse.name)
+
+    finish = _functional(spec.name, call, x, lambda g: backward(g, lc, gc, grp, False).finish())
+    if call.sync_op and not call.check:  # the steady state of a loop: no closure to issue, no Task
+        try:
+            return finish(forward(backend.to_native(x), lc, gc, grp, False, call.use_calc_stream).finish())
+        except TransportError as exc:
+            raise reported(exc, spec.name, grp, call.timeout) from exc
 
     def issue() -> Pending:
         if call.check:
             verify(spec, call)
-        return forward(backend.to_native(call.x), lc, gc, grp, not call.sync_op, call.use_calc_stream)
+        return forward(backend.to_native(x), lc, gc, grp, not call.sync_op, call.use_calc_stream)
 
-    finish = _functional(spec.name, call, call.x, lambda g: backward(g, lc, gc, grp, False).finish())
     return _run(spec.name, call, issue, finish)
 
 
@@ -251,17 +257,16 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     call = prepare(ALLTOALL_SINGLE, arguments)
     out_tensor, in_tensor = arguments["out_tensor"], arguments["in_tensor"]
     sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
-    backend = call.backend
-    grp, world = call.group, call.W
-    in_splits = call.in_split_sizes.tolist() if call.in_split_sizes is not None else _even(in_tensor.shape[0], world)
-    if call.out_split_sizes is not None:
-        out_splits = call.out_split_sizes.tolist()
-    elif out_tensor is not None:
-        out_splits = _even(out_tensor.shape[0], world)
-    elif call.in_split_sizes is None:
-        out_splits = in_splits
-    else:
-        out_splits = None  # exchanged when the call is issued
+    backend, grp = call.backend, call.group
+    in_splits, out_splits = call.plan
+    if out_tensor is not None and sync_op and not call.check:  # the steady state of a loop: no closures, no Task
+        try:
+            native_out = backend.to_native(out_tensor)
+            native_in = _native_input(backend, in_tensor, out_tensor)
+            backend.alltoall_single(native_out, native_in, out_splits, in_splits, grp, False, use_calc_stream).finish()
+        except TransportError as exc:
+            raise reported(exc, ALLTOALL_SINGLE.name, grp, call.timeout) from exc
+        return out_tensor, out_splits
 
     def issue() -> Pending:
         nonlocal out_splits

@@ -215,10 +215,12 @@ def transport_stubbed() -> Iterator[None]:
             "(the others would wait for transfers that never come)"
         )
     real = current.backend
+    current.accepted.clear()  # remembered calls carry the backend they ran on
     current.backend = StubTransport(real)
     try:
         yield
     finally:
+        current.accepted.clear()
         current.backend = real
 
 

@@ -54,7 +54,8 @@ class Call:
 
     Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
     ``timeout`` and whether ``check`` mode is on; the other fields are the parameters of the
-    entry points (counts as host int64 arrays), None where the entry point has no such parameter.
+    entry points (counts as host int64 arrays), None where the entry point has no such parameter,
+    and ``plan``: what the spec's :attr:`OpSpec.plan` derived from them.
     """
 
     W: int
@@ -83,6 +84,7 @@ class Call:
     capacity: int | None = None
     y: Any = None
     handle: Handle | None = None
+    plan: Any = None
 
     def copy(self) -> Call:
         """A shallow copy: the same values in a new call."""
@@ -113,6 +115,7 @@ class Call:
             self.capacity,
             self.y,
             self.handle,
+            self.plan,
         )
 
 
@@ -147,8 +150,11 @@ class OpSpec:
 
     ``in_capabilities``: whether backends list it in their capability table
     (:attr:`unicoll.backends.base.Capabilities.ops`); the data operators are, while
-    ``exchange_counts`` runs on every backend's integer exchange. Specs compare by identity,
-    as check mode keys its comparisons by them.
+    ``exchange_counts`` runs on every backend's integer exchange. ``plan``: what the operator
+    derives from a call that passed the rules, computed once and remembered with the call
+    (:attr:`Call.plan`): a tuple of lists of ints (split sizes, say) or None, which nothing
+    may change. Specs compare by identity, as check mode
+    keys its comparisons by them.
     """
 
     name: str
@@ -157,6 +163,7 @@ class OpSpec:
     rules: tuple[Rule, ...]
     backward: str
     in_capabilities: bool = True
+    plan: Callable[[Call], Any] | None = None
 
     @cached_property
     def signed(self) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
@@ -324,6 +331,21 @@ def _rows_to_self(c: Call) -> str | None:
     return f"{received} rows from this rank (position {me}){source} while it sends itself {sent}"
 
 
+def _even(rows: int, world: int) -> list[int]:
+    return [rows // world] * world
+
+
+def _alltoall_splits(c: Call) -> tuple[list[int], list[int] | None]:
+    """alltoall_single's send and receive sizes as lists; the receive sizes None where they
+    are exchanged (only in_split_sizes given, no out_tensor)."""
+    sent = c.in_split_sizes.tolist() if c.in_split_sizes is not None else _even(_rows(c.in_tensor), c.W)
+    if c.out_split_sizes is not None:
+        return sent, c.out_split_sizes.tolist()
+    if c.out_tensor is not None:
+        return sent, _even(_rows(c.out_tensor), c.W)
+    return sent, (sent if c.in_split_sizes is None else None)
+
+
 ALLTOALL_SINGLE = OpSpec(
     name="alltoall_single",
     summary=(
@@ -351,6 +373,7 @@ ALLTOALL_SINGLE = OpSpec(
         _stream_rule(),
     ),
     backward="alltoall_single of the output gradient with the split sizes swapped",
+    plan=_alltoall_splits,
 )  # fmt: skip
 
 

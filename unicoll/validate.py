@@ -24,9 +24,12 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     also carries the running ``backend``, the ``group`` resolved, its size ``W`` and ``timeout``.
 
     A call whose arguments have the signatures (:mod:`unicoll.kinds`) of a call accepted
-    before reuses what was read then, so the steady state of a training loop costs a few
+    before is the call remembered then, so the steady state of a training loop costs a few
     dictionary lookups. The memory of accepted calls keeps copies of counts, never the
-    caller's arrays, and is bounded by :data:`unicoll.runtime.ACCEPTED_CACHE_BYTES`.
+    caller's arrays, and is bounded by :data:`unicoll.runtime.ACCEPTED_CACHE_BYTES`. A
+    remembered call is shared and must not be changed, and it carries no arrays: operators
+    read their arrays from ``arguments`` (in check mode the call carries them, for
+    :mod:`unicoll.check`).
 
     Raises NotInitializedError before ``init``, TypeError/ValueError for a bad argument.
     """
@@ -37,37 +40,48 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
         count_call(group)
     key = (spec, group, *[sign(arguments[name]) for name, sign in spec.signed])
     try:
-        accepted = None if None in key else state.accepted.get(key)
+        accepted = state.accepted.get(key)  # never holds a key with a None signature (not remembered)
     except TypeError:  # an unhashable argument, such as counts given as a list of lists
         return _read_call(spec, arguments, state, group)
     if accepted is None:
         call = _read_call(spec, arguments, state, group)
-        if None not in key:
-            kept = _frozen(call, spec)
+        missed = _missed[spec] = _missed.get(spec, 0) + 1
+        if None not in key and (missed < _STREAK or missed % _STREAK == 0):
+            kept = _frozen(call.copy() if state.check else call, spec)  # check mode returns the arrays too
             state.accepted.put(key, kept, _remembered_bytes(kept, spec))
         return call
+    if spec in _missed:
+        del _missed[spec]
+    if not state.check:
+        return accepted
     call = accepted.copy()
-    call.backend = state.backend  # the memory keeps none: the running one may be wrapped (transport_stubbed)
     for name in spec.passed_through:
         setattr(call, name, arguments[name])
     return call
 
 
+_STREAK = 64
+"""After this many calls in a row of one operator that the memory could not serve (new counts
+every call, as a training loop's router makes them), only every this-many-th is remembered:
+keeping the others costs a few microseconds each, serves no later call and pushes out calls
+that come back; one in this many notices when the arguments start to repeat."""
+
+_missed: dict[OpSpec, int] = {}
+"""Each operator's calls in a row that were not taken from memory (absent after one that was)."""
+
+
 def _frozen(call: Call, spec: OpSpec) -> Call:
-    """A copy of ``call`` to remember: counts copied and read-only, as the caller's may change;
-    the caller's arrays and the backend left out (a call taken from memory gets the new call's
-    arrays and the running backend)."""
-    kept = call.copy()
-    kept.backend = None
+    """``call`` made fit to remember, and returned: counts copied and read-only, as the
+    caller's may change; the caller's arrays left out."""
     for name in spec.passed_through:
-        setattr(kept, name, None)
+        setattr(call, name, None)
     for name in spec.counted:
         value = getattr(call, name)
         if value is not None:
             value = value.copy()
             value.flags.writeable = False
-            setattr(kept, name, value)
-    return kept
+            setattr(call, name, value)
+    return call
 
 
 _BYTES_PER_COUNT = 72
@@ -75,14 +89,19 @@ _BYTES_PER_COUNT = 72
 or, for counts given as a list, a tuple of ints and one of their types."""
 
 
+_BYTES_PER_PLANNED = 40
+"""Bytes counted per entry of a list in a call's plan: the list's pointer and an int."""
+
+
 def _remembered_bytes(kept: Call, spec: OpSpec) -> int:
-    """What remembering ``kept`` (and its key) costs, counted from its counts."""
+    """What remembering ``kept`` (and its key) costs, counted from its counts and its plan."""
     remembered = 0
     for name in spec.counted:
         counts = getattr(kept, name)
         if counts is not None:
             remembered += counts.size
-    return _BYTES_PER_COUNT * remembered + _ENTRY_OVERHEAD
+    planned = sum(len(part) for part in kept.plan if part is not None) if kept.plan is not None else 0
+    return _BYTES_PER_COUNT * remembered + _BYTES_PER_PLANNED * planned + _ENTRY_OVERHEAD
 
 
 def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) -> Call:
@@ -100,4 +119,6 @@ def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) 
         given = rule.check(call)
         if given is not None:
             raise bad_input(spec.name, rule.param, rule.expected.replace("{W}", str(call.W)), given, rule.error)
+    if spec.plan is not None:
+        call.plan = spec.plan(call)
     return call
