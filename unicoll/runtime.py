@@ -47,6 +47,8 @@ class _State:
     check: bool
     #: Calls accepted by the validator in this session, by signature (see unicoll.validate).
     accepted: BoundedCache = field(default_factory=lambda: BoundedCache(ACCEPTED_CACHE_BYTES))
+    #: Each operator's calls in a row that the memory could not serve (absent after one it served).
+    missed: dict = field(default_factory=dict)
 
 
 _state: _State | None = None

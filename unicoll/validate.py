@@ -45,13 +45,13 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
         return _read_call(spec, arguments, state, group)
     if accepted is None:
         call = _read_call(spec, arguments, state, group)
-        missed = _missed[spec] = _missed.get(spec, 0) + 1
+        missed = state.missed[spec] = state.missed.get(spec, 0) + 1
         if None not in key and (missed < _STREAK or missed % _STREAK == 0):
             kept = _frozen(call.copy() if state.check else call, spec)  # check mode returns the arrays too
             state.accepted.put(key, kept, _remembered_bytes(kept, spec))
         return call
-    if spec in _missed:
-        del _missed[spec]
+    if spec in state.missed:
+        del state.missed[spec]
     if not state.check:
         return accepted
     call = accepted.copy()
@@ -65,9 +65,6 @@ _STREAK = 64
 every call, as a training loop's router makes them), only every this-many-th is remembered:
 keeping the others costs a few microseconds each, serves no later call and pushes out calls
 that come back; one in this many notices when the arguments start to repeat."""
-
-_missed: dict[OpSpec, int] = {}
-"""Each operator's calls in a row that were not taken from memory (absent after one that was)."""
 
 
 def _frozen(call: Call, spec: OpSpec) -> Call:

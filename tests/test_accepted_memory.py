@@ -1,0 +1,104 @@
+"""The validator's memory of accepted calls (unicoll.validate), on a world of one rank: what a
+remembered call keeps, that calls taken from it still compute the right thing, and how it
+admits calls when every call brings new counts."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import unicoll as uc
+from unicoll import runtime, validate
+from unicoll.cache import BoundedCache
+from unicoll.spec import GLOBAL_SCATTER
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+def _memory() -> BoundedCache:
+    return runtime.state("test").accepted
+
+
+def test_remembered_calls_keep_no_caller_array_and_serve_new_arrays() -> None:
+    """Each call below is remembered (its signature repeats); the caller's arrays and counts
+    die with the caller's last reference, and the calls taken from memory use the new
+    call's arrays, never the remembered one's."""
+    uc.init("gloo")
+    refs = []
+    for step in range(3):
+        x, out = torch.arange(6.0) + step, torch.empty(6)
+        counts = np.array([2, 1, 3])
+        assert uc.alltoall_single(out, x) is out and torch.equal(out, x)
+        y = uc.global_scatter(x.numpy(), counts, counts)  # one rank, three experts: the rows as they are
+        np.testing.assert_array_equal(y, x.numpy())
+        np.testing.assert_array_equal(uc.global_gather(y, counts, counts.copy()), x.numpy())
+        assert torch.equal(uc.all_reduce(x.clone()), x)
+        refs += [weakref.ref(a) for a in (x, out, counts)]
+        del x, out, counts, y
+    gc.collect()
+    assert len(_memory()) >= 4
+    assert all(ref() is None for ref in refs)
+
+
+def test_a_remembered_call_is_not_changed_by_the_calls_it_serves() -> None:
+    """A call taken from memory with counts of the same values but another array object, and
+    the caller's counts changed in place after a call: the remembered counts stay the ones read."""
+    uc.init("gloo")
+    counts = np.array([1, 2])
+    x = np.arange(3.0)
+    uc.global_scatter(x, counts, counts)
+    counts[:] = [2, 1]  # the remembered call copied the counts it read
+    np.testing.assert_array_equal(uc.global_scatter(x, counts, counts), x)
+    with pytest.raises(ValueError, match="sum\\(local_count\\)=3 for x with 4 rows"):
+        uc.global_scatter(np.arange(4.0), counts, counts)
+
+
+def test_after_a_streak_of_new_counts_one_call_in_streak_is_remembered() -> None:
+    """Counts that never repeat (a training loop's router): the first calls of the streak are
+    remembered, then one in ``_STREAK``; once counts repeat, the memory serves them again and
+    remembers every call again."""
+    uc.init("gloo")
+    streak, x = validate._STREAK, np.arange(40.0)
+    fresh = iter([np.array([a, 40 - a - b, b]) for a in range(41) for b in range(41 - a)])  # 861, all distinct
+    for _ in range(streak - 1):
+        uc.global_scatter(x, (c := next(fresh)), c)
+    remembered = len(_memory())
+    assert remembered == streak - 1
+    for _ in range(3 * streak):
+        uc.global_scatter(x, (c := next(fresh)), c)
+    assert len(_memory()) == remembered + 3  # the streak's 64th, 128th and 192nd call
+    assert runtime.state("test").missed[GLOBAL_SCATTER] >= streak
+    repeated = np.array([20, 0, 20])
+    for _ in range(streak):  # remembered at the streak's next multiple of 64 at the latest, then served
+        np.testing.assert_array_equal(uc.global_scatter(x, repeated, repeated), x)
+    assert GLOBAL_SCATTER not in runtime.state("test").missed  # the last call came from memory
+    before = len(_memory())
+    uc.global_scatter(x, (c := np.array([40, 0, 0])), c)  # not yet in the stream above
+    assert len(_memory()) == before + 1  # remembered at once again
+
+
+def test_the_memory_counts_a_plans_lists() -> None:
+    """alltoall_single remembers its split sizes as lists (its plan): counted in the bytes."""
+    uc.init("gloo")
+    x = np.arange(4.0)
+    uc.alltoall_single(None, x, in_split_sizes=[4], out_split_sizes=[4])
+    kept = _memory().nbytes
+    assert kept == validate._ENTRY_OVERHEAD + 2 * validate._BYTES_PER_COUNT + 2 * validate._BYTES_PER_PLANNED
+
+
+def test_transport_stubbed_forgets_the_calls_remembered_with_the_real_transport() -> None:
+    """Remembered calls carry the backend they ran on: the stub's must not move bytes after the
+    block, nor the real one's run inside it."""
+    uc.init("gloo")
+    x, out = np.arange(4.0), np.zeros(4)
+    uc.alltoall_single(out, x)
+    with runtime.transport_stubbed():
+        out[:] = -1
+        uc.alltoall_single(out, x)
+        assert out.tolist() == [-1.0] * 4
+    uc.alltoall_single(out, x)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
