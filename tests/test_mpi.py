@@ -225,3 +225,31 @@ def test_bench_compares_with_bare_mpi4py_and_a_memory_copy(tmp_path) -> None:
     assert [c["size_bytes"] for c in result["copy"]] == [1024, 2048] and all(c["gbps"] > 0 for c in result["copy"])
     assert "# raw = bare mpi4py Alltoallv/Allgather" in done.stdout
     assert "# memory copy: one process" in done.stdout
+
+
+def dropped_inputs(rank: int) -> bool:
+    """Asynchronous transfers whose input the caller drops at once (and a staged copy of a
+    non-contiguous input, which nothing else holds): MPI reads them after the call returns,
+    while the peer is late and other allocations reuse freed memory, so the transfer must
+    keep them alive."""
+    import gc
+
+    rows = 2**20  # 8 MiB of float64 each way: sent once the late peer arrives, not at the call
+    out, gathered = torch.empty(2 * rows), torch.empty(2 * rows)
+    if rank == 1:
+        time.sleep(0.3)
+    source = torch.arange(4 * rows, dtype=torch.float64).float() + 10 * rank
+    moved = uc.alltoall_single(out, source[::2], sync_op=False)  # strided: staged through a contiguous copy
+    shared = uc.all_gather(gathered, torch.full((rows,), float(rank)), sync_op=False)
+    del source
+    gc.collect()
+    noise = [torch.full((rows,), -1.0) for _ in range(8)]  # reuses the freed memory
+    moved.wait(), shared.wait()
+    del noise
+    sent_to_me = torch.arange(4 * rows, dtype=torch.float64).float()[::2]
+    expected = torch.cat([sent_to_me[rank * rows : (rank + 1) * rows] + 10 * c for c in range(2)])
+    return bool(torch.equal(out, expected)) and gathered.tolist() == [0.0] * rows + [1.0] * rows
+
+
+def test_an_asynchronous_transfer_keeps_the_arrays_the_caller_dropped() -> None:
+    assert uc.testing.spawn(dropped_inputs, 2, backend="mpi", timeout=120) == [True, True]

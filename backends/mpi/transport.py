@@ -122,12 +122,14 @@ def _bfloat16_reduction(op: str) -> MPI.Op:
 
 
 class _MpiWork:
-    """An MPI request seen through unicoll's ``Work`` protocol."""
+    """An MPI request seen through unicoll's ``Work`` protocol; ``keep``: the arrays whose
+    memory the transfer uses, kept alive until the work is (:func:`_bytes_of`)."""
 
-    def __init__(self, request: MPI.Request, what: str, spin: float) -> None:
+    def __init__(self, request: MPI.Request, what: str, spin: float, keep: tuple[Any, ...] = ()) -> None:
         self._request = request
         self._what = what
         self._spin = spin
+        self._keep = keep
 
     def wait(self, timeout: float) -> None:
         _wait(self._request, timeout, self._what, self._spin)
@@ -146,6 +148,20 @@ def _host_view(a: Any) -> np.ndarray:
     import torch
 
     return (a.view(torch.int16) if a.dtype == torch.bfloat16 else a).numpy()
+
+
+def _bytes_of(a: Any) -> tuple[Any, int]:
+    """What MPI moves of ``a`` (a contiguous numpy array or torch CPU tensor) as rows of bytes:
+    a buffer over its memory, and the bytes of one row. A tensor's buffer is made from its
+    address, for a third of what a numpy view of it costs; it does not keep the tensor alive,
+    so a transfer that outlives its call keeps the tensor in its work (:class:`_MpiWork`)."""
+    if isinstance(a, np.ndarray):
+        return a, a.itemsize * math.prod(a.shape[1:])
+    return MPI.buffer.fromaddress(a.data_ptr(), a.nbytes), a.element_size() * math.prod(a.shape[1:])
+
+
+def _row_bytes(view: np.ndarray) -> int:
+    return view.itemsize * math.prod(view.shape[1:])
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
@@ -185,16 +201,15 @@ class MpiBackend(Backend):
     def _comm(self, group: Group) -> MPI.Intracomm:
         return self._world if group.handle is None else group.handle
 
-    def _done(self, request: MPI.Request, what: str, async_op: bool) -> Work | None:
+    def _done(self, request: MPI.Request, what: str, async_op: bool, keep: tuple[Any, ...] = ()) -> Work | None:
         if async_op:
-            return _MpiWork(request, what, self._spin)
+            return _MpiWork(request, what, self._spin, keep)
         _wait(request, self._timeout, what, self._spin)
         return None
 
-    def _row_type(self, view: np.ndarray) -> MPI.Datatype:
-        """The committed contiguous datatype of one row of ``view``, cached per row size (at
-        most :data:`_ROW_TYPES_KEPT` sizes; the oldest is freed first)."""
-        row_bytes = view.itemsize * math.prod(view.shape[1:])
+    def _row_type(self, row_bytes: int) -> MPI.Datatype:
+        """The committed contiguous datatype of one row of ``row_bytes`` bytes, cached per row
+        size (at most :data:`_ROW_TYPES_KEPT` sizes; the oldest is freed first)."""
         row_type = self._row_types.get(row_bytes)
         if row_type is None:
             if len(self._row_types) >= _ROW_TYPES_KEPT:  # MPI keeps a freed type until its transfers complete
@@ -255,8 +270,8 @@ class MpiBackend(Backend):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Work | None:
-        send, recv = _host_view(x), _host_view(out)
-        row = self._row_type(send)
+        (send, row_bytes), (recv, _) = _bytes_of(x), _bytes_of(out)
+        row = self._row_type(row_bytes)
         try:
             request = self._comm(group).Ialltoallv(
                 [send, (in_splits, _displacements(in_splits)), row],
@@ -264,17 +279,17 @@ class MpiBackend(Backend):
             )
         except MPI.Exception as exc:
             raise _failure(exc, "alltoallv") from exc
-        return self._done(request, "alltoallv", async_op)
+        return self._done(request, "alltoallv", async_op, (x, out))
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        send, recv = _host_view(x), _host_view(out)
-        row = self._row_type(send)
-        rows = send.shape[0]
+        (send, row_bytes), (recv, _) = _bytes_of(x), _bytes_of(out)
+        row = self._row_type(row_bytes)
+        rows = x.shape[0]
         try:
             request = self._comm(group).Iallgather([send, rows, row], [recv, rows, row])
         except MPI.Exception as exc:
             raise _failure(exc, "allgather") from exc
-        return self._done(request, "allgather", async_op)
+        return self._done(request, "allgather", async_op, (x, out))
 
     def _reduction(self, op: str, x: Any) -> MPI.Op:
         """MPI's operation for the transport reduction ``op`` on ``x``: the logical ones on bool,
@@ -327,7 +342,7 @@ class MpiBackend(Backend):
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         view = _host_view(x)
         try:
-            request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(view)], root=src)
+            request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(_row_bytes(view))], root=src)
         except MPI.Exception as exc:
             raise _failure(exc, "broadcast") from exc
         return self._done(request, "broadcast", async_op)
@@ -384,7 +399,7 @@ class MpiBackend(Backend):
         rank c) and an expert-major one (``counts[c, e]`` rows per rank c and expert e), from
         the first to the second when ``scatter``, else back."""
         contiguous_view, placed_view = _host_view(rank_major), _host_view(expert_major)
-        row = self._row_type(contiguous_view)
+        row = self._row_type(_row_bytes(contiguous_view))
         starts = _expert_major_starts(counts)
         placed = [row.Create_indexed(counts[c].tolist(), starts[:, c].tolist()).Commit() for c in range(len(splits))]
         contiguous = [contiguous_view, (splits, [d * row.extent for d in _displacements(splits)]), [row] * len(splits)]
