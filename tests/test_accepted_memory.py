@@ -102,3 +102,13 @@ def test_transport_stubbed_forgets_the_calls_remembered_with_the_real_transport(
         assert out.tolist() == [-1.0] * 4
     uc.alltoall_single(out, x)
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_float_tensor_counts_get_the_counts_error(dtype: torch.dtype) -> None:
+    """Counts of a floating torch dtype are refused by the reader with the usual message,
+    bfloat16 too (which numpy, where signatures read counts' bytes, does not have)."""
+    uc.init("gloo")
+    counts = torch.tensor([4], dtype=dtype)
+    with pytest.raises(TypeError, match="global_scatter: local_count: expected an integer array"):
+        uc.global_scatter(np.arange(4.0), counts, counts)

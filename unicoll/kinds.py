@@ -196,9 +196,9 @@ def _sign_counts(value: Any) -> Any:
     library = library_of(value)
     if library == "numpy":  # the dtype tells the byte order apart
         return ("numpy", value.dtype, value.shape, value.tobytes())
-    if library == "torch" and value.device.type == "cpu":
+    if library == "torch" and value.device.type == "cpu" and not value.dtype.is_floating_point:
         return ("torch", value.dtype, value.shape, value.numpy().tobytes())
-    return None
+    return None  # counts on a GPU, or floats (refused by the reader; numpy has no bfloat16)
 
 
 def _sign_flag(value: Any) -> Any:
