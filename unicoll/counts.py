@@ -72,6 +72,15 @@ def total(counts: np.ndarray) -> int:
     return sum(counts.tolist()) if counts.size <= _FEW else int(counts.sum())
 
 
+def even_split(rows: int, world: int) -> list[int]:
+    """The split sizes of ``rows`` rows shared evenly by ``world`` ranks (``rows`` divisible by it).
+
+    >>> even_split(6, 3)
+    [2, 2, 2]
+    """
+    return [rows // world] * world
+
+
 def rank_totals(counts: np.ndarray, world: int) -> list[int]:
     """The sums of the ``world`` consecutive blocks of validated counts (one per rank).
 

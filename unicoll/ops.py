@@ -19,7 +19,7 @@ import numpy as np
 from .arrays import describe, library_of, overlaps
 from .backends.base import Backend, Pending
 from .check import verify
-from .counts import Counts
+from .counts import Counts, even_split
 from .entry import enter, exclusive, exclusive_as, leave
 from .errors import TransportError, bad_input, reported, translated
 from .group import Group
@@ -44,13 +44,23 @@ def _run(op: str, call: Call, issue: Callable[[], Pending], finish: Callable[[An
     """Issue the transfers, then run ``finish(native_result)`` now (``sync_op=True``) or at
     ``Task.wait()``; transport failures become :class:`~unicoll.CommunicationError` naming
     ``op`` and the group."""
-    try:  # translated() inlined: this is every call's hot path
+    if call.sync_op:
+        return finish(_now(op, call, issue))
+    try:
         pending = issue()
-        if call.sync_op:
-            return finish(pending.finish())
     except TransportError as exc:
         raise reported(exc, op, call.group, call.timeout) from exc
     return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op, call.group)
+
+
+def _now(op: str, call: Call, issue: Callable[..., Pending], *args: Any) -> Any:
+    """``issue(*args)`` completed: its native result; transport failures become
+    :class:`~unicoll.CommunicationError` naming ``op`` and the group. The synchronous calls'
+    path (:func:`_run`, and the operators' steady state, which calls it without closures)."""
+    try:  # translated() inlined: this is every call's hot path
+        return issue(*args).finish()
+    except TransportError as exc:
+        raise reported(exc, op, call.group, call.timeout) from exc
 
 
 def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -138,10 +148,7 @@ def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
 
     finish = _functional(spec.name, call, x, lambda g: backward(g, lc, gc, grp, False).finish())
     if call.sync_op and not call.check:  # the steady state of a loop: no closure to issue, no Task
-        try:
-            return finish(forward(backend.to_native(x), lc, gc, grp, False, call.use_calc_stream).finish())
-        except TransportError as exc:
-            raise reported(exc, spec.name, grp, call.timeout) from exc
+        return finish(_now(spec.name, call, forward, backend.to_native(x), lc, gc, grp, False, call.use_calc_stream))
 
     def issue() -> Pending:
         if call.check:
@@ -165,10 +172,6 @@ def _native_input(backend: Backend, x: Any, out: Any | None) -> Any:
 def _copy(x: Any) -> Any:
     """A copy of a native array (torch tensors clone, numpy and cupy arrays copy)."""
     return x.clone() if library_of(x) == "torch" else x.copy()
-
-
-def _even(rows: int, world: int) -> list[int]:
-    return [rows // world] * world
 
 
 @traceable
@@ -260,12 +263,10 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     backend, grp = call.backend, call.group
     in_splits, out_splits = call.plan
     if out_tensor is not None and sync_op and not call.check:  # the steady state of a loop: no closures, no Task
-        try:
-            native_out = backend.to_native(out_tensor)
-            native_in = _native_input(backend, in_tensor, out_tensor)
-            backend.alltoall_single(native_out, native_in, out_splits, in_splits, grp, False, use_calc_stream).finish()
-        except TransportError as exc:
-            raise reported(exc, ALLTOALL_SINGLE.name, grp, call.timeout) from exc
+        _now(
+            ALLTOALL_SINGLE.name, call, _issue_alltoall,
+            backend, out_tensor, in_tensor, out_splits, in_splits, grp, False, use_calc_stream,
+        )  # fmt: skip
         return out_tensor, out_splits
 
     def issue() -> Pending:
@@ -274,16 +275,7 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
             verify(ALLTOALL_SINGLE, call, in_splits=in_splits, out_splits=out_splits)
         if out_splits is None:
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
-        out_native = None if out_tensor is None else backend.to_native(out_tensor)
-        return backend.alltoall_single(
-            out_native,
-            _native_input(backend, in_tensor, out_tensor),
-            out_splits,
-            in_splits,
-            grp,
-            not sync_op,
-            use_calc_stream,
-        )
+        return _issue_alltoall(backend, out_tensor, in_tensor, out_splits, in_splits, grp, not sync_op, use_calc_stream)
 
     if out_tensor is not None:
         finish = lambda _: out_tensor  # noqa: E731
@@ -292,6 +284,22 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
         finish = _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward)
     result = _run(ALLTOALL_SINGLE.name, call, issue, finish)  # issues: out_splits known from here on
     return result, out_splits
+
+
+def _issue_alltoall(
+    backend: Backend,
+    out_tensor: Any | None,
+    in_tensor: Any,
+    out_splits: list[int],
+    in_splits: list[int],
+    grp: Group,
+    async_op: bool,
+    use_calc_stream: bool,
+) -> Pending:
+    """The backend's alltoall_single on the caller's arrays (the input staged where it overlaps the output)."""
+    out_native = None if out_tensor is None else backend.to_native(out_tensor)
+    native_in = _native_input(backend, in_tensor, out_tensor)
+    return backend.alltoall_single(out_native, native_in, out_splits, in_splits, grp, async_op, use_calc_stream)
 
 
 @traceable
@@ -474,7 +482,7 @@ def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
     call = prepare(REDUCE_SCATTER, arguments)
     out, tensor, op, sync_op = arguments["out"], arguments["tensor"], arguments["op"], arguments["sync_op"]
     backend, grp = call.backend, call.group
-    rows = call.split_sizes.tolist() if call.split_sizes is not None else _even(tensor.shape[0], call.W)
+    rows = call.split_sizes.tolist() if call.split_sizes is not None else even_split(tensor.shape[0], call.W)
 
     def issue() -> Pending:
         if call.check:

@@ -20,7 +20,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
-from .counts import total
+from .counts import even_split, total
 from .kinds import (
     ARRAY,
     COUNTS,
@@ -331,18 +331,14 @@ def _rows_to_self(c: Call) -> str | None:
     return f"{received} rows from this rank (position {me}){source} while it sends itself {sent}"
 
 
-def _even(rows: int, world: int) -> list[int]:
-    return [rows // world] * world
-
-
 def _alltoall_splits(c: Call) -> tuple[list[int], list[int] | None]:
     """alltoall_single's send and receive sizes as lists; the receive sizes None where they
     are exchanged (only in_split_sizes given, no out_tensor)."""
-    sent = c.in_split_sizes.tolist() if c.in_split_sizes is not None else _even(_rows(c.in_tensor), c.W)
+    sent = c.in_split_sizes.tolist() if c.in_split_sizes is not None else even_split(_rows(c.in_tensor), c.W)
     if c.out_split_sizes is not None:
         return sent, c.out_split_sizes.tolist()
     if c.out_tensor is not None:
-        return sent, _even(_rows(c.out_tensor), c.W)
+        return sent, even_split(_rows(c.out_tensor), c.W)
     return sent, (sent if c.in_split_sizes is None else None)
 
 

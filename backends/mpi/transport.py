@@ -156,7 +156,7 @@ def _bytes_of(a: Any) -> tuple[Any, int]:
     address, for a third of what a numpy view of it costs; it does not keep the tensor alive,
     so a transfer that outlives its call keeps the tensor in its work (:class:`_MpiWork`)."""
     if isinstance(a, np.ndarray):
-        return a, a.itemsize * math.prod(a.shape[1:])
+        return a, _row_bytes(a)
     return MPI.buffer.fromaddress(a.data_ptr(), a.nbytes), a.element_size() * math.prod(a.shape[1:])
 
 
