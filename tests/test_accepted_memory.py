@@ -59,8 +59,8 @@ def test_a_remembered_call_is_not_changed_by_the_calls_it_serves() -> None:
 
 def test_after_a_streak_of_new_counts_one_call_in_streak_is_remembered() -> None:
     """Counts that never repeat (a training loop's router): the first calls of the streak are
-    remembered, then one in ``_STREAK``; once counts repeat, the memory serves them again and
-    remembers every call again."""
+    remembered, then one in ``_STREAK``; once counts repeat, the memory serves them again, each
+    call served takes ``_CREDIT`` off the count, and every call is remembered again."""
     uc.init("gloo")
     streak, x = validate._STREAK, np.arange(40.0)
     fresh = iter([np.array([a, 40 - a - b, b]) for a in range(41) for b in range(41 - a)])  # 861, all distinct
@@ -72,13 +72,41 @@ def test_after_a_streak_of_new_counts_one_call_in_streak_is_remembered() -> None
         uc.global_scatter(x, (c := next(fresh)), c)
     assert len(_memory()) == remembered + 3  # the streak's 64th, 128th and 192nd call
     assert runtime.state("test").missed[GLOBAL_SCATTER] >= streak
-    repeated = np.array([20, 0, 20])
-    for _ in range(streak):  # remembered at the streak's next multiple of 64 at the latest, then served
+    repeated, missed = np.array([20, 0, 20]), runtime.state("test").missed
+    before = len(_memory())
+    for _ in range(streak):  # remembered at the count's next multiple of 64 at the latest
         np.testing.assert_array_equal(uc.global_scatter(x, repeated, repeated), x)
-    assert GLOBAL_SCATTER not in runtime.state("test").missed  # the last call came from memory
+        if len(_memory()) > before:
+            break
+    count = missed[GLOBAL_SCATTER]
+    np.testing.assert_array_equal(uc.global_scatter(x, repeated, repeated), x)  # served
+    assert missed[GLOBAL_SCATTER] == count - validate._CREDIT
+    for _ in range(count // validate._CREDIT):
+        uc.global_scatter(x, repeated, repeated)
+    assert GLOBAL_SCATTER not in missed
     before = len(_memory())
     uc.global_scatter(x, (c := np.array([40, 0, 0])), c)  # not yet in the stream above
     assert len(_memory()) == before + 1  # remembered at once again
+
+
+def test_counts_that_come_back_now_and_then_do_not_restart_the_streak() -> None:
+    """A router whose counts repeat once in a while (here one call in 20 is served): each served
+    call takes only ``_CREDIT`` off the count, so the memory keeps remembering about one new call
+    in ``_STREAK`` instead of starting over at every call it serves."""
+    uc.init("gloo")
+    streak, x = validate._STREAK, np.arange(40.0)
+    fresh = iter(
+        [np.array([a, b, c, 40 - a - b - c]) for a in range(41) for b in range(41 - a) for c in range(41 - a - b)]
+    )
+    repeated = np.array([10, 10, 10, 10])
+    uc.global_scatter(x, repeated, repeated)
+    for _ in range(streak):
+        uc.global_scatter(x, (c := next(fresh)), c)
+    before, calls = len(_memory()), 20 * streak
+    for i in range(calls):
+        counts = repeated if i % 20 == 0 else next(fresh)
+        uc.global_scatter(x, counts, counts)
+    assert len(_memory()) - before <= 2 * calls // streak  # a served call can bring a multiple of 64 back once
 
 
 def test_the_memory_counts_a_plans_lists() -> None:

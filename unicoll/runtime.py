@@ -47,7 +47,7 @@ class _State:
     check: bool
     #: Calls accepted by the validator in this session, by signature (see unicoll.validate).
     accepted: BoundedCache = field(default_factory=lambda: BoundedCache(ACCEPTED_CACHE_BYTES))
-    #: Each operator's calls in a row that the memory could not serve (absent after one it served).
+    #: Each operator's count of calls the memory could not serve, less a credit per call served (unicoll.validate).
     missed: dict = field(default_factory=dict)
 
 

@@ -50,8 +50,12 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
             kept = _frozen(call.copy() if state.check else call, spec)  # check mode returns the arrays too
             state.accepted.put(key, kept, _remembered_bytes(kept, spec))
         return call
-    if spec in state.missed:
-        del state.missed[spec]
+    missed = state.missed.get(spec)
+    if missed is not None:  # absent in a loop the memory serves: one lookup
+        if missed > _CREDIT:
+            state.missed[spec] = missed - _CREDIT
+        else:
+            del state.missed[spec]
     if not state.check:
         return accepted
     call = accepted.copy()
@@ -61,10 +65,16 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
 
 
 _STREAK = 64
-"""After this many calls in a row of one operator that the memory could not serve (new counts
-every call, as a training loop's router makes them), only every this-many-th is remembered:
-keeping the others costs a few microseconds each, serves no later call and pushes out calls
-that come back; one in this many notices when the arguments start to repeat."""
+"""Once an operator's count of missed calls reaches this many (new counts every call, as a
+training loop's router makes them), only about one call in this many is remembered: keeping
+the others costs a microsecond or more each, serves no later call and pushes out calls that
+come back; one in this many notices when the arguments start to repeat."""
+
+_CREDIT = 8
+"""What a call the memory served takes off its operator's count of missed calls. Counts that
+come back now and then (one call in ten or fewer served) still let the count grow to
+:data:`_STREAK`; a loop whose calls mostly repeat brings it back down (the operator is then
+absent from the counts), and every call is remembered again."""
 
 
 def _frozen(call: Call, spec: OpSpec) -> Call:
