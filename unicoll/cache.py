@@ -7,8 +7,8 @@ values only).
 
 Every call of an operator looks its arguments up here, so a hit must cost next to nothing: the
 entries live in one :class:`collections.OrderedDict` in use order (a hit is a lookup and a
-``move_to_end``, both in C: 0.15 µs, where ``cachetools.LRUCache`` took 0.7 µs through five
-Python frames), beside a running count of their bytes.
+``move_to_end``, both in C: 0.18 µs for an operator's key, where ``cachetools.LRUCache`` took
+0.32 µs through five Python frames), beside a running count of their bytes.
 """
 
 from __future__ import annotations

@@ -263,10 +263,9 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     backend, grp = call.backend, call.group
     in_splits, out_splits = call.plan
     if out_tensor is not None and sync_op and not call.check:  # the steady state of a loop: no closures, no Task
-        native_out, native_in = backend.to_native(out_tensor), _native_input(backend, in_tensor, out_tensor)
         _now(
-            ALLTOALL_SINGLE.name, call, backend.alltoall_single,
-            native_out, native_in, out_splits, in_splits, grp, False, use_calc_stream,
+            ALLTOALL_SINGLE.name, call, _issue_alltoall,
+            backend, out_tensor, in_tensor, out_splits, in_splits, grp, False, use_calc_stream,
         )  # fmt: skip
         return out_tensor, out_splits
 
@@ -276,9 +275,7 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
             verify(ALLTOALL_SINGLE, call, in_splits=in_splits, out_splits=out_splits)
         if out_splits is None:
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
-        native_out = None if out_tensor is None else backend.to_native(out_tensor)
-        native_in = _native_input(backend, in_tensor, out_tensor)
-        return backend.alltoall_single(native_out, native_in, out_splits, in_splits, grp, not sync_op, use_calc_stream)
+        return _issue_alltoall(backend, out_tensor, in_tensor, out_splits, in_splits, grp, not sync_op, use_calc_stream)
 
     if out_tensor is not None:
         finish = lambda _: out_tensor  # noqa: E731
@@ -287,6 +284,22 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
         finish = _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward)
     result = _run(ALLTOALL_SINGLE.name, call, issue, finish)  # issues: out_splits known from here on
     return result, out_splits
+
+
+def _issue_alltoall(
+    backend: Backend,
+    out_tensor: Any | None,
+    in_tensor: Any,
+    out_splits: list[int],
+    in_splits: list[int],
+    grp: Group,
+    async_op: bool,
+    use_calc_stream: bool,
+) -> Pending:
+    """The backend's alltoall_single on the caller's arrays (the input staged where it overlaps the output)."""
+    out_native = None if out_tensor is None else backend.to_native(out_tensor)
+    native_in = _native_input(backend, in_tensor, out_tensor)
+    return backend.alltoall_single(out_native, native_in, out_splits, in_splits, grp, async_op, use_calc_stream)
 
 
 @traceable
