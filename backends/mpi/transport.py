@@ -43,6 +43,7 @@ from mpi4py import MPI
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.mpi.bfloat16 import reduce_words
+from unicoll.counts import rank_totals
 from unicoll.errors import TransportError, TransportTimeoutError
 
 if TYPE_CHECKING:
@@ -73,6 +74,14 @@ def yield_after(world_size: int) -> float:
     local = next((int(v) for v in map(os.environ.get, _LOCAL_SIZE_VARIABLES) if v and v.isdigit()), world_size)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
     return _YIELD_AFTER_S if local > cores else math.inf
+
+
+def _fused(x: Any, counts: np.ndarray) -> bool:
+    """Whether global_scatter/global_gather of ``x`` with the expert-major side's ``counts``
+    (one row per rank, one column per expert) take the fused ``Ialltoallw``: not where
+    rank-major already is expert-major (one rank, or one expert per rank), nor below
+    :data:`_FUSED_FROM_BYTES`."""
+    return counts.shape[0] > 1 and counts.shape[1] > 1 and x.nbytes >= _FUSED_FROM_BYTES
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
@@ -359,11 +368,10 @@ class MpiBackend(Backend):
         """Fused: the rows from each rank land straight in expert-major order (see the module)."""
         world = group.world_size
         received = global_count.reshape(world, -1)
-        if world == 1 or received.shape[1] == 1 or x.nbytes < _FUSED_FROM_BYTES:  # rank-major is expert-major, or small
+        if not _fused(x, received):
             return super().global_scatter(x, local_count, global_count, group, async_op, calc_stream)
         out = self.empty_rows(x, int(received.sum()))
-        sent = local_count.reshape(world, -1).sum(axis=1).tolist()
-        work = self._expert_major_alltoall(x, out, received, sent, True, group, async_op)
+        work = self._expert_major_alltoall(x, out, received, rank_totals(local_count, world), True, group, async_op)
         return issued(work, lambda: out)
 
     def global_gather(
@@ -378,11 +386,10 @@ class MpiBackend(Backend):
         """Fused: each rank's rows are sent straight from their expert-major places."""
         world = group.world_size
         held = global_count.reshape(world, -1)
-        if world == 1 or held.shape[1] == 1 or x.nbytes < _FUSED_FROM_BYTES:
+        if not _fused(x, held):
             return super().global_gather(x, local_count, global_count, group, async_op, calc_stream)
         out = self.empty_rows(x, int(local_count.sum()))
-        back = local_count.reshape(world, -1).sum(axis=1).tolist()
-        work = self._expert_major_alltoall(out, x, held, back, False, group, async_op)
+        work = self._expert_major_alltoall(out, x, held, rank_totals(local_count, world), False, group, async_op)
         return issued(work, lambda: out)
 
     def _expert_major_alltoall(
