@@ -32,14 +32,12 @@ from .ops import _functional, _run
 from .routing import Handle, route
 from .spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from .task import Task
-from .tracing import traceable
 from .validate import prepare
 
 __all__ = ["Handle", "combine", "dispatch", "redispatch"]
 
 
-@traceable
-@exclusive_as(MOE_DISPATCH.name)
+@exclusive_as(MOE_DISPATCH.name, traceable=True)
 def dispatch(
     x: Any,
     topk_idx: Any,
@@ -68,8 +66,7 @@ def dispatch(
     return _dispatch(prepare(MOE_DISPATCH, arguments), arguments)
 
 
-@traceable
-@exclusive_as(MOE_REDISPATCH.name)
+@exclusive_as(MOE_REDISPATCH.name, traceable=True)
 def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send other rows of the same tokens along a handle's routing: a second layer's dispatch
     with no sort and no count exchange. Returns the rows, laid out as :func:`dispatch`'s were
@@ -84,8 +81,7 @@ def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     return _redispatch(prepare(MOE_REDISPATCH, arguments), arguments)
 
 
-@traceable
-@exclusive_as(MOE_COMBINE.name)
+@exclusive_as(MOE_COMBINE.name, traceable=True)
 def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     """Send expert outputs back and sum each token's slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
 

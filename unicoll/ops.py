@@ -20,7 +20,7 @@ from .arrays import describe, library_of, overlaps
 from .backends.base import Backend, Pending
 from .check import verify
 from .counts import Counts, even_split
-from .entry import enter, exclusive, exclusive_as, leave
+from .entry import collective, enter, exclusive_as, leave
 from .errors import TransportError, bad_input, reported, translated
 from .group import Group
 from .spec import (
@@ -36,7 +36,6 @@ from .spec import (
     OpSpec,
 )
 from .task import Task
-from .tracing import traceable
 from .validate import prepare
 
 
@@ -174,8 +173,7 @@ def _copy(x: Any) -> Any:
     return x.clone() if library_of(x) == "torch" else x.copy()
 
 
-@traceable
-@exclusive
+@collective
 def global_scatter(
     x: Any,
     local_count: Counts,
@@ -196,8 +194,7 @@ def global_scatter(
     return _moe(GLOBAL_SCATTER, locals(), inverse=GLOBAL_GATHER)
 
 
-@traceable
-@exclusive
+@collective
 def global_gather(
     x: Any,
     local_count: Counts,
@@ -214,8 +211,7 @@ def global_gather(
     return _moe(GLOBAL_GATHER, locals(), inverse=GLOBAL_SCATTER)
 
 
-@traceable
-@exclusive
+@collective
 def alltoall_single(
     out_tensor: Any | None,
     in_tensor: Any,
@@ -263,10 +259,13 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     backend, grp = call.backend, call.group
     in_splits, out_splits = call.plan
     if out_tensor is not None and sync_op and not call.check:  # the steady state of a loop: no closures, no Task
-        _now(
-            ALLTOALL_SINGLE.name, call, _issue_alltoall,
-            backend, out_tensor, in_tensor, out_splits, in_splits, grp, False, use_calc_stream,
-        )  # fmt: skip
+        try:  # into a given output, base.Backend.alltoall_single is the alltoallv primitive: called directly
+            backend.alltoallv(
+                backend.to_native(out_tensor), _native_input(backend, in_tensor, out_tensor),
+                out_splits, in_splits, grp, False, use_calc_stream,
+            )  # fmt: skip
+        except TransportError as exc:
+            raise reported(exc, ALLTOALL_SINGLE.name, grp, call.timeout) from exc
         return out_tensor, out_splits
 
     def issue() -> Pending:
@@ -302,8 +301,7 @@ def _issue_alltoall(
     return backend.alltoall_single(out_native, native_in, out_splits, in_splits, grp, async_op, use_calc_stream)
 
 
-@traceable
-@exclusive
+@collective
 def all_gather(
     tensor_or_tensor_list: Any | list | None,
     tensor: Any,
@@ -388,8 +386,7 @@ def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], lik
     return target
 
 
-@traceable
-@exclusive
+@collective
 def all_reduce(
     tensor: Any,
     op: str = "sum",
@@ -441,8 +438,7 @@ def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
     return _run(ALL_REDUCE.name, call, issue, _in_place(ALL_REDUCE.name, call, tensor, recorded, backward))
 
 
-@traceable
-@exclusive
+@collective
 def reduce_scatter(
     out: Any | None,
     tensor: Any,
@@ -505,8 +501,7 @@ def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
     return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
 
 
-@traceable
-@exclusive
+@collective
 def broadcast(
     tensor: Any,
     src: int,
@@ -561,8 +556,7 @@ def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
     return _run(BROADCAST.name, call, issue, _in_place(BROADCAST.name, call, tensor, recorded, backward))
 
 
-@traceable
-@exclusive
+@collective
 def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     """The ``global_count`` that goes with ``local_count``: one all-to-all of the counts.
 

@@ -1,6 +1,6 @@
 """unicoll's operators on torch tensors as ``torch.library`` custom ops, for torch.compile.
 
-While torch.compile traces a call to a public operator, :func:`unicoll.tracing.traceable`
+While torch.compile traces a call to a public operator, :func:`unicoll.tracing.hand_off`
 hands it to the function of the same name here. That function records the call as one custom
 op of the ``unicoll`` namespace, which the compiled graph runs as a whole:
 
