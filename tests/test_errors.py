@@ -136,6 +136,7 @@ CALLS = {
         "all_to_all_single",
         lambda: uc.alltoall_single(None, np.ones(2), sync_op=False).wait(),
     ),
+    "alltoall_single(out)": ("all_to_all_single", lambda: uc.alltoall_single(np.zeros(2), np.ones(2))),
     "all_gather": ("all_gather_single", lambda: uc.all_gather(None, np.ones(2))),
     "global_scatter": ("all_to_all_single", lambda: uc.global_scatter(np.ones(2), [2], [2])),
     "exchange_counts": ("all_to_all_single", lambda: uc.exchange_counts([2])),
