@@ -239,7 +239,9 @@ class Backend(ABC):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        """Uneven all-to-all of rows with resolved split sizes; allocates ``out`` when None."""
+        """Uneven all-to-all of rows with resolved split sizes; allocates ``out`` when None.
+        A synchronous call into a given output is :meth:`alltoallv` alone, and the front end
+        calls that primitive directly for it: an override here shapes the other calls only."""
         if out is None:
             out = self.empty_rows(x, sum(out_splits))
         work = self.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
