@@ -419,23 +419,43 @@ def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: 
 
 def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
     """all_reduce in place (``state`` None), or into a copy of the tensor for the traced operator."""
-    call = prepare(ALL_REDUCE, arguments)
-    tensor, op, sync_op = arguments["tensor"], arguments["op"], arguments["sync_op"]
-    backend, grp = call.backend, call.group
-    recorded = _recorded(ALL_REDUCE.name, call, tensor, op, True, state)
+    op, use_calc_stream = arguments["op"], arguments["use_calc_stream"]
+
+    def transfer(call: Call, native: Any, async_op: bool) -> Pending:
+        return call.backend.all_reduce(native, op, call.group, async_op, use_calc_stream)
+
+    def backward(call: Call, g: Any) -> Any:
+        return call.backend.all_reduce(_copy(g), op, call.group, False).finish()  # torch may use the gradient elsewhere
+
+    return _in_place_collective(ALL_REDUCE, arguments, state, op, transfer, backward)
+
+
+def _in_place_collective(
+    spec: OpSpec,
+    arguments: dict[str, Any],
+    state: str | None,
+    reduction: str | None,
+    transfer: Callable[[Call, Any, bool], Pending],
+    backward: Callable[[Call, Any], Any],
+) -> Any:
+    """all_reduce or broadcast (``spec``) on ``arguments["tensor"]``: in place (``state``
+    None), or into a copy of it for the traced operator, refused as the in-place call on a
+    tensor whose :func:`autograd_state` is ``state``. ``transfer(call, native, async_op)``
+    issues it; ``backward(call, grad)`` is its gradient's collective (``reduction``: the one
+    :func:`_recorded` checks, None for broadcast)."""
+    call = prepare(spec, arguments)
+    tensor = arguments["tensor"]
+    recorded = _recorded(spec.name, call, tensor, reduction, True, state)
     target = tensor if state is None else _copy(tensor)
 
     def issue() -> Pending:
         if call.check:
-            verify(ALL_REDUCE, call)
-        return backend.all_reduce(backend.to_native(target), op, grp, not sync_op, arguments["use_calc_stream"])
-
-    def backward(g: Any) -> Any:
-        return backend.all_reduce(_copy(g), op, grp, False).finish()  # torch may use the gradient elsewhere
+            verify(spec, call)
+        return transfer(call, call.backend.to_native(target), not arguments["sync_op"])
 
     if state is not None:
-        return _run(ALL_REDUCE.name, call, issue, lambda _: target)
-    return _run(ALL_REDUCE.name, call, issue, _in_place(ALL_REDUCE.name, call, tensor, recorded, backward))
+        return _run(spec.name, call, issue, lambda _: target)
+    return _run(spec.name, call, issue, _in_place(spec.name, call, tensor, recorded, lambda g: backward(call, g)))
 
 
 @collective
@@ -534,26 +554,18 @@ def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: 
 
 def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
     """broadcast in place (``state`` None), or into a copy of the tensor for the traced operator."""
-    call = prepare(BROADCAST, arguments)
-    tensor, sync_op = arguments["tensor"], arguments["sync_op"]
-    backend, grp = call.backend, call.group
-    recorded = _recorded(BROADCAST.name, call, tensor, None, True, state)
-    target = tensor if state is None else _copy(tensor)
+    use_calc_stream = arguments["use_calc_stream"]
 
-    def issue() -> Pending:
-        if call.check:
-            verify(BROADCAST, call)
-        return backend.broadcast(backend.to_native(target), call.src, grp, not sync_op, arguments["use_calc_stream"])
+    def transfer(call: Call, native: Any, async_op: bool) -> Pending:
+        return call.backend.broadcast(native, call.src, call.group, async_op, use_calc_stream)
 
-    def backward(g: Any) -> Any:
-        total = backend.all_reduce(_copy(g), "sum", grp, False).finish()
-        if grp.rank != call.src:
+    def backward(call: Call, g: Any) -> Any:
+        total = call.backend.all_reduce(_copy(g), "sum", call.group, False).finish()
+        if call.group.rank != call.src:
             total[...] = 0
         return total
 
-    if state is not None:
-        return _run(BROADCAST.name, call, issue, lambda _: target)
-    return _run(BROADCAST.name, call, issue, _in_place(BROADCAST.name, call, tensor, recorded, backward))
+    return _in_place_collective(BROADCAST, arguments, state, None, transfer, backward)
 
 
 @collective
