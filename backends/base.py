@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 from array_api_compat import array_namespace, device
 
-from unicoll.backends import layout
 from unicoll.forking import keep_forever
 
 if TYPE_CHECKING:
+    from unicoll.backends.layout import MoePlan
     from unicoll.group import Group
 
 
@@ -193,38 +193,22 @@ class Backend(ABC):
 
     # -- operators, composed from the primitives --------------------------------------------
 
-    def global_scatter(
-        self,
-        x: Any,
-        local_count: np.ndarray,
-        global_count: np.ndarray,
-        group: Group,
-        async_op: bool,
-        calc_stream: bool = False,
-    ) -> Pending:
-        """MoE dispatch; see docs/semantics.md. Counts are validated host int64 arrays of length W*E.
-        ``calc_stream`` on every operator: see :meth:`alltoallv`."""
-        plan = layout.moe_plan(local_count, global_count, group.world_size)
+    def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+        """MoE dispatch; see docs/semantics.md. ``plan``: what the front end derived from the
+        validated counts (:class:`~unicoll.backends.layout.MoePlan`: the rows per rank, the
+        counts received, the reorder). ``calc_stream`` on every operator: see :meth:`alltoallv`."""
         buffer = self.empty_rows(x, sum(plan.recv))
-        work = self.alltoallv(buffer, x, plan.recv, plan.send, group, async_op, calc_stream)
         order = plan.to_expert_major
+        work = self.alltoallv(buffer, x, plan.recv, plan.send, group, async_op, calc_stream)
         if order is None:
             return issued(work, lambda: buffer)
         return issued(work, lambda: self.take_rows(buffer, order))
 
-    def global_gather(
-        self,
-        x: Any,
-        local_count: np.ndarray,
-        global_count: np.ndarray,
-        group: Group,
-        async_op: bool,
-        calc_stream: bool = False,
-    ) -> Pending:
-        """MoE combine, the inverse of :meth:`global_scatter` with the same counts."""
-        plan = layout.moe_plan(local_count, global_count, group.world_size)
-        if plan.to_rank_major is not None:
-            x = self.take_rows(x, plan.to_rank_major)
+    def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+        """MoE combine, the inverse of :meth:`global_scatter` with the same plan."""
+        order = plan.to_rank_major
+        if order is not None:
+            x = self.take_rows(x, order)
         out = self.empty_rows(x, sum(plan.send))
         work = self.alltoallv(out, x, plan.send, plan.recv, group, async_op, calc_stream)
         return issued(work, lambda: out)

@@ -8,21 +8,12 @@ the index array that takes one order to the other, so the move itself is one ``t
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
-from unicoll.cache import BoundedCache
 from unicoll.counts import rank_totals
 
-PLAN_CACHE_BYTES = 16 * 2**20
-"""The most the plans of recent counts may hold: their reorder indices grow with the rows
-received, and a training loop brings new counts every step."""
-
-_ENTRY_OVERHEAD = 512
-"""Bytes counted per plan beside its arrays: the key's and the plan's Python objects."""
-
-_plans = BoundedCache(PLAN_CACHE_BYTES)
+_PLAN_OVERHEAD = 512
+"""Bytes counted per plan beside its arrays and lists: its Python objects."""
 
 
 def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
@@ -54,55 +45,62 @@ def expert_major_to_rank_major(counts: np.ndarray) -> np.ndarray:
     >>> expert_major_to_rank_major(np.array([[1, 2], [1, 0]]))
     array([0, 2, 3, 1])
     """
-    forward = rank_major_to_expert_major(counts)
-    inverse = np.empty_like(forward)
-    inverse[forward] = np.arange(forward.size, dtype=np.int64)
+    return _inverse(rank_major_to_expert_major(counts))
+
+
+def _inverse(order: np.ndarray) -> np.ndarray:
+    """The permutation that undoes ``order``."""
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size, dtype=np.int64)
     return inverse
 
 
-class MoePlan(NamedTuple):
-    """What global_scatter and global_gather derive from their counts, computed once per
-    distinct (local_count, global_count, W) while it stays among the recent ones (at most
-    :data:`PLAN_CACHE_BYTES` of plans), and shared between calls: treat it as read-only. (A
-    named tuple: one is made for every call with new counts, in a few hundred nanoseconds less
-    than a frozen dataclass.)
+class MoePlan:
+    """What global_scatter and global_gather derive from their counts: made where a call is
+    read in full and remembered with it (:func:`unicoll.validate.prepare`), or once per routing
+    (:mod:`unicoll.moe`'s handle), and shared by the calls, and the backward passes, that use
+    those counts: treat it as read-only. It keeps copies, never the caller's counts.
 
     ``send[c]``/``recv[c]``: rows global_scatter sends to / receives from rank c (global_gather
-    swaps them). ``to_expert_major``/``to_rank_major``: the reorders of the received rows, None
-    where rank-major already is expert-major (one rank, or one expert per rank).
+    swaps them). ``received[c, e]``: rows rank c sends this rank's expert e (global_count as a
+    ``(W, E)`` array). ``to_expert_major``/``to_rank_major``: the reorders of the received rows,
+    computed on first use (a backend that places rows itself never asks), None where rank-major
+    already is expert-major (one rank, or one expert per rank).
+
+    >>> plan = MoePlan(np.array([1, 0, 2, 1]), np.array([1, 0, 0, 2]), 2)
+    >>> plan.send, plan.recv, plan.to_expert_major
+    ([1, 3], [1, 2], array([0, 1, 2]))
     """
 
-    send: list[int]
-    recv: list[int]
-    to_expert_major: np.ndarray | None
-    to_rank_major: np.ndarray | None
+    __slots__ = ("send", "recv", "received", "reordered", "_to_expert_major", "_to_rank_major")
 
+    def __init__(self, local_count: np.ndarray, global_count: np.ndarray, world: int) -> None:
+        """``local_count``/``global_count``: validated host int64 counts of length ``world * E``."""
+        self.send = rank_totals(local_count, world)
+        self.recv = rank_totals(global_count, world)
+        self.received = global_count.reshape(world, -1).copy()  # not the caller's, which may change
+        self.reordered = world > 1 and self.received.shape[1] > 1
+        """Whether the received rows need a reorder: more than one rank and expert."""
+        self._to_expert_major: np.ndarray | None = None
+        self._to_rank_major: np.ndarray | None = None
 
-def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
-    """The :class:`MoePlan` of validated host int64 counts of length ``world * E``.
+    @property
+    def to_expert_major(self) -> np.ndarray | None:
+        """Indices that take the received (rank-major) rows to expert-major order."""
+        if self._to_expert_major is None and self.reordered:
+            self._to_expert_major = rank_major_to_expert_major(self.received)
+        return self._to_expert_major
 
-    >>> moe_plan(np.array([1, 0, 2, 1]), np.array([1, 0, 0, 2]), 2).recv
-    [1, 2]
-    """
-    key = (local_count.tobytes(), global_count.tobytes(), world)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plan(local_count, global_count, world)
-        _plans.put(key, plan, _plan_bytes(plan, key))
-    return plan
+    @property
+    def to_rank_major(self) -> np.ndarray | None:
+        """Indices that take expert-major rows back to rank-major order (global_gather's)."""
+        if self._to_rank_major is None and self.reordered:
+            self._to_rank_major = _inverse(self.to_expert_major)
+        return self._to_rank_major
 
-
-def _plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
-    received = global_count.reshape(world, -1)
-    if world == 1 or received.shape[1] == 1:
-        forward = inverse = None
-    else:
-        forward = rank_major_to_expert_major(received)
-        inverse = expert_major_to_rank_major(received)
-    return MoePlan(rank_totals(local_count, world), rank_totals(global_count, world), forward, inverse)
-
-
-def _plan_bytes(plan: MoePlan, key: tuple[bytes, bytes, int]) -> int:
-    """What ``plan`` and its ``key`` hold: the counts, the rank sums and the reorder indices."""
-    indices = 0 if plan.to_expert_major is None else 2 * plan.to_expert_major.nbytes  # the order and its inverse
-    return len(key[0]) + len(key[1]) + 16 * len(plan.send) + indices + _ENTRY_OVERHEAD
+    @property
+    def nbytes(self) -> int:
+        """What the plan holds once both reorders are made: counted in full from the start,
+        since a remembered plan makes them after it is counted."""
+        reorders = 2 * 8 * sum(self.recv) if self.reordered else 0
+        return self.received.nbytes + 16 * len(self.send) + reorders + _PLAN_OVERHEAD

@@ -47,7 +47,9 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     array([1, 0, 2])
     """
     if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1 and value.size <= _FEW:
-        _check_values(value.tolist(), op, param)  # the usual case, read as below but faster
+        values = value.tolist()  # the usual case, read as below but faster (refused by _check_values)
+        if values and (min(values) < 0 or max(values) > INT64_MAX // len(values)):
+            _check_values(values, op, param)
         return value
     lib = library_of(value)
     if lib is None:

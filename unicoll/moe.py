@@ -24,6 +24,7 @@ from array_api_compat import array_namespace, device
 
 from .arrays import describe, library_of
 from .backends.base import Pending
+from .backends.layout import MoePlan
 from .check import verify
 from .entry import exclusive_as
 from .errors import bad_input, translated
@@ -154,23 +155,24 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
     send_tokens = _like(routing.send_tokens, x)
     sent = _take(x, send_tokens)  # in x's library: autograd sums each token's slots
-    global_count = None
+    global_count = plan = None
 
     def issue() -> Pending:
-        nonlocal global_count
+        nonlocal global_count, plan
         if call.check:
             verify(MOE_DISPATCH, call)
         global_count = backend.exchange_ints(local_count.copy(), grp)
+        plan = MoePlan(local_count, global_count, grp.world_size)
         native = backend.to_native(sent)
-        return backend.global_scatter(native, local_count, global_count, grp, not call.sync_op, call.sync_op)
+        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
 
     def backward(grad: Any) -> Any:
-        return backend.global_gather(grad, local_count, global_count, grp, False).finish()
+        return backend.global_gather(grad, plan, grp, False).finish()
 
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, global_count, grp, shape, weights, send_tokens, slot_rows, kept, like=x)
+        handle = Handle(routing, global_count, plan, grp, shape, weights, send_tokens, slot_rows, kept, like=x)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
@@ -178,33 +180,33 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
 def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, handle = call.backend, call.group, arguments["handle"]
-    local_count, global_count = handle.local_count, handle.global_count
+    plan = handle.plan
     sent = _take(arguments["x"], handle.send_tokens)
 
     def issue() -> Pending:
         if call.check:
             verify(MOE_REDISPATCH, call)
         native = backend.to_native(sent)
-        return backend.global_scatter(native, local_count, global_count, grp, not call.sync_op, call.sync_op)
+        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
 
     def backward(grad: Any) -> Any:
-        return backend.global_gather(grad, local_count, global_count, grp, False).finish()
+        return backend.global_gather(grad, plan, grp, False).finish()
 
     return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, sent, backward))
 
 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, y, handle = call.backend, call.group, arguments["y"], arguments["handle"]
-    local_count, global_count = handle.local_count, handle.global_count
+    plan = handle.plan
 
     def issue() -> Pending:
         if call.check:
             verify(MOE_COMBINE, call)
         native = backend.to_native(y)
-        return backend.global_gather(native, local_count, global_count, grp, not call.sync_op, call.sync_op)
+        return backend.global_gather(native, plan, grp, not call.sync_op, call.sync_op)
 
     def backward(grad: Any) -> Any:
-        return backend.global_scatter(grad, local_count, global_count, grp, False).finish()
+        return backend.global_scatter(grad, plan, grp, False).finish()
 
     returned = _functional(MOE_COMBINE.name, call, y, backward)
     weights, slot_rows, kept = handle.weights, handle.slot_rows, handle.kept

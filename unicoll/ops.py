@@ -141,18 +141,17 @@ def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[A
 def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
     """global_scatter or global_gather (``spec``); the other one, ``inverse``, is its backward."""
     call = prepare(spec, arguments)
-    backend, x = call.backend, arguments["x"]
-    lc, gc, grp = call.local_count, call.global_count, call.group
+    backend, x, plan, grp = call.backend, arguments["x"], call.plan, call.group
     forward, backward = getattr(backend, spec.name), getattr(backend, inverse.name)
 
-    finish = _functional(spec.name, call, x, lambda g: backward(g, lc, gc, grp, False).finish())
+    finish = _functional(spec.name, call, x, lambda g: backward(g, plan, grp, False).finish())
     if call.sync_op and not call.check:  # the steady state of a loop: no closure to issue, no Task
-        return finish(_now(spec.name, call, forward, backend.to_native(x), lc, gc, grp, False, call.use_calc_stream))
+        return finish(_now(spec.name, call, forward, backend.to_native(x), plan, grp, False, call.use_calc_stream))
 
     def issue() -> Pending:
         if call.check:
             verify(spec, call)
-        return forward(backend.to_native(x), lc, gc, grp, not call.sync_op, call.use_calc_stream)
+        return forward(backend.to_native(x), plan, grp, not call.sync_op, call.use_calc_stream)
 
     return _run(spec.name, call, issue, finish)
 

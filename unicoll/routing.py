@@ -19,6 +19,7 @@ from .arrays import library_of
 from .session import join_session
 
 if TYPE_CHECKING:
+    from .backends.layout import MoePlan
     from .group import Group
 
 
@@ -88,6 +89,7 @@ class Handle:
         self,
         routing: Routing,
         global_count: np.ndarray,
+        plan: MoePlan,
         group: Group,
         topk_idx_shape: tuple[int, int],
         weights: Any,
@@ -99,6 +101,9 @@ class Handle:
         """``like``: the dispatched x, whose library and device combine's rows must have (not kept)."""
         self.local_count = routing.local_count
         self.global_count = global_count
+        self.plan = plan
+        """The counts' :class:`~unicoll.backends.layout.MoePlan`, shared by the calls and backward
+        passes of this routing."""
         self.group = group
         self.tokens, self.topk = topk_idx_shape
         self.dropped = routing.dropped

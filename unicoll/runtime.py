@@ -35,8 +35,9 @@ MIN_TIMEOUT = 1e-3
 """The shortest timeout: the transports' stores count in milliseconds."""
 MAX_TIMEOUT = 1e7
 """The longest timeout (about 116 days): torch's and MPI's waits take finite durations."""
-ACCEPTED_CACHE_BYTES = 4 * 2**20
-"""The most a session's memory of accepted calls (:mod:`unicoll.validate`) may hold."""
+ACCEPTED_CACHE_BYTES = 16 * 2**20
+"""The most a session's memory of accepted calls (:mod:`unicoll.validate`) may hold: their counts
+and what the calls derive from them (split sizes, the MoE operators' plans and reorders)."""
 
 
 @dataclass

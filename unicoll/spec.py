@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
+from .backends.layout import MoePlan
 from .counts import even_split, total
 from .kinds import (
     ARRAY,
@@ -152,8 +153,9 @@ class OpSpec:
     (:attr:`unicoll.backends.base.Capabilities.ops`); the data operators are, while
     ``exchange_counts`` runs on every backend's integer exchange. ``plan``: what the operator
     derives from a call that passed the rules, computed once and remembered with the call
-    (:attr:`Call.plan`): a tuple of lists of ints (split sizes, say) or None, which nothing
-    may change. Specs compare by identity, as check mode
+    (:attr:`Call.plan`): a tuple of lists of ints (split sizes, say), an object that says
+    what it holds in ``nbytes`` (the MoE operators' :class:`~unicoll.backends.layout.MoePlan`)
+    or None, which nothing may change. Specs compare by identity, as check mode
     keys its comparisons by them.
     """
 
@@ -170,6 +172,12 @@ class OpSpec:
         """``(name, signature function)`` of each parameter that goes into the key of an
         accepted call (every one but the group), computed once."""
         return tuple((p.name, p.kind.sign) for p in self.params if p.kind.sign is not None)
+
+    @cached_property
+    def readers(self) -> tuple[tuple[str, Callable[..., Any]], ...]:
+        """``(name, reader)`` of each parameter that has a reader (every one but the group),
+        computed once."""
+        return tuple((p.name, p.kind.read) for p in self.params if p.kind.read is not None)
 
     @cached_property
     def passed_through(self) -> tuple[str, ...]:
@@ -248,6 +256,12 @@ _MOE_COUNT_RULES = (
          else f"length {len(c.global_count)} and local_count of length {len(c.local_count)}"),
 )  # fmt: skip
 
+
+def _moe_plan(c: Call) -> MoePlan:
+    """The rows per rank and the reorder that global_scatter's and global_gather's counts give."""
+    return MoePlan(c.local_count, c.global_count, c.W)
+
+
 GLOBAL_SCATTER = OpSpec(
     name="global_scatter",
     summary=(
@@ -267,6 +281,7 @@ GLOBAL_SCATTER = OpSpec(
         _stream_rule(),
     ),
     backward="global_gather of the output gradient with the same counts",
+    plan=_moe_plan,
 )  # fmt: skip
 
 GLOBAL_GATHER = OpSpec(
@@ -288,6 +303,7 @@ GLOBAL_GATHER = OpSpec(
         _stream_rule(),
     ),
     backward="global_scatter of the output gradient with the same counts",
+    plan=_moe_plan,
 )  # fmt: skip
 
 

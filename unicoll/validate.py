@@ -107,8 +107,16 @@ def _remembered_bytes(kept: Call, spec: OpSpec) -> int:
         counts = getattr(kept, name)
         if counts is not None:
             remembered += counts.size
-    planned = sum(len(part) for part in kept.plan if part is not None) if kept.plan is not None else 0
-    return _BYTES_PER_COUNT * remembered + _BYTES_PER_PLANNED * planned + _ENTRY_OVERHEAD
+    return _BYTES_PER_COUNT * remembered + _plan_bytes(kept.plan) + _ENTRY_OVERHEAD
+
+
+def _plan_bytes(plan: Any) -> int:
+    """What a call's plan holds: a tuple of lists counted per entry, or an object's ``nbytes``."""
+    if plan is None:
+        return 0
+    if isinstance(plan, tuple):
+        return _BYTES_PER_PLANNED * sum(len(part) for part in plan if part is not None)
+    return plan.nbytes
 
 
 def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) -> Call:
@@ -117,11 +125,10 @@ def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) 
     backend = state.backend
     if spec.in_capabilities and spec.name not in backend.capabilities.ops:
         raise NotImplementedError(f"{spec.name}: backend {backend.name!r} does not provide this operator")
-    caps, op = backend.capabilities, spec.name
+    caps, op, name = backend.capabilities, spec.name, backend.name
     call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout, check=state.check)
-    for param in spec.params:
-        if param.kind.read is not None:
-            setattr(call, param.name, param.kind.read(op, param.name, arguments[param.name], caps, backend.name))
+    for param, read in spec.readers:
+        setattr(call, param, read(op, param, arguments[param], caps, name))
     for rule in spec.rules:
         given = rule.check(call)
         if given is not None:

@@ -43,10 +43,10 @@ from mpi4py import MPI
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.mpi.bfloat16 import reduce_words
-from unicoll.counts import rank_totals
 from unicoll.errors import TransportError, TransportTimeoutError
 
 if TYPE_CHECKING:
+    from unicoll.backends.layout import MoePlan
     from unicoll.group import Group
 
 _YIELD_AFTER_S = 50e-6
@@ -56,7 +56,7 @@ it waits for run (docs/mpi.md)."""
 
 _FUSED_FROM_BYTES = 128 * 2**10
 """global_scatter and global_gather of fewer bytes than this run as an ``Ialltoallv`` and a
-reorder with the plan the counts' last calls left (:func:`unicoll.backends.layout.moe_plan`):
+reorder by the call's plan (:class:`unicoll.backends.layout.MoePlan`):
 making the fused path's datatypes costs more than the copy it saves, on 2 ranks, up to about
 this size (docs/performance.md)."""
 
@@ -356,40 +356,20 @@ class MpiBackend(Backend):
             raise _failure(exc, "broadcast") from exc
         return self._done(request, "broadcast", async_op)
 
-    def global_scatter(
-        self,
-        x: Any,
-        local_count: np.ndarray,
-        global_count: np.ndarray,
-        group: Group,
-        async_op: bool,
-        calc_stream: bool = False,
-    ) -> Pending:
+    def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Fused: the rows from each rank land straight in expert-major order (see the module)."""
-        world = group.world_size
-        received = global_count.reshape(world, -1)
-        if not _fused(x, received):
-            return super().global_scatter(x, local_count, global_count, group, async_op, calc_stream)
-        out = self.empty_rows(x, int(received.sum()))
-        work = self._expert_major_alltoall(x, out, received, rank_totals(local_count, world), True, group, async_op)
+        if not _fused(x, plan.received):
+            return super().global_scatter(x, plan, group, async_op, calc_stream)
+        out = self.empty_rows(x, sum(plan.recv))
+        work = self._expert_major_alltoall(x, out, plan.received, plan.send, True, group, async_op)
         return issued(work, lambda: out)
 
-    def global_gather(
-        self,
-        x: Any,
-        local_count: np.ndarray,
-        global_count: np.ndarray,
-        group: Group,
-        async_op: bool,
-        calc_stream: bool = False,
-    ) -> Pending:
+    def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Fused: each rank's rows are sent straight from their expert-major places."""
-        world = group.world_size
-        held = global_count.reshape(world, -1)
-        if not _fused(x, held):
-            return super().global_gather(x, local_count, global_count, group, async_op, calc_stream)
-        out = self.empty_rows(x, int(local_count.sum()))
-        work = self._expert_major_alltoall(out, x, held, rank_totals(local_count, world), False, group, async_op)
+        if not _fused(x, plan.received):
+            return super().global_gather(x, plan, group, async_op, calc_stream)
+        out = self.empty_rows(x, sum(plan.send))
+        work = self._expert_major_alltoall(out, x, plan.received, plan.send, False, group, async_op)
         return issued(work, lambda: out)
 
     def _expert_major_alltoall(

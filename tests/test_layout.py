@@ -1,0 +1,66 @@
+"""The MoE operators' plan (unicoll.backends.layout.MoePlan): its rows per rank and reorders
+against hand-computed layouts, and what it keeps of the caller's counts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import unicoll as uc
+from unicoll import runtime, validate
+from unicoll.backends.layout import MoePlan, expert_major_to_rank_major, rank_major_to_expert_major
+
+
+def test_a_plan_by_hand() -> None:
+    """W=2, E=2 on rank 0: it receives 2 rows from rank 0 for expert 1, and 1 row from rank 1
+    for each expert; the buffer (rank-major) is r0e1 r0e1 r1e0 r1e1, expert-major r1e0 r0e1 r0e1 r1e1."""
+    plan = MoePlan(np.array([3, 0, 1, 4]), np.array([0, 2, 1, 1]), 2)
+    assert (plan.send, plan.recv) == ([3, 5], [2, 2])
+    assert plan.received.tolist() == [[0, 2], [1, 1]]
+    assert plan.to_expert_major.tolist() == [2, 0, 1, 3]
+    assert plan.to_rank_major.tolist() == [1, 2, 0, 3]
+
+
+def test_reorders_are_made_on_first_use_and_counted_before() -> None:
+    """A backend that places rows itself never asks for the reorders; the bytes a plan says it
+    holds already count them, as the memory of accepted calls counts a plan when it is remembered."""
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 50, size=12)
+    plan = MoePlan(counts, counts, 3)
+    counted = plan.nbytes
+    assert plan._to_expert_major is None and plan._to_rank_major is None
+    forward, inverse = plan.to_rank_major, plan.to_expert_major  # the inverse first: it makes both
+    np.testing.assert_array_equal(forward, expert_major_to_rank_major(counts.reshape(3, 4)))
+    np.testing.assert_array_equal(inverse, rank_major_to_expert_major(counts.reshape(3, 4)))
+    assert plan.to_expert_major is inverse  # made once
+    assert counted >= forward.nbytes + inverse.nbytes + plan.received.nbytes
+    assert plan.nbytes == counted
+
+
+def test_no_reorder_for_one_rank_or_one_expert() -> None:
+    for counts, world in ((np.array([2, 0, 3]), 1), (np.array([2, 5]), 2)):
+        plan = MoePlan(counts, counts, world)
+        assert plan.to_expert_major is None and plan.to_rank_major is None
+        assert plan.nbytes < 1024
+
+
+def test_a_plan_keeps_a_copy_of_the_counts() -> None:
+    """The caller's counts may change after the call: the plan keeps what it read."""
+    local, glob = np.array([1, 2, 3, 4]), np.array([4, 3, 2, 1])
+    plan = MoePlan(local, glob, 2)
+    glob[:] = 0
+    assert plan.received.tolist() == [[4, 3], [2, 1]]
+    assert plan.to_expert_major.tolist() == [0, 1, 2, 3, 7, 8, 4, 5, 6, 9]
+
+
+def test_a_remembered_call_carries_its_plan_in_the_memory_bound(clean_env: None) -> None:
+    """global_scatter remembers its plan with the call: what the memory counts includes it,
+    and the call it serves next uses the same plan."""
+    uc.init("gloo")
+    x, counts = np.arange(6.0), np.array([1, 2, 3])
+    uc.global_scatter(x, counts, counts)
+    memory = runtime.state("test").accepted
+    ((kept, nbytes),) = memory._entries.values()
+    assert isinstance(kept.plan, MoePlan)
+    assert nbytes == validate._ENTRY_OVERHEAD + 2 * 3 * validate._BYTES_PER_COUNT + kept.plan.nbytes
+    np.testing.assert_array_equal(uc.global_scatter(x, counts.copy(), counts), x)
+    assert next(iter(memory._entries.values()))[0] is kept
