@@ -132,7 +132,7 @@ def _bfloat16_reduction(op: str) -> MPI.Op:
 
 class _MpiWork:
     """An MPI request seen through unicoll's ``Work`` protocol; ``keep``: the arrays whose
-    memory the transfer uses, kept alive until the work is (:func:`_bytes_of`)."""
+    memory the transfer uses, kept alive until the work is (:func:`_buffer`)."""
 
     def __init__(self, request: MPI.Request, what: str, spin: float, keep: tuple[Any, ...] = ()) -> None:
         self._request = request
@@ -159,18 +159,17 @@ def _host_view(a: Any) -> np.ndarray:
     return (a.view(torch.int16) if a.dtype == torch.bfloat16 else a).numpy()
 
 
-def _bytes_of(a: Any) -> tuple[Any, int]:
-    """What MPI moves of ``a`` (a contiguous numpy array or torch CPU tensor) as rows of bytes:
-    a buffer over its memory, and the bytes of one row. A tensor's buffer is made from its
-    address, for a third of what a numpy view of it costs; it does not keep the tensor alive,
-    so a transfer that outlives its call keeps the tensor in its work (:class:`_MpiWork`)."""
-    if isinstance(a, np.ndarray):
-        return a, _row_bytes(a)
-    return MPI.buffer.fromaddress(a.data_ptr(), a.nbytes), a.element_size() * math.prod(a.shape[1:])
+def _buffer(a: Any) -> Any:
+    """What MPI moves of ``a`` (a contiguous numpy array or torch CPU tensor): a buffer over its
+    memory. A tensor's buffer is made from its address, for a third of what a numpy view of it
+    costs; it does not keep the tensor alive, so a transfer that outlives its call keeps the
+    tensor in its work (:class:`_MpiWork`)."""
+    return a if isinstance(a, np.ndarray) else MPI.buffer.fromaddress(a.data_ptr(), a.nbytes)
 
 
-def _row_bytes(view: np.ndarray) -> int:
-    return view.itemsize * math.prod(view.shape[1:])
+def _row_bytes(a: Any) -> int:
+    """The bytes of one row of ``a`` (a numpy array or torch tensor)."""
+    return a.itemsize * math.prod(a.shape[1:])
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
@@ -279,23 +278,19 @@ class MpiBackend(Backend):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Work | None:
-        (send, row_bytes), (recv, _) = _bytes_of(x), _bytes_of(out)
-        row = self._row_type(row_bytes)
-        try:
+        row = self._row_type(_row_bytes(x))
+        try:  # displacements None: mpi4py places the blocks one after another (in C)
             request = self._comm(group).Ialltoallv(
-                [send, (in_splits, _displacements(in_splits)), row],
-                [recv, (out_splits, _displacements(out_splits)), row],
+                [_buffer(x), in_splits, None, row], [_buffer(out), out_splits, None, row]
             )
         except MPI.Exception as exc:
             raise _failure(exc, "alltoallv") from exc
         return self._done(request, "alltoallv", async_op, (x, out))
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        (send, row_bytes), (recv, _) = _bytes_of(x), _bytes_of(out)
-        row = self._row_type(row_bytes)
-        rows = x.shape[0]
+        row, rows = self._row_type(_row_bytes(x)), x.shape[0]
         try:
-            request = self._comm(group).Iallgather([send, rows, row], [recv, rows, row])
+            request = self._comm(group).Iallgather([_buffer(x), rows, row], [_buffer(out), rows, row])
         except MPI.Exception as exc:
             raise _failure(exc, "allgather") from exc
         return self._done(request, "allgather", async_op, (x, out))
