@@ -17,7 +17,8 @@ with per-rank counts, uneven blocks included.
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
 expert-major order, so MPI's own copy does the reorder and no second buffer is needed. Below
-:data:`_FUSED_FROM_BYTES` they are an ``Ialltoallv`` and a reorder instead, which costs less there.
+:data:`_SCATTER_FUSED_FROM_BYTES` (global_gather: :data:`_GATHER_FUSED_FROM_BYTES`) they are an
+``Ialltoallv`` and a reorder instead, which costs less there.
 
 Every collective is issued non-blocking (``Ialltoallv``, ``Iallgather``, ``Ialltoall``,
 ``Ibarrier``, ``Idup``) and waited for by polling ``Test()`` against a deadline, so no call
@@ -54,11 +55,13 @@ _YIELD_AFTER_S = 50e-6
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
 it waits for run (docs/mpi.md)."""
 
-_FUSED_FROM_BYTES = 128 * 2**10
-"""global_scatter and global_gather of fewer bytes than this run as an ``Ialltoallv`` and a
-reorder by the call's plan (:class:`unicoll.backends.layout.MoePlan`):
-making the fused path's datatypes costs more than the copy it saves, on 2 ranks, up to about
-this size (docs/performance.md)."""
+_SCATTER_FUSED_FROM_BYTES = 512 * 2**10
+"""global_scatter of fewer bytes than this runs as an ``Ialltoallv`` and a reorder by the
+call's plan (:class:`unicoll.backends.layout.MoePlan`): making the fused path's datatypes
+costs more than the copy it saves, on 2 ranks, up to about this size (docs/performance.md)."""
+
+_GATHER_FUSED_FROM_BYTES = 128 * 2**10
+"""The same for global_gather, whose reorder before the transfer costs more: fused from here."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
@@ -76,12 +79,12 @@ def yield_after(world_size: int) -> float:
     return _YIELD_AFTER_S if local > cores else math.inf
 
 
-def _fused(x: Any, counts: np.ndarray) -> bool:
+def _fused(x: Any, counts: np.ndarray, from_bytes: int) -> bool:
     """Whether global_scatter/global_gather of ``x`` with the expert-major side's ``counts``
     (one row per rank, one column per expert) take the fused ``Ialltoallw``: not where
     rank-major already is expert-major (one rank, or one expert per rank), nor below
-    :data:`_FUSED_FROM_BYTES`."""
-    return counts.shape[0] > 1 and counts.shape[1] > 1 and x.nbytes >= _FUSED_FROM_BYTES
+    ``from_bytes`` (:data:`_SCATTER_FUSED_FROM_BYTES`, :data:`_GATHER_FUSED_FROM_BYTES`)."""
+    return counts.shape[0] > 1 and counts.shape[1] > 1 and x.nbytes >= from_bytes
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
@@ -353,7 +356,7 @@ class MpiBackend(Backend):
 
     def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Fused: the rows from each rank land straight in expert-major order (see the module)."""
-        if not _fused(x, plan.received):
+        if not _fused(x, plan.received, _SCATTER_FUSED_FROM_BYTES):
             return super().global_scatter(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.recv))
         work = self._expert_major_alltoall(x, out, plan.received, plan.send, True, group, async_op)
@@ -361,7 +364,7 @@ class MpiBackend(Backend):
 
     def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Fused: each rank's rows are sent straight from their expert-major places."""
-        if not _fused(x, plan.received):
+        if not _fused(x, plan.received, _GATHER_FUSED_FROM_BYTES):
             return super().global_gather(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.send))
         work = self._expert_major_alltoall(out, x, plan.received, plan.send, False, group, async_op)
