@@ -104,3 +104,30 @@ class MoePlan:
         since a remembered plan makes them after it is counted."""
         reorders = 2 * 8 * sum(self.recv) if self.reordered else 0
         return self.received.nbytes + 16 * len(self.send) + reorders + _PLAN_OVERHEAD
+
+
+LAST_PLAN_BYTES = 16 * 2**20
+"""The largest plan :func:`moe_plan` keeps for the next call (the bytes its ``nbytes`` counts)."""
+
+_last: tuple[tuple[bytes, bytes, int], MoePlan] | None = None
+"""The counts and plan of the last :func:`moe_plan` call (at most one plan, of at most
+:data:`LAST_PLAN_BYTES`; copies only), or None."""
+
+
+def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
+    """The :class:`MoePlan` of validated host int64 counts of length ``world * E``: the one the
+    last call made when the counts are the same, else a new one. A training step calls
+    global_gather with the counts global_scatter just used, and their backward passes run
+    with the same plans: with new counts every step, this makes one plan per step, not two.
+
+    >>> counts = np.array([1, 0, 2, 1])
+    >>> moe_plan(counts, counts, 2) is moe_plan(counts.copy(), counts, 2)
+    True
+    """
+    global _last
+    key = (local_count.tobytes(), global_count.tobytes(), world)
+    if _last is not None and _last[0] == key:
+        return _last[1]
+    plan = MoePlan(local_count, global_count, world)
+    _last = (key, plan) if plan.nbytes <= LAST_PLAN_BYTES else None
+    return plan

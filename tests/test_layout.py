@@ -4,10 +4,12 @@ against hand-computed layouts, and what it keeps of the caller's counts."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import unicoll as uc
 from unicoll import runtime, validate
-from unicoll.backends.layout import MoePlan, expert_major_to_rank_major, rank_major_to_expert_major
+from unicoll.backends import layout
+from unicoll.backends.layout import MoePlan, expert_major_to_rank_major, moe_plan, rank_major_to_expert_major
 
 
 def test_a_plan_by_hand() -> None:
@@ -64,3 +66,25 @@ def test_a_remembered_call_carries_its_plan_in_the_memory_bound(clean_env: None)
     assert nbytes == validate._ENTRY_OVERHEAD + 2 * 3 * validate._BYTES_PER_COUNT + kept.plan.nbytes
     np.testing.assert_array_equal(uc.global_scatter(x, counts.copy(), counts), x)
     assert next(iter(memory._entries.values()))[0] is kept
+
+
+def test_global_gather_after_global_scatter_shares_its_plan(clean_env: None) -> None:
+    """A training step's global_gather brings the counts its global_scatter used: one plan
+    serves both (and their backward passes), not two."""
+    uc.init("gloo")
+    x, local, glob = np.arange(6.0), np.array([1, 2, 3]), np.array([1, 2, 3])
+    y = uc.global_scatter(x, local, glob)
+    np.testing.assert_array_equal(uc.global_gather(y, local.copy(), glob.copy()), x)
+    plans = [call.plan for call, _ in runtime.state("test").accepted._entries.values()]
+    assert len(plans) == 2 and plans[0] is plans[1]
+
+
+def test_moe_plan_keeps_only_the_last_plan_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = np.array([3, 1, 2, 2])
+    first = moe_plan(counts, counts, 2)
+    assert moe_plan(counts.copy(), counts.copy(), 2) is first
+    assert moe_plan(counts, counts[::-1].copy(), 2) is not first  # other counts: a new plan, which replaces it
+    assert moe_plan(counts, counts, 2) is not first
+    monkeypatch.setattr(layout, "LAST_PLAN_BYTES", 0)
+    big = moe_plan(counts, counts[::-1].copy(), 2)
+    assert moe_plan(counts, counts[::-1].copy(), 2) is not big and layout._last is None

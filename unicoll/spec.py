@@ -20,7 +20,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .arrays import describe, kind_of
-from .backends.layout import MoePlan
+from .backends.layout import MoePlan, moe_plan
 from .counts import even_split, total
 from .kinds import (
     ARRAY,
@@ -259,7 +259,7 @@ _MOE_COUNT_RULES = (
 
 def _moe_plan(c: Call) -> MoePlan:
     """The rows per rank and the reorder that global_scatter's and global_gather's counts give."""
-    return MoePlan(c.local_count, c.global_count, c.W)
+    return moe_plan(c.local_count, c.global_count, c.W)
 
 
 GLOBAL_SCATTER = OpSpec(

@@ -703,7 +703,7 @@ def _frontend(w: _World) -> dict[str, Any]:
     primitives stubbed out, less an empty call), and the whole call beside the raw transfer it
     issues (``unicoll_us``, ``raw_us`` and their ``difference_us``). For the MoE operators also
     ``frontend_fresh_counts_us``: the front end when every call brings new counts, so that
-    neither the validator's memory nor the cached reorder plan can help."""
+    neither the validator's memory nor a plan made for earlier counts can help."""
     from unicoll.runtime import transport_stubbed
 
     figures = {}
