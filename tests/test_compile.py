@@ -1,4 +1,4 @@
-"""torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.torch_ops).
+"""torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.torch_ops, unicoll.custom_ops).
 
 A top-2 MoE layer compiles forward and backward with ``fullgraph=True`` on 2 and 3 gloo ranks,
 once for six inputs of different routing and sizes, and matches eager exactly in float64 (on 2
@@ -213,7 +213,7 @@ def world_of_one(clean_env) -> None:
 
 
 def test_ops_register_for_cpu_and_cuda() -> None:
-    from unicoll.torch_ops import CUSTOM_OPS  # registers the ops
+    from unicoll.custom_ops import CUSTOM_OPS  # registers the ops
 
     assert set(CUSTOM_OPS) == {*OPS, "moe_check"}
     for op in CUSTOM_OPS:
@@ -399,17 +399,17 @@ def test_rows_are_known_while_tracing_where_the_counts_say_them(world_of_one) ->
 def test_the_groups_table_keeps_only_live_groups(world_of_one) -> None:
     import gc
 
+    from unicoll.custom_ops import group_of
     from unicoll.group import group_numbered
-    from unicoll.torch_ops import _group
 
     group = uc.new_group([0])
     number = group.number
-    assert group_numbered(number) is group and _group(number) is group
+    assert group_numbered(number) is group and group_of(number) is group
     del group
     gc.collect()
     assert group_numbered(number) is None
     with pytest.raises(ValueError, match=f"group: expected the number of a live unicoll.Group, got {number}"):
-        _group(number)
+        group_of(number)
 
 
 def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> None:

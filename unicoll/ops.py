@@ -242,7 +242,7 @@ def alltoall_single_and_splits(
 ) -> tuple[Any, list[int]]:
     """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
     exchanged where only ``in_split_sizes`` is given: for the traced operator
-    (:mod:`unicoll.torch_ops`), whose backward sends the gradient back with them."""
+    (:mod:`unicoll.custom_ops`), whose backward sends the gradient back with them."""
     return _alltoall_single(
         {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
          "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
@@ -324,7 +324,7 @@ def all_gather(
 @exclusive_as(ALL_GATHER.name)
 def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
     """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: for the
-    traced operator (:mod:`unicoll.torch_ops`), whose backward sends each rank its rows' gradient."""
+    traced operator (:mod:`unicoll.custom_ops`), whose backward sends each rank its rows' gradient."""
     return _all_gather(
         {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
          "use_calc_stream": use_calc_stream}
@@ -410,7 +410,7 @@ def all_reduce(
 def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: bool, state: str) -> Any:
     """``all_reduce(tensor, op, group)`` (synchronous) into a copy of ``tensor``, which is
     returned; validated, checked and refused as the in-place call on a tensor whose
-    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.torch_ops`),
+    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.custom_ops`),
     which copies the result back."""
     arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
     return _all_reduce(arguments, state)
@@ -486,7 +486,7 @@ def reduce_scatter_of(
 ) -> Any:
     """``reduce_scatter(None, tensor, op, split_sizes, group)`` (synchronous), refused as the
     call on a tensor whose :func:`autograd_state` is ``state``, without autograd: for the
-    traced operator (:mod:`unicoll.torch_ops`), which records its own backward."""
+    traced operator (:mod:`unicoll.custom_ops`), which records its own backward."""
     arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
                      use_calc_stream=use_calc_stream)  # fmt: skip
     return _reduce_scatter(arguments, state)
@@ -545,7 +545,7 @@ def broadcast(
 def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: bool, state: str) -> Any:
     """``broadcast(tensor, src, group)`` (synchronous) into a copy of ``tensor``, which is
     returned; validated, checked and refused as the in-place call on a tensor whose
-    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.torch_ops`),
+    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.custom_ops`),
     which copies the result back."""
     arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
     return _broadcast(arguments, state)

@@ -3,9 +3,9 @@
 :func:`hand_off` makes what a public operator calls once Dynamo is loaded
 (:func:`unicoll.entry.collective` checks for it first on every call). While torch.compile's
 Dynamo traces the caller, that is the form of the same name in :mod:`unicoll.torch_ops`, which
-records the call as one of unicoll's custom ops (or runs it eagerly behind one graph break where
-it cannot be traced). That module, and with it the registration of the custom ops, is imported
-on the first traced call.
+records the call as one of unicoll's custom ops (:mod:`unicoll.custom_ops`; or runs it eagerly
+behind one graph break where it cannot be traced). That module, and with it the registration of
+the custom ops, is imported on the first traced call.
 
 Called eagerly with Dynamo loaded, the operator runs through ``torch.compiler.disable``: code
 that Dynamo gave up tracing runs with Dynamo still watching every function it calls, and

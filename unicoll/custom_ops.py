@@ -1,0 +1,465 @@
+"""unicoll's operators on torch tensors as ``torch.library`` custom ops (the ``unicoll``
+namespace), which torch.compile records in a graph as one node each; the traced forms that
+record them are in :mod:`unicoll.torch_ops`.
+
+- an op's real implementation is the eager operator itself, so a call from compiled code is
+  validated, checked (check mode) and reported exactly as an eager call, at run time;
+- its fake implementation gives the output's shape without communicating: the rows of an
+  operator whose counts are tensors are a new dynamic size (torch's
+  ``capture_dynamic_output_shape_ops``), the rows given where they are known;
+- its backward (``torch.library.register_autograd``) is the backward collective of the eager
+  operator, itself one of these ops;
+- the group travels as an int: its :attr:`~unicoll.Group.number`, or :data:`WORLD`.
+
+Importing this module registers the ops, for CPU and CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from . import moe, ops, runtime
+from .group import Group, group_numbered
+
+WORLD = -1
+"""The group number of the world of the running session (``group=None``)."""
+
+_DEVICES = ("cpu", "cuda")
+
+_TAGS = (torch.Tag.nondeterministic_seeded,)
+"""A collective's result depends on the other ranks: torch must neither run the op on constant
+inputs while it traces (fake tensors' constant propagation) nor recompute it in the backward."""
+
+
+def group_of(number: int) -> Group | None:
+    """The group a schema's ``number`` names: None (the world, resolved by the operator) for
+    :data:`WORLD`; ValueError for a group that no longer lives."""
+    if number == WORLD:
+        return None
+    group = group_numbered(number)
+    if group is None:
+        raise ValueError(f"group: expected the number of a live unicoll.Group, got {number}, a group since freed")
+    return group
+
+
+def _world_size(number: int, op: str) -> int:
+    """The size of the group a schema's ``number`` names (for the fake implementations)."""
+    group = group_of(number)
+    return runtime.state(op).world.world_size if group is None else group.world_size
+
+
+def _position(number: int, op: str) -> int:
+    """This rank's position in the group a schema's ``number`` names."""
+    group = group_of(number)
+    return runtime.state(op).world.rank if group is None else group.rank
+
+
+def _rows_as_promised(result: torch.Tensor, rows: int | None, op: str) -> torch.Tensor:
+    """``result``, checked to have the ``rows`` rows that the fake implementation promised."""
+    if rows is not None and result.shape[0] != rows:
+        raise ValueError(f"{op}: rows: expected {rows} rows of output, got {result.shape[0]}")
+    return result
+
+
+def _new_rows(rows: int | None) -> Any:
+    """``rows`` where known, else a new dynamic size (data-dependent: from counts or an exchange)."""
+    return torch.library.get_ctx().new_dynamic_size() if rows is None else rows
+
+
+def _splits(number: int, op: str) -> torch.Tensor:
+    """A fake host int64 tensor of one size per rank of the group."""
+    return torch.empty((_world_size(number, op),), dtype=torch.int64)
+
+
+# -- the custom ops --------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "unicoll::exchange_counts",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor local_count, int group) -> Tensor",
+)
+def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
+    """The eager exchange_counts."""
+    return ops.exchange_counts(local_count, group_of(group))
+
+
+@_exchange_counts.register_fake
+def _exchange_counts_fake(local_count: torch.Tensor, group: int) -> torch.Tensor:
+    """The global counts have the local counts' shape."""
+    return torch.empty_like(local_count)
+
+
+_MOE_SCHEMA = (
+    "(Tensor x, Tensor local_count, Tensor global_count, int group, bool use_calc_stream, SymInt? rows) -> Tensor"
+)
+
+
+@torch.library.custom_op(
+    "unicoll::global_scatter", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_SCHEMA
+)
+def _global_scatter(
+    x: torch.Tensor,
+    local_count: torch.Tensor,
+    global_count: torch.Tensor,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> torch.Tensor:
+    """The eager global_scatter, with the rows promised to the fake implementation where given."""
+    result = ops.global_scatter(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
+    return _rows_as_promised(result, rows, "global_scatter")
+
+
+@torch.library.custom_op(
+    "unicoll::global_gather", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_SCHEMA
+)
+def _global_gather(
+    x: torch.Tensor,
+    local_count: torch.Tensor,
+    global_count: torch.Tensor,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> torch.Tensor:
+    """The eager global_gather, with the rows promised to the fake implementation where given."""
+    result = ops.global_gather(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
+    return _rows_as_promised(result, rows, "global_gather")
+
+
+@_global_scatter.register_fake
+@_global_gather.register_fake
+def _moe_fake(
+    x: torch.Tensor,
+    local_count: torch.Tensor,
+    global_count: torch.Tensor,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> torch.Tensor:
+    """The output: the rows given, or a new dynamic size, and x's trailing shape."""
+    return x.new_empty((_new_rows(rows), *x.shape[1:]))
+
+
+def _save_moe(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep what the backward collective needs: the counts, the group and the input's rows."""
+    x, local_count, global_count, group, _, _ = inputs
+    ctx.save_for_backward(local_count, global_count)
+    ctx.group, ctx.rows = group, x.shape[0]
+
+
+def _global_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """global_gather of the output gradient with the same counts."""
+    local_count, global_count = ctx.saved_tensors
+    dx = torch.ops.unicoll.global_gather(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
+    return dx, None, None, None, None, None
+
+
+def _global_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """global_scatter of the output gradient with the same counts."""
+    local_count, global_count = ctx.saved_tensors
+    dx = torch.ops.unicoll.global_scatter(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
+    return dx, None, None, None, None, None
+
+
+_global_scatter.register_autograd(_global_scatter_backward, setup_context=_save_moe)
+_global_gather.register_autograd(_global_gather_backward, setup_context=_save_moe)
+
+
+@torch.library.custom_op(
+    "unicoll::alltoall_single",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor in_tensor, Tensor? out_split_sizes, Tensor? in_split_sizes, int group, bool use_calc_stream, "
+    "SymInt? rows) -> (Tensor, Tensor)",
+)
+def _alltoall_single(
+    in_tensor: torch.Tensor,
+    out_split_sizes: torch.Tensor | None,
+    in_split_sizes: torch.Tensor | None,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output, and the split sizes received (exchanged where only ``in_split_sizes`` is given)."""
+    result, received = ops.alltoall_single_and_splits(
+        in_tensor.detach(), out_split_sizes, in_split_sizes, group_of(group), use_calc_stream
+    )
+    return _rows_as_promised(result, rows, "alltoall_single"), torch.tensor(received, dtype=torch.int64)
+
+
+@_alltoall_single.register_fake
+def _alltoall_single_fake(
+    in_tensor: torch.Tensor,
+    out_split_sizes: torch.Tensor | None,
+    in_split_sizes: torch.Tensor | None,
+    group: int,
+    use_calc_stream: bool,
+    rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output (the rows given, in_tensor's rows for an even split both ways, else a new
+    dynamic size) and one received split size per rank."""
+    if rows is None and out_split_sizes is None and in_split_sizes is None:
+        rows = in_tensor.shape[0]  # an even split both ways: as many rows as were sent
+    return in_tensor.new_empty((_new_rows(rows), *in_tensor.shape[1:])), _splits(group, "alltoall_single")
+
+
+def _save_alltoall(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the split sizes sent (None for an even split) and received, the group and the rows."""
+    in_tensor, _, in_split_sizes, group, _, _ = inputs
+    _, received = output
+    ctx.save_for_backward(in_split_sizes, received)
+    ctx.group, ctx.rows = group, in_tensor.shape[0]
+
+
+def _alltoall_single_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
+    """The gradient goes back the way the rows came: the split sizes swapped (an even split
+    of the input where no sizes were given)."""
+    sent, received = ctx.saved_tensors
+    if sent is None:
+        sent = torch.full_like(received, ctx.rows // received.shape[0])
+    dx, _ = torch.ops.unicoll.alltoall_single(grad.contiguous(), sent, received, ctx.group, False, ctx.rows)
+    return dx, None, None, None, None, None
+
+
+_alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_save_alltoall)
+
+
+@torch.library.custom_op(
+    "unicoll::all_gather",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor tensor, int group, bool use_calc_stream) -> (Tensor, Tensor)",
+)
+def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows concatenated, and the rows each rank sent."""
+    result, rows = ops.all_gather_and_rows(tensor.detach(), group_of(group), use_calc_stream)
+    return result, torch.tensor(rows, dtype=torch.int64)
+
+
+@_all_gather.register_fake
+def _all_gather_fake(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered rows (a new dynamic size) and one row count per rank."""
+    return tensor.new_empty((_new_rows(None), *tensor.shape[1:])), _splits(group, "all_gather")
+
+
+def _save_all_gather(ctx: Any, inputs: tuple, output: tuple) -> None:
+    """Keep the rows each rank sent, the group and this rank's rows."""
+    tensor, group, _ = inputs
+    _, rows = output
+    ctx.save_for_backward(rows)
+    ctx.group, ctx.rows = group, tensor.shape[0]
+
+
+def _all_gather_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
+    """Each rank gets every rank's gradient of its rows, summed (a reduce-scatter)."""
+    (rows,) = ctx.saved_tensors
+    world = rows.shape[0]
+    mine = torch.full_like(rows, ctx.rows)
+    received, _ = torch.ops.unicoll.alltoall_single(grad.contiguous(), mine, rows, ctx.group, False, world * ctx.rows)
+    return received.reshape(world, ctx.rows, *grad.shape[1:]).sum(0), None, None
+
+
+_all_gather.register_autograd(_all_gather_backward, setup_context=_save_all_gather)
+
+
+# -- the reductions and broadcast: functional ops, copied back into the tensor where in place --
+
+_AUTOGRAD_STATE = "str state"
+"""The caller's tensor's :func:`unicoll.ops.autograd_state` while tracing: the op refuses what eager refuses."""
+
+
+@torch.library.custom_op(
+    "unicoll::all_reduce",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema=f"(Tensor tensor, str op, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor",
+)
+def _all_reduce(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
+    """The eager all_reduce, into a copy of ``tensor`` (validated and refused as the call on it)."""
+    return ops.all_reduce_copy(tensor, op, group_of(group), use_calc_stream, state)
+
+
+@_all_reduce.register_fake
+def _all_reduce_fake(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
+    """The reduction has the tensor's shape."""
+    return torch.empty_like(tensor)
+
+
+def _save_reduction(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep the reduction and the group."""
+    ctx.op, ctx.group = inputs[1], inputs[2]
+
+
+def _all_reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """The same reduction (sum or avg) of the gradient."""
+    return torch.ops.unicoll.all_reduce(grad.contiguous(), ctx.op, ctx.group, False, "none"), None, None, None, None
+
+
+_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_reduction)
+
+
+@torch.library.custom_op(
+    "unicoll::broadcast",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema=f"(Tensor tensor, int src, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor",
+)
+def _broadcast(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
+    """The eager broadcast, into a copy of ``tensor`` (validated and refused as the call on it)."""
+    return ops.broadcast_copy(tensor, src, group_of(group), use_calc_stream, state)
+
+
+@_broadcast.register_fake
+def _broadcast_fake(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
+    """The broadcast tensor has the tensor's shape."""
+    return torch.empty_like(tensor)
+
+
+def _save_broadcast(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep the source, the group and this rank's position in it."""
+    _, ctx.src, ctx.group, _, _ = inputs
+    ctx.position = _position(ctx.group, "broadcast")
+
+
+def _broadcast_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Every rank's gradient summed on the source, zero elsewhere (every rank takes part)."""
+    total = torch.ops.unicoll.all_reduce(grad.contiguous(), "sum", ctx.group, False, "none")
+    return (total if ctx.position == ctx.src else torch.zeros_like(total)), None, None, None, None
+
+
+_broadcast.register_autograd(_broadcast_backward, setup_context=_save_broadcast)
+
+
+@torch.library.custom_op(
+    "unicoll::reduce_scatter",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor tensor, str op, Tensor? split_sizes, int group, bool use_calc_stream, "
+    f"{_AUTOGRAD_STATE}) -> Tensor",
+)
+def _reduce_scatter(
+    tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
+) -> torch.Tensor:
+    """The eager reduce_scatter (out=None), refused as the call on the caller's tensor."""
+    return ops.reduce_scatter_of(tensor.detach(), op, split_sizes, group_of(group), use_calc_stream, state)
+
+
+@_reduce_scatter.register_fake
+def _reduce_scatter_fake(
+    tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
+) -> torch.Tensor:
+    """This rank's block: an even share of the rows without split sizes, else a new dynamic size."""
+    rows = tensor.shape[0] // _world_size(group, "reduce_scatter") if split_sizes is None else None
+    return tensor.new_empty((_new_rows(rows), *tensor.shape[1:]))
+
+
+def _save_reduce_scatter(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    """Keep the split sizes, the reduction, the group, its size and the input's rows."""
+    tensor, ctx.op, split_sizes, ctx.group, _, _ = inputs
+    ctx.save_for_backward(split_sizes)
+    ctx.world, ctx.rows = _world_size(ctx.group, "reduce_scatter"), tensor.shape[0]
+
+
+def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Every rank's block gradient, gathered in rank order (an all-to-all of this rank's block
+    to every rank), divided by the group size for avg."""
+    (split_sizes,) = ctx.saved_tensors
+    world = ctx.world
+    mine = torch.full((world,), grad.shape[0], dtype=torch.int64)
+    blocks = torch.full((world,), ctx.rows // world, dtype=torch.int64) if split_sizes is None else split_sizes
+    sent = grad.contiguous().repeat(world, *([1] * (grad.dim() - 1)))
+    gathered, _ = torch.ops.unicoll.alltoall_single(sent, blocks, mine, ctx.group, False, ctx.rows)
+    return (gathered / world if ctx.op == "avg" else gathered), None, None, None, None, None
+
+
+_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_reduce_scatter)
+
+
+# -- unicoll.moe: the layout as tensors; the rows move with global_scatter and global_gather --
+
+
+@torch.library.custom_op(
+    "unicoll::moe_layout",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int group, int? capacity) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _moe_layout(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    experts_per_rank: int,
+    group: int,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe.dispatch's validation, check and count exchange: the counts sent and received (host
+    int64), the token of each row sent and each slot's row (int64 on x's device)."""
+    weights = None if topk_weights is None else topk_weights.detach()
+    local_count, global_count, send_tokens, slot_rows = moe.layout(
+        x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity
+    )
+    on_x = functools.partial(torch.as_tensor, device=x.device)
+    return torch.from_numpy(local_count), torch.from_numpy(global_count), on_x(send_tokens), on_x(slot_rows)
+
+
+@_moe_layout.register_fake
+def _moe_layout_fake(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    experts_per_rank: int,
+    group: int,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counts of one size per global expert; the rows sent (a new dynamic size); one row per slot."""
+    experts = _world_size(group, "moe.dispatch") * experts_per_rank
+    counts = torch.empty((experts,), dtype=torch.int64)
+    send_tokens = x.new_empty((_new_rows(None),), dtype=torch.int64)
+    return counts, torch.empty_like(counts), send_tokens, x.new_empty((topk_idx.numel(),), dtype=torch.int64)
+
+
+@torch.library.custom_op(
+    "unicoll::moe_check",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor rows, Tensor send_tokens, SymInt tokens, SymInt received, bool weighted, str op) -> ()",
+)
+def _moe_check(
+    rows: torch.Tensor, send_tokens: torch.Tensor, tokens: int, received: int, weighted: bool, op: str
+) -> None:
+    """Eager's checks of the rows given to moe.redispatch or moe.combine (``op``) against the
+    handle (``send_tokens`` is on the dispatched x's device)."""
+    moe.check_rows(op, rows, send_tokens, tokens, received, weighted)
+
+
+@_moe_check.register_fake
+def _moe_check_fake(
+    rows: torch.Tensor, send_tokens: torch.Tensor, tokens: int, received: int, weighted: bool, op: str
+) -> None:
+    """Nothing comes out."""
+
+
+CUSTOM_OPS = (
+    "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
+    "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check",
+)  # fmt: skip
+"""The ops of the ``unicoll`` namespace."""
+
+for _op in CUSTOM_OPS:
+    # a collective runs on every rank even where its result goes unused, and a check raises:
+    # never dead code to the compiler (AOT autograd would drop it; the other ranks would wait)
+    torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, _op).default)
