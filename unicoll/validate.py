@@ -38,10 +38,10 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     group = state.world if given is None else runtime.resolve_group(given, spec.name)
     if state.check:
         count_call(group)
-    key = [spec, group]
+    parts = [spec, group]
     for name, sign in spec.signed:  # a loop: a comprehension costs a call more (Python 3.11)
-        key.append(sign(arguments[name]))
-    key = tuple(key)
+        parts.append(sign(arguments[name]))
+    key = tuple(parts)
     try:
         accepted = state.accepted.get(key)  # never holds a key with a None signature (not remembered)
     except TypeError:  # an unhashable argument, such as counts given as a list of lists
