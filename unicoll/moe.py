@@ -156,14 +156,13 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
     send_tokens = _like(routing.send_tokens, x)
     sent = _take(x, send_tokens)  # in x's library: autograd sums each token's slots
-    global_count = plan = None
+    plan = None
 
     def issue() -> Pending:
-        nonlocal global_count, plan
+        nonlocal plan
         if call.check:
             verify(MOE_DISPATCH, call)
-        global_count = backend.exchange_ints(local_count.copy(), grp)
-        plan = MoePlan(local_count, global_count, grp.world_size)
+        plan = MoePlan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
         native = backend.to_native(sent)
         return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
 
@@ -173,7 +172,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, global_count, plan, grp, shape, weights, send_tokens, slot_rows, kept, like=x)
+        handle = Handle(routing, plan, grp, shape, weights, send_tokens, slot_rows, kept, like=x)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)

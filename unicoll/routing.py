@@ -88,7 +88,6 @@ class Handle:
     def __init__(
         self,
         routing: Routing,
-        global_count: np.ndarray,
         plan: MoePlan,
         group: Group,
         topk_idx_shape: tuple[int, int],
@@ -98,19 +97,20 @@ class Handle:
         kept: Any,
         like: Any,
     ) -> None:
-        """``like``: the dispatched x, whose library and device combine's rows must have (not kept)."""
+        """``plan``: the :class:`~unicoll.backends.layout.MoePlan` of the routing's counts and
+        the counts received. ``like``: the dispatched x, whose library and device combine's rows
+        must have (not kept)."""
         self.local_count = routing.local_count
-        self.global_count = global_count
         self.plan = plan
-        """The counts' :class:`~unicoll.backends.layout.MoePlan`, shared by the calls and backward
-        passes of this routing."""
+        """Shared by the calls and backward passes of this routing."""
+        self.global_count = plan.received.reshape(-1)
         self.group = group
         self.tokens, self.topk = topk_idx_shape
         self.dropped = routing.dropped
         self.library = library_of(like)
         self.device = getattr(like, "device", None)
-        self.received = int(global_count.sum())
-        self.rows_per_expert: list[int] = global_count.reshape(group.world_size, -1).sum(0).tolist()
+        self.received = sum(plan.recv)
+        self.rows_per_expert: list[int] = plan.received.sum(0).tolist()
         self.weights = weights
         """The caller's ``topk_weights`` (None without them), which combine weighs by."""
         self.send_tokens = send_tokens

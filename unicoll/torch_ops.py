@@ -330,10 +330,9 @@ def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_o
     if dropped and handle.weights is not None:
         kept = (handle.slot_rows < send_tokens.size).reshape(handle.tokens, handle.topk)
     shape = (handle.tokens, handle.topk)
-    global_count = handle.global_count.numpy()
-    plan = MoePlan(routing.local_count, global_count, group.world_size)
-    eager = Handle(routing, global_count, plan, group, shape, handle.weights, handle.send_tokens,
-                   handle.slot_rows, kept, like=handle.send_tokens)  # fmt: skip
+    plan = MoePlan(routing.local_count, handle.global_count.numpy(), group.world_size)
+    eager = Handle(routing, plan, group, shape, handle.weights, handle.send_tokens, handle.slot_rows, kept,
+                   like=handle.send_tokens)  # fmt: skip
     return op(rows, eager, sync_op=sync_op)
 
 
