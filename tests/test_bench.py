@@ -62,6 +62,7 @@ def test_json_holds_every_figure(tiny_sweep: tuple[str, dict]) -> None:
         assert figures["unicoll_us"] > 0 and figures["raw_us"] > 0
         assert figures["difference_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
         assert figures["ratio"] == pytest.approx(figures["unicoll_us"] / figures["raw_us"])
+        assert figures["raw_again_ratio"] > 0
 
 
 def test_table_is_printed_like_nccl_tests(tiny_sweep: tuple[str, dict]) -> None:
@@ -77,6 +78,7 @@ def test_table_is_printed_like_nccl_tests(tiny_sweep: tuple[str, dict]) -> None:
     rows = [line.split() for line in lines if line.split() and line.split()[0] in bench.OPS]
     assert [fields[0] for fields in rows[-len(bench.OPS) :]] == list(bench.OPS)  # the N-rank overhead, last
     assert "2 ranks" in next(line for line in lines if line.startswith("# 2 ranks"))
+    assert "raw/raw" in stdout
 
 
 def test_plot_is_drawn(tiny_sweep: tuple[str, dict], tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -586,28 +586,30 @@ def _check(w: _World, case: _Case) -> bool:
 
 
 def _time(
-    w: _World, case: _Case, iters: int, warmup: int, block: int, barrier: Callable[[], None]
-) -> tuple[float, float]:
-    """This rank's median time per call in µs, of unicoll's call and of the raw call.
+    w: _World, calls: Sequence[Callable[[], Any]], iters: int, warmup: int, block: int, barrier: Callable[[], None]
+) -> list[float]:
+    """This rank's median time per call in µs of each of ``calls`` (unicoll's call, the raw
+    call, ...), in their order.
 
     Each of the ``iters`` samples is a block of ``block`` back-to-back calls after a barrier
-    (so the barrier's exit skew is paid once per block, as in nccl-tests); the two variants
-    alternate block by block, in swapped order every other iteration.
+    (so the barrier's exit skew is paid once per block, as in nccl-tests); the calls alternate
+    block by block, in reversed order every other iteration.
     """
     for _ in range(warmup):
-        case.unicoll()
-        case.raw()
-    samples: dict[Callable[[], Any], list[float]] = {case.unicoll: [], case.raw: []}
+        for call in calls:
+            call()
+    samples: list[list[float]] = [[] for _ in calls]
+    order = list(enumerate(calls))
     for i in range(iters):
-        for call in (case.unicoll, case.raw) if i % 2 == 0 else (case.raw, case.unicoll):
+        for index, call in order if i % 2 == 0 else order[::-1]:
             barrier()
             w.sync()
             start = time.perf_counter_ns()
             for _ in range(block):
                 call()
             w.sync()
-            samples[call].append((time.perf_counter_ns() - start) / block)
-    return statistics.median(samples[case.unicoll]) / 1e3, statistics.median(samples[case.raw]) / 1e3
+            samples[index].append((time.perf_counter_ns() - start) / block)
+    return [statistics.median(times) / 1e3 for times in samples]
 
 
 def _bandwidths(op: str, nbytes: int, us: float, world: int) -> tuple[float, float]:
@@ -627,7 +629,7 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         case = _CASES[op](w, size, w.baseline.moe_reorder)
         correct = _check(w, case)
         block = min(_MAX_BLOCK, max(1, _BLOCK_BYTES // size))
-        uc_us, raw_us = _time(w, case, config.iters, config.warmup, block, w.baseline.barrier)
+        uc_us, raw_us = _time(w, [case.unicoll, case.raw], config.iters, config.warmup, block, w.baseline.barrier)
         uc_us, raw_us, wrong = w.baseline.slowest([uc_us, raw_us, 0.0 if correct else 1.0])
         algbw, busbw = _bandwidths(op, case.nbytes, uc_us, w.world)
         raw_algbw, raw_busbw = _bandwidths(op, case.nbytes, raw_us, w.world)
@@ -661,13 +663,21 @@ def _overhead(w: _World) -> dict[str, Any]:
     """Per operator, on every rank of the sweep: the whole call at the front-end payload beside
     the raw call with the same arguments (the sweep's baseline: for the MoE operators on
     torch.distributed the transfer and the reorder by hand), the slowest rank's medians; what
-    unicoll costs on top of the transport on this machine."""
+    unicoll costs on top of the transport on this machine. The raw call is timed twice, in the
+    same rotation: ``raw_again_ratio``, one against the other, is how far apart two identical
+    calls measure here, the resolution of ``ratio``."""
     figures, samples = {}, _OVERHEAD_SAMPLES * w.config.iters
     for op in w.config.ops:
         case = _CASES[op](w, _FRONTEND_BYTES, w.baseline.moe_reorder)
-        uc_us, raw_us = _time(w, case, samples, w.config.warmup, _MAX_BLOCK, w.baseline.barrier)
-        uc_us, raw_us = w.baseline.slowest([uc_us, raw_us])
-        figures[op] = {"unicoll_us": uc_us, "raw_us": raw_us, "difference_us": uc_us - raw_us, "ratio": uc_us / raw_us}
+        times = _time(w, [case.unicoll, case.raw, case.raw], samples, w.config.warmup, _MAX_BLOCK, w.baseline.barrier)
+        uc_us, raw_us, again_us = w.baseline.slowest(times)
+        figures[op] = {
+            "unicoll_us": uc_us,
+            "raw_us": raw_us,
+            "difference_us": uc_us - raw_us,
+            "ratio": uc_us / raw_us,
+            "raw_again_ratio": again_us / raw_us,
+        }
     blocks = {"samples": samples, "calls_per_sample": _MAX_BLOCK}
     return {"bytes": _FRONTEND_BYTES, "ranks": w.world, **blocks, "ops": figures}
 
@@ -709,9 +719,9 @@ def _frontend(w: _World) -> dict[str, Any]:
     figures = {}
     for op in w.config.ops:
         case = _CASES[op](w, _FRONTEND_BYTES, False)
-        uc_us, raw_us = _time(w, case, _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
+        uc_us, raw_us = _time(w, [case.unicoll, case.raw], _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
         with transport_stubbed():
-            stubbed_us, empty_us = _time(w, replace(case, raw=_none), _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
+            stubbed_us, empty_us = _time(w, [case.unicoll, _none], _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
         figures[op] = {
             "frontend_us": stubbed_us - empty_us,
             "unicoll_us": uc_us,
@@ -721,7 +731,7 @@ def _frontend(w: _World) -> dict[str, Any]:
         if op in ("global_scatter", "global_gather"):
             fresh = _with_fresh_counts(op, w)
             with transport_stubbed():
-                fresh_us, _ = _time(w, replace(case, unicoll=fresh, raw=_none), _FRONTEND_ITERS, 0, 1, _none)
+                fresh_us, _ = _time(w, [fresh, _none], _FRONTEND_ITERS, 0, 1, _none)
             figures[op]["frontend_fresh_counts_us"] = fresh_us - empty_us
     return {"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}
 

@@ -96,17 +96,19 @@ def format_frontend(result: dict[str, Any]) -> str:
 
 def format_overhead(result: dict[str, Any]) -> str:
     """The whole call beside the raw call with the same arguments, on the sweep's ranks: what
-    unicoll adds to the transport on this machine."""
+    unicoll adds to the transport on this machine; and the raw call against itself, timed in
+    the same rotation: a ratio that close to 1 is within what this machine can tell apart."""
     overhead = result["overhead"]
     lines = [
         f"# {overhead['ranks']} ranks, {overhead['bytes']} B, median of {overhead['samples']} samples of "
         f"{overhead['calls_per_sample']} calls, slowest rank: call = the whole unicoll call, raw = the raw call "
-        "with the same arguments (as in the sweep)",
-        f"# {'op':>15}  {'call (us)':>9}  {'raw (us)':>9}  {'difference (us)':>15}  {'ratio':>6}",
+        "with the same arguments (as in the sweep), raw/raw = the raw call timed twice, one against the other",
+        f"# {'op':>15}  {'call (us)':>9}  {'raw (us)':>9}  {'difference (us)':>15}  {'ratio':>6}  {'raw/raw':>7}",
     ]
     for op, f in overhead["ops"].items():
         lines.append(
             f"  {op:>15}  {f['unicoll_us']:9.2f}  {f['raw_us']:9.2f}  {f['difference_us']:15.2f}  {f['ratio']:6.3f}"
+            f"  {f['raw_again_ratio']:7.3f}"
         )
     return "\n".join(lines)
 
