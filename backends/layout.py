@@ -15,6 +15,10 @@ from unicoll.counts import rank_totals
 _PLAN_OVERHEAD = 512
 """Bytes counted per plan beside its arrays and lists: its Python objects."""
 
+_BYTES_PER_CHUNK = 80
+"""Bytes counted per (rank, expert) chunk of :attr:`MoePlan.expert_major_chunks`: an entry in
+each of its two lists (a pointer and an int)."""
+
 
 def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
     out = np.zeros_like(a)
@@ -72,7 +76,7 @@ class MoePlan:
     ([1, 3], [1, 2], array([0, 1, 2]))
     """
 
-    __slots__ = ("send", "recv", "received", "reordered", "_to_expert_major", "_to_rank_major")
+    __slots__ = ("send", "recv", "received", "reordered", "_to_expert_major", "_to_rank_major", "_chunks")
 
     def __init__(self, local_count: np.ndarray, global_count: np.ndarray, world: int) -> None:
         """``local_count``/``global_count``: validated host int64 counts of length ``world * E``."""
@@ -83,6 +87,7 @@ class MoePlan:
         """Whether the received rows need a reorder: more than one rank and expert."""
         self._to_expert_major: np.ndarray | None = None
         self._to_rank_major: np.ndarray | None = None
+        self._chunks: list[tuple[list[int], list[int]]] | None = None
 
     @property
     def to_expert_major(self) -> np.ndarray | None:
@@ -99,11 +104,29 @@ class MoePlan:
         return self._to_rank_major
 
     @property
+    def expert_major_chunks(self) -> list[tuple[list[int], list[int]]]:
+        """Per source rank c: the rows of its chunk for each expert (``received[c]``) and the
+        row where each chunk starts in expert-major order, as lists; made on first use, for a
+        backend that places the received rows itself (mpi's indexed datatypes).
+
+        >>> MoePlan(np.array([1, 0, 2, 1]), np.array([1, 2, 1, 0]), 2).expert_major_chunks
+        [([1, 2], [0, 2]), ([1, 0], [1, 4])]
+        """
+        if self._chunks is None:
+            lengths = self.received.T.reshape(-1)  # expert-major: for each expert, each rank
+            starts = np.zeros_like(lengths)
+            np.cumsum(lengths[:-1], out=starts[1:])
+            by_rank = starts.reshape(self.received.shape[1], -1).T
+            self._chunks = [(counts.tolist(), first.tolist()) for counts, first in zip(self.received, by_rank)]
+        return self._chunks
+
+    @property
     def nbytes(self) -> int:
-        """What the plan holds once both reorders are made: counted in full from the start,
-        since a remembered plan makes them after it is counted."""
+        """What the plan holds once both reorders and the chunks are made: counted in full
+        from the start, since a remembered plan makes them after it is counted."""
         reorders = 2 * 8 * sum(self.recv) if self.reordered else 0
-        return self.received.nbytes + 16 * len(self.send) + reorders + _PLAN_OVERHEAD
+        chunks = _BYTES_PER_CHUNK * self.received.size if self.reordered else 0
+        return self.received.nbytes + 16 * len(self.send) + reorders + chunks + _PLAN_OVERHEAD
 
 
 LAST_PLAN_BYTES = 16 * 2**20

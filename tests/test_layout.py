@@ -38,6 +38,27 @@ def test_reorders_are_made_on_first_use_and_counted_before() -> None:
     assert plan.nbytes == counted
 
 
+def test_expert_major_chunks_place_each_rank_s_rows_where_the_reorder_puts_them() -> None:
+    """Copying each source rank's chunk for each expert to where ``expert_major_chunks`` says
+    (mpi's indexed datatypes) gives the reorder's expert-major rows: empty chunks, ranks that
+    send nothing and single rows included. Made once, counted before."""
+    rng = np.random.default_rng(5)
+    cases = [np.array([[1, 2], [1, 0]]), np.zeros((3, 2), dtype=np.int64), np.array([[0, 0, 4], [3, 0, 0]])]
+    cases += [rng.integers(0, 4, size=(world, experts)) for world, experts in ((2, 2), (3, 4), (4, 3))]
+    for received in cases:
+        world = received.shape[0]
+        plan = MoePlan(received.reshape(-1), received.reshape(-1), world)
+        counted = plan.nbytes
+        rank_major = np.arange(int(received.sum()))
+        placed, at = np.full(rank_major.size, -1), 0
+        for counts, starts in plan.expert_major_chunks:
+            for rows, start in zip(counts, starts):
+                placed[start : start + rows] = rank_major[at : at + rows]
+                at += rows
+        np.testing.assert_array_equal(placed, rank_major[rank_major_to_expert_major(received)])
+        assert plan.expert_major_chunks is plan.expert_major_chunks and plan.nbytes == counted
+
+
 def test_no_reorder_for_one_rank_or_one_expert() -> None:
     for counts, world in ((np.array([2, 0, 3]), 1), (np.array([2, 5]), 2)):
         plan = MoePlan(counts, counts, world)

@@ -90,17 +90,20 @@ def test_gradients_match_the_reference() -> None:
 
 
 def moe_both_paths(rank: int) -> list[str]:
-    """global_scatter and global_gather below, between and above the sizes from which mpi fuses
-    the reorder into the transfer (``_SCATTER_FUSED_FROM_BYTES``, ``_GATHER_FUSED_FROM_BYTES``),
-    numpy and torch, against the reference; the path each took, by its input's size."""
+    """global_scatter and global_gather below and above the size from which mpi fuses the
+    reorder into the transfer (``_FUSED_FROM_BYTES``), numpy and torch, against the reference;
+    the path each took, by its input's size."""
     from unicoll import reference
-    from unicoll.backends.mpi.transport import _GATHER_FUSED_FROM_BYTES, _SCATTER_FUSED_FROM_BYTES
+    from unicoll.backends.mpi.transport import _FUSED_FROM_BYTES
 
     world, seen = uc.get_world_size(), []
-    sizes = sorted((_SCATTER_FUSED_FROM_BYTES, _GATHER_FUSED_FROM_BYTES))
-    for hidden in (2, sum(sizes) // 2 // 8 // 64, 4 * sizes[1] // 8 // 64):  # float64 rows, about 64 per rank
+    large = 4 * _FUSED_FROM_BYTES // 8 // 64  # float64 rows, about 64 per rank: four times the size
+    for hidden, skewed in ((2, False), (large, False), (large, True)):
         rng = np.random.default_rng(hidden)
         local = [rng.multinomial(64, np.full(world * 3, 1 / (world * 3))) for _ in range(world)]
+        if skewed:  # rank 0 sends every row to the last expert: empty chunks, ranks that receive none from it
+            local[0] = np.zeros(world * 3, dtype=np.int64)
+            local[0][-1] = 64
         glob = reference.global_counts(local)
         xs = [rng.standard_normal((64, hidden)) for _ in range(world)]
         for as_array in (np.asarray, torch.from_numpy):
@@ -108,16 +111,13 @@ def moe_both_paths(rank: int) -> list[str]:
             np.testing.assert_array_equal(np.asarray(scattered), reference.global_scatter(xs, local)[rank])
             back = uc.global_gather(scattered, local[rank], glob[rank])
             np.testing.assert_array_equal(np.asarray(back), xs[rank])
-            paths = [
-                "fused" if x.nbytes >= limit else "reordered"
-                for x, limit in ((xs[rank], _SCATTER_FUSED_FROM_BYTES), (scattered, _GATHER_FUSED_FROM_BYTES))
-            ]
+            paths = ["fused" if x.nbytes >= _FUSED_FROM_BYTES else "reordered" for x in (xs[rank], scattered)]
             seen.append(f"{as_array.__name__}: scatter {paths[0]}, gather {paths[1]}")
     return seen
 
 
 def test_moe_operators_fused_or_not_match_the_reference() -> None:
-    paths = ["scatter reordered, gather reordered", "scatter reordered, gather fused", "scatter fused, gather fused"]
+    paths = ["scatter reordered, gather reordered", "scatter fused, gather fused", "scatter fused, gather fused"]
     expected = [f"{name}: {path}" for path in paths for name in ("asarray", "from_numpy")]
     assert uc.testing.spawn(moe_both_paths, 3, backend="mpi") == [expected] * 3
 

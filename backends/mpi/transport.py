@@ -17,8 +17,7 @@ with per-rank counts, uneven blocks included.
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
 expert-major order, so MPI's own copy does the reorder and no second buffer is needed. Below
-:data:`_SCATTER_FUSED_FROM_BYTES` (global_gather: :data:`_GATHER_FUSED_FROM_BYTES`) they are an
-``Ialltoallv`` and a reorder instead, which costs less there.
+:data:`_FUSED_FROM_BYTES` they are an ``Ialltoallv`` and a reorder instead, which costs less there.
 
 Every collective is issued non-blocking (``Ialltoallv``, ``Iallgather``, ``Ialltoall``,
 ``Ibarrier``, ``Idup``) and waited for by polling ``Test()`` against a deadline, so no call
@@ -55,13 +54,11 @@ _YIELD_AFTER_S = 50e-6
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
 it waits for run (docs/mpi.md)."""
 
-_SCATTER_FUSED_FROM_BYTES = 512 * 2**10
-"""global_scatter of fewer bytes than this runs as an ``Ialltoallv`` and a reorder by the
-call's plan (:class:`unicoll.backends.layout.MoePlan`): making the fused path's datatypes
-costs more than the copy it saves, on 2 ranks, up to about this size (docs/performance.md)."""
-
-_GATHER_FUSED_FROM_BYTES = 128 * 2**10
-"""The same for global_gather, whose reorder before the transfer costs more: fused from here."""
+_FUSED_FROM_BYTES = 128 * 2**10
+"""global_scatter and global_gather of fewer bytes than this run as an ``Ialltoallv`` and a
+reorder by the call's plan (:class:`unicoll.backends.layout.MoePlan`): below it, making the
+fused path's indexed datatypes (2-3 us a call) costs more than the copy it saves; the two cross
+over here on 2 ranks (docs/performance.md, "Sixth pass")."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
@@ -79,12 +76,11 @@ def yield_after(world_size: int) -> float:
     return _YIELD_AFTER_S if local > cores else math.inf
 
 
-def _fused(x: Any, counts: np.ndarray, from_bytes: int) -> bool:
-    """Whether global_scatter/global_gather of ``x`` with the expert-major side's ``counts``
-    (one row per rank, one column per expert) take the fused ``Ialltoallw``: not where
-    rank-major already is expert-major (one rank, or one expert per rank), nor below
-    ``from_bytes`` (:data:`_SCATTER_FUSED_FROM_BYTES`, :data:`_GATHER_FUSED_FROM_BYTES`)."""
-    return counts.shape[0] > 1 and counts.shape[1] > 1 and x.nbytes >= from_bytes
+def _fused(x: Any, plan: MoePlan) -> bool:
+    """Whether global_scatter/global_gather of ``x`` by ``plan`` take the fused ``Ialltoallw``:
+    not where rank-major already is expert-major (one rank, or one expert per rank), nor below
+    :data:`_FUSED_FROM_BYTES`."""
+    return plan.reordered and x.nbytes >= _FUSED_FROM_BYTES
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
@@ -177,15 +173,6 @@ def _row_bytes(a: Any) -> int:
 
 def _displacements(counts: Sequence[int]) -> list[int]:
     return list(accumulate(counts[:-1], initial=0))
-
-
-def _expert_major_starts(counts: np.ndarray) -> np.ndarray:
-    """``starts[e, c]``: the first row of the chunk (source rank c, expert e) in expert-major
-    order, for ``counts`` of shape ``(W, E)``."""
-    lengths = counts.T.reshape(-1)
-    starts = np.zeros_like(lengths)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    return starts.reshape(counts.shape[1], counts.shape[0])
 
 
 class MpiBackend(Backend):
@@ -359,37 +346,30 @@ class MpiBackend(Backend):
 
     def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Fused: the rows from each rank land straight in expert-major order (see the module)."""
-        if not _fused(x, plan.received, _SCATTER_FUSED_FROM_BYTES):
+        if not _fused(x, plan):
             return super().global_scatter(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.recv))
-        work = self._expert_major_alltoall(x, out, plan.received, plan.send, True, group, async_op)
+        work = self._expert_major_alltoall(x, out, plan, True, group, async_op)
         return issued(work, lambda: out)
 
     def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Fused: each rank's rows are sent straight from their expert-major places."""
-        if not _fused(x, plan.received, _GATHER_FUSED_FROM_BYTES):
+        if not _fused(x, plan):
             return super().global_gather(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.send))
-        work = self._expert_major_alltoall(out, x, plan.received, plan.send, False, group, async_op)
+        work = self._expert_major_alltoall(out, x, plan, False, group, async_op)
         return issued(work, lambda: out)
 
     def _expert_major_alltoall(
-        self,
-        rank_major: Any,
-        expert_major: Any,
-        counts: np.ndarray,
-        splits: list[int],
-        scatter: bool,
-        group: Group,
-        async_op: bool,
+        self, rank_major: Any, expert_major: Any, plan: MoePlan, scatter: bool, group: Group, async_op: bool
     ) -> Work | None:
-        """One ``Ialltoallw`` between a rank-major array (``splits[c]`` consecutive rows per
-        rank c) and an expert-major one (``counts[c, e]`` rows per rank c and expert e), from
-        the first to the second when ``scatter``, else back."""
+        """One ``Ialltoallw`` between a rank-major array (``plan.send[c]`` consecutive rows per
+        rank c) and an expert-major one (the chunks of ``plan.expert_major_chunks``), from the
+        first to the second when ``scatter``, else back. The chunks' lists come from the plan,
+        made once per counts; the indexed datatypes over them are made per call."""
         contiguous_view, placed_view = _host_view(rank_major), _host_view(expert_major)
-        row = self._row_type(_row_bytes(contiguous_view))
-        starts = _expert_major_starts(counts)
-        placed = [row.Create_indexed(counts[c].tolist(), starts[:, c].tolist()).Commit() for c in range(len(splits))]
+        row, splits = self._row_type(_row_bytes(contiguous_view)), plan.send
+        placed = [row.Create_indexed(counts, starts).Commit() for counts, starts in plan.expert_major_chunks]
         contiguous = [contiguous_view, (splits, [d * row.extent for d in _displacements(splits)]), [row] * len(splits)]
         scattered = [placed_view, ([1] * len(splits), [0] * len(splits)), placed]
         what = "alltoallw (global_scatter)" if scatter else "alltoallw (global_gather)"
