@@ -89,37 +89,79 @@ def test_gradients_match_the_reference() -> None:
     assert all(len(r) == 2 * len(GRADIENT_OPS) and set(r.values()) == {"ok"} for r in reports)
 
 
-def moe_both_paths(rank: int) -> list[str]:
-    """global_scatter and global_gather below and above the size from which mpi fuses the
-    reorder into the transfer (``_FUSED_FROM_BYTES``), numpy and torch, against the reference;
-    the path each took, by its input's size."""
-    from unicoll import reference
-    from unicoll.backends.mpi.transport import _FUSED_FROM_BYTES
+def _moe_counts(case: str, world: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each rank's local_count (3 experts per rank) for a case of :func:`moe_both_paths`."""
+    local = [rng.multinomial(64, np.full(world * 3, 1 / (world * 3))) for _ in range(world)]
+    for rank in range(world):
+        if case == "skewed" and rank == 0:  # every row to the last expert: empty chunks
+            local[0] = np.eye(world * 3, dtype=np.int64)[-1] * 64
+        if case == "mixed" and rank > 0:  # 4 rows each, to rank 0's first expert
+            local[rank] = np.eye(world * 3, dtype=np.int64)[0] * 4
+        if case == "one receives":  # every row to rank 0's experts: the others receive none
+            local[rank] = np.zeros(world * 3, dtype=np.int64)
+            local[rank][:3] = rng.multinomial(64, np.full(3, 1 / 3))
+    return local
 
+
+def moe_both_paths(rank: int) -> list[str]:
+    """global_scatter and global_gather below and above the sizes from which mpi fuses the
+    reorder into the transfer (``_SCATTER_FUSED_FROM_BYTES``, ``_GATHER_FUSED_FROM_BYTES``),
+    numpy and torch, against the reference; also where ranks take different ways in one call
+    (each decides by its own bytes). The way each rank took, by its input's size."""
+    from unicoll import reference, runtime
+    from unicoll.backends.mpi.transport import _GATHER_FUSED_FROM_BYTES, _SCATTER_FUSED_FROM_BYTES
+
+    backend, called = runtime.state("test").backend, []
+    comm_of = backend._comm
+    backend._comm = lambda group: _Recording(comm_of(group), called)  # which collective each call issues
     world, seen = uc.get_world_size(), []
-    large = 4 * _FUSED_FROM_BYTES // 8 // 64  # float64 rows, about 64 per rank: four times the size
-    for hidden, skewed in ((2, False), (large, False), (large, True)):
-        rng = np.random.default_rng(hidden)
-        local = [rng.multinomial(64, np.full(world * 3, 1 / (world * 3))) for _ in range(world)]
-        if skewed:  # rank 0 sends every row to the last expert: empty chunks, ranks that receive none from it
-            local[0] = np.zeros(world * 3, dtype=np.int64)
-            local[0][-1] = 64
+    large = 4 * max(_SCATTER_FUSED_FROM_BYTES, _GATHER_FUSED_FROM_BYTES) // 8 // 64  # float64: 64 rows, 4x
+    for case, hidden in (("small", 2), ("even", large), ("skewed", large), ("mixed", large), ("one receives", large)):
+        rng = np.random.default_rng(len(case))
+        local = _moe_counts(case, world, rng)
         glob = reference.global_counts(local)
-        xs = [rng.standard_normal((64, hidden)) for _ in range(world)]
+        xs = [rng.standard_normal((int(local[r].sum()), hidden)) for r in range(world)]
         for as_array in (np.asarray, torch.from_numpy):
             scattered = uc.global_scatter(as_array(xs[rank]), local[rank], glob[rank])
             np.testing.assert_array_equal(np.asarray(scattered), reference.global_scatter(xs, local)[rank])
             back = uc.global_gather(scattered, local[rank], glob[rank])
             np.testing.assert_array_equal(np.asarray(back), xs[rank])
-            paths = ["fused" if x.nbytes >= _FUSED_FROM_BYTES else "reordered" for x in (xs[rank], scattered)]
-            seen.append(f"{as_array.__name__}: scatter {paths[0]}, gather {paths[1]}")
+            paths = [
+                "fused" if x.nbytes >= limit else "reordered"
+                for x, limit in ((xs[rank], _SCATTER_FUSED_FROM_BYTES), (scattered, _GATHER_FUSED_FROM_BYTES))
+            ]
+            seen.append(f"{case}, {as_array.__name__}: scatter {paths[0]}, gather {paths[1]}")
+    assert set(called) == {"Ialltoallw"}, called  # whichever way: the same collective on every rank
     return seen
 
 
+class _Recording:
+    """A communicator that records the name of each collective it is asked for."""
+
+    def __init__(self, comm: object, called: list[str]) -> None:
+        self._comm, self._called = comm, called
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("I"):
+            self._called.append(name)
+        return getattr(self._comm, name)
+
+
 def test_moe_operators_fused_or_not_match_the_reference() -> None:
-    paths = ["scatter reordered, gather reordered", "scatter fused, gather fused", "scatter fused, gather fused"]
-    expected = [f"{name}: {path}" for path in paths for name in ("asarray", "from_numpy")]
-    assert uc.testing.spawn(moe_both_paths, 3, backend="mpi") == [expected] * 3
+    """Every rank's result is right whichever way each rank took; "mixed" and "one receives"
+    have ranks on both sides of a threshold in one call."""
+    both, first = "scatter fused, gather fused", "scatter reordered, gather reordered"
+    on_rank_0 = {"small": first, "even": both, "skewed": both, "mixed": both, "one receives": both}
+    on_others = {
+        **on_rank_0,
+        "mixed": "scatter reordered, gather fused",
+        "one receives": "scatter fused, gather reordered",
+    }
+    expected = [
+        [f"{case}, {name}: {paths[case]}" for case in on_rank_0 for name in ("asarray", "from_numpy")]
+        for paths in (on_rank_0, on_others, on_others)
+    ]
+    assert uc.testing.spawn(moe_both_paths, 3, backend="mpi") == expected
 
 
 def test_check_mode_names_the_disagreement() -> None:

@@ -17,7 +17,10 @@ with per-rank counts, uneven blocks included.
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
 expert-major order, so MPI's own copy does the reorder and no second buffer is needed. Below
-:data:`_FUSED_FROM_BYTES` they are an ``Ialltoallv`` and a reorder instead, which costs less there.
+:data:`_SCATTER_FUSED_FROM_BYTES` (global_gather: :data:`_GATHER_FUSED_FROM_BYTES`) that side is
+contiguous rank-major rows and a reorder follows (precedes), which costs less there. Both are an
+``Ialltoallw``: each rank decides by its own bytes, which differ between ranks, and every rank
+must call the same collective.
 
 Every collective is issued non-blocking (``Ialltoallv``, ``Iallgather``, ``Ialltoall``,
 ``Ibarrier``, ``Idup``) and waited for by polling ``Test()`` against a deadline, so no call
@@ -54,11 +57,15 @@ _YIELD_AFTER_S = 50e-6
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
 it waits for run (docs/mpi.md)."""
 
-_FUSED_FROM_BYTES = 128 * 2**10
-"""global_scatter and global_gather of fewer bytes than this run as an ``Ialltoallv`` and a
-reorder by the call's plan (:class:`unicoll.backends.layout.MoePlan`): below it, making the
-fused path's indexed datatypes (2-3 us a call) costs more than the copy it saves; the two cross
-over here on 2 ranks (docs/performance.md, "Sixth pass")."""
+_SCATTER_FUSED_FROM_BYTES = 128 * 2**10
+"""global_scatter of fewer bytes than this runs as an ``Ialltoallv`` and a reorder by the
+call's plan (:class:`unicoll.backends.layout.MoePlan`): below it, making the fused path's
+indexed datatypes (2-3 us a call) costs more than the copy it saves; the two cross over here
+on 2 ranks (docs/performance.md, "Sixth pass")."""
+
+_GATHER_FUSED_FROM_BYTES = 64 * 2**10
+"""The same for global_gather, whose unfused path costs more: it sends the rows its reorder has
+just written, which the peer then reads out of this core's cache."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
@@ -76,11 +83,16 @@ def yield_after(world_size: int) -> float:
     return _YIELD_AFTER_S if local > cores else math.inf
 
 
-def _fused(x: Any, plan: MoePlan) -> bool:
-    """Whether global_scatter/global_gather of ``x`` by ``plan`` take the fused ``Ialltoallw``:
-    not where rank-major already is expert-major (one rank, or one expert per rank), nor below
-    :data:`_FUSED_FROM_BYTES`."""
-    return plan.reordered and x.nbytes >= _FUSED_FROM_BYTES
+def _fused(x: Any, from_bytes: int) -> bool:
+    """Whether this rank's side of a global_scatter/global_gather whose rows need a reorder
+    takes the fused way (:data:`_SCATTER_FUSED_FROM_BYTES`, :data:`_GATHER_FUSED_FROM_BYTES`):
+    ``x``'s bytes differ between ranks, so ranks may decide differently."""
+    return x.nbytes >= from_bytes
+
+
+def _contiguous_side(view: np.ndarray, splits: list[int], row: MPI.Datatype) -> list[Any]:
+    """One side of an ``Ialltoallw``: ``splits[c]`` consecutive rows of ``view`` for rank c."""
+    return [view, (splits, [d * row.extent for d in _displacements(splits)]), [row] * len(splits)]
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
@@ -345,43 +357,58 @@ class MpiBackend(Backend):
         return self._done(request, "broadcast", async_op)
 
     def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        """Fused: the rows from each rank land straight in expert-major order (see the module)."""
-        if not _fused(x, plan):
+        """One ``Ialltoallw`` whose receive side places each rank's rows in expert-major order
+        (fused), or below :data:`_SCATTER_FUSED_FROM_BYTES` receives them rank-major for a
+        reorder after (see the module)."""
+        if not plan.reordered:
             return super().global_scatter(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.recv))
-        work = self._expert_major_alltoall(x, out, plan, True, group, async_op)
-        return issued(work, lambda: out)
+        if _fused(x, _SCATTER_FUSED_FROM_BYTES):
+            work = self._moe_alltoallw(x, out, plan, True, True, group, async_op)
+            return issued(work, lambda: out)
+        work = self._moe_alltoallw(x, out, plan, True, False, group, async_op)
+        return issued(work, lambda: self.take_rows(out, plan.to_expert_major))
 
     def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        """Fused: each rank's rows are sent straight from their expert-major places."""
-        if not _fused(x, plan):
+        """The mirror image of :meth:`global_scatter`: each rank's rows sent from their
+        expert-major places (fused), or below :data:`_GATHER_FUSED_FROM_BYTES` reordered to
+        rank-major first."""
+        if not plan.reordered:
             return super().global_gather(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.send))
-        work = self._expert_major_alltoall(out, x, plan, False, group, async_op)
+        fused = _fused(x, _GATHER_FUSED_FROM_BYTES)
+        rows = x if fused else self.take_rows(x, plan.to_rank_major)
+        work = self._moe_alltoallw(out, rows, plan, False, fused, group, async_op)
         return issued(work, lambda: out)
 
-    def _expert_major_alltoall(
-        self, rank_major: Any, expert_major: Any, plan: MoePlan, scatter: bool, group: Group, async_op: bool
+    def _moe_alltoallw(
+        self, ours: Any, theirs: Any, plan: MoePlan, scatter: bool, placed: bool, group: Group, async_op: bool
     ) -> Work | None:
-        """One ``Ialltoallw`` between a rank-major array (``plan.send[c]`` consecutive rows per
-        rank c) and an expert-major one (the chunks of ``plan.expert_major_chunks``), from the
-        first to the second when ``scatter``, else back. The chunks' lists come from the plan,
-        made once per counts; the indexed datatypes over them are made per call."""
-        contiguous_view, placed_view = _host_view(rank_major), _host_view(expert_major)
-        row, splits = self._row_type(_row_bytes(contiguous_view)), plan.send
-        placed = [row.Create_indexed(counts, starts).Commit() for counts, starts in plan.expert_major_chunks]
-        contiguous = [contiguous_view, (splits, [d * row.extent for d in _displacements(splits)]), [row] * len(splits)]
-        scattered = [placed_view, ([1] * len(splits), [0] * len(splits)), placed]
+        """One ``Ialltoallw`` between ``ours``, rank-major rows of this rank's tokens
+        (``plan.send[c]`` for rank c), and ``theirs``, the rows of this rank's experts: from
+        the first to the second when ``scatter``, else back. ``theirs`` is expert-major when
+        ``placed`` (each rank's chunk for each expert reached through an indexed datatype over
+        ``plan.expert_major_chunks``, made per call), else rank-major (``plan.recv[c]`` for rank
+        c). Both ways are the same collective, so ranks may take different ways in one call
+        (each decides by its own bytes); the type signatures match: rows of one size."""
+        ours_view, theirs_view = _host_view(ours), _host_view(theirs)
+        row = self._row_type(_row_bytes(ours_view))
+        ours_side, datatypes = _contiguous_side(ours_view, plan.send, row), []
+        if placed:
+            datatypes = [row.Create_indexed(counts, starts).Commit() for counts, starts in plan.expert_major_chunks]
+            theirs_side = [theirs_view, ([1] * len(datatypes), [0] * len(datatypes)), datatypes]
+        else:
+            theirs_side = _contiguous_side(theirs_view, plan.recv, row)
         what = "alltoallw (global_scatter)" if scatter else "alltoallw (global_gather)"
         try:
             comm = self._comm(group)
-            request = comm.Ialltoallw(contiguous, scattered) if scatter else comm.Ialltoallw(scattered, contiguous)
+            request = comm.Ialltoallw(ours_side, theirs_side) if scatter else comm.Ialltoallw(theirs_side, ours_side)
         except MPI.Exception as exc:
             raise _failure(exc, what) from exc
         finally:
-            for datatype in placed:  # MPI keeps them until the transfer that uses them completes
+            for datatype in datatypes:  # MPI keeps them until the transfer that uses them completes
                 datatype.Free()
-        return self._done(request, what, async_op)
+        return self._done(request, what, async_op, (ours, theirs))
 
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = np.ascontiguousarray(values, dtype=np.int64)
