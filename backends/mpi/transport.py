@@ -38,7 +38,6 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -90,9 +89,13 @@ def _fused(x: Any, from_bytes: int) -> bool:
     return x.nbytes >= from_bytes
 
 
-def _contiguous_side(view: np.ndarray, splits: list[int], row: MPI.Datatype) -> list[Any]:
-    """One side of an ``Ialltoallw``: ``splits[c]`` consecutive rows of ``view`` for rank c."""
-    return [view, (splits, [d * row.extent for d in _displacements(splits)]), [row] * len(splits)]
+def _contiguous_side(buffer: Any, splits: list[int], row: MPI.Datatype) -> list[Any]:
+    """One side of an ``Ialltoallw``: ``splits[c]`` consecutive rows of ``buffer`` for rank c."""
+    extent, at, displacements = row.extent, 0, []
+    for rows in splits:  # a loop: a comprehension over accumulate() costs two calls more
+        displacements.append(at)
+        at += rows * extent
+    return [buffer, (splits, displacements), [row] * len(splits)]
 
 
 def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
@@ -181,10 +184,6 @@ def _buffer(a: Any) -> Any:
 def _row_bytes(a: Any) -> int:
     """The bytes of one row of ``a`` (a numpy array or torch tensor)."""
     return a.itemsize * math.prod(a.shape[1:])
-
-
-def _displacements(counts: Sequence[int]) -> list[int]:
-    return list(accumulate(counts[:-1], initial=0))
 
 
 class MpiBackend(Backend):
@@ -391,14 +390,13 @@ class MpiBackend(Backend):
         ``plan.expert_major_chunks``, made per call), else rank-major (``plan.recv[c]`` for rank
         c). Both ways are the same collective, so ranks may take different ways in one call
         (each decides by its own bytes); the type signatures match: rows of one size."""
-        ours_view, theirs_view = _host_view(ours), _host_view(theirs)
-        row = self._row_type(_row_bytes(ours_view))
-        ours_side, datatypes = _contiguous_side(ours_view, plan.send, row), []
+        row = self._row_type(_row_bytes(ours))
+        ours_side, datatypes = _contiguous_side(_buffer(ours), plan.send, row), []
         if placed:
             datatypes = [row.Create_indexed(counts, starts).Commit() for counts, starts in plan.expert_major_chunks]
-            theirs_side = [theirs_view, ([1] * len(datatypes), [0] * len(datatypes)), datatypes]
+            theirs_side = [_buffer(theirs), ([1] * len(datatypes), [0] * len(datatypes)), datatypes]
         else:
-            theirs_side = _contiguous_side(theirs_view, plan.recv, row)
+            theirs_side = _contiguous_side(_buffer(theirs), plan.recv, row)
         what = "alltoallw (global_scatter)" if scatter else "alltoallw (global_gather)"
         try:
             comm = self._comm(group)
