@@ -104,18 +104,18 @@ def _moe_counts(case: str, world: int, rng: np.random.Generator) -> list[np.ndar
 
 
 def moe_both_paths(rank: int) -> list[str]:
-    """global_scatter and global_gather below and above the sizes from which mpi fuses the
-    reorder into the transfer (``_SCATTER_FUSED_FROM_BYTES``, ``_GATHER_FUSED_FROM_BYTES``),
+    """global_scatter and global_gather below and above the size from which mpi fuses the
+    reorder into the transfer (``_FUSED_FROM_BYTES``),
     numpy and torch, against the reference; also where ranks take different ways in one call
     (each decides by its own bytes). The way each rank took, by its input's size."""
     from unicoll import reference, runtime
-    from unicoll.backends.mpi.transport import _GATHER_FUSED_FROM_BYTES, _SCATTER_FUSED_FROM_BYTES
+    from unicoll.backends.mpi.transport import _FUSED_FROM_BYTES
 
     backend, called = runtime.state("test").backend, []
     comm_of = backend._comm
     backend._comm = lambda group: _Recording(comm_of(group), called)  # which collective each call issues
     world, seen = uc.get_world_size(), []
-    large = 4 * max(_SCATTER_FUSED_FROM_BYTES, _GATHER_FUSED_FROM_BYTES) // 8 // 64  # float64: 64 rows, 4x
+    large = 8 * _FUSED_FROM_BYTES // 8 // 64  # float64: 64 rows are 8x the size, 4 rows half of it
     for case, hidden in (("small", 2), ("even", large), ("skewed", large), ("mixed", large), ("one receives", large)):
         rng = np.random.default_rng(len(case))
         local = _moe_counts(case, world, rng)
@@ -126,10 +126,7 @@ def moe_both_paths(rank: int) -> list[str]:
             np.testing.assert_array_equal(np.asarray(scattered), reference.global_scatter(xs, local)[rank])
             back = uc.global_gather(scattered, local[rank], glob[rank])
             np.testing.assert_array_equal(np.asarray(back), xs[rank])
-            paths = [
-                "fused" if x.nbytes >= limit else "reordered"
-                for x, limit in ((xs[rank], _SCATTER_FUSED_FROM_BYTES), (scattered, _GATHER_FUSED_FROM_BYTES))
-            ]
+            paths = ["fused" if x.nbytes >= _FUSED_FROM_BYTES else "reordered" for x in (xs[rank], scattered)]
             seen.append(f"{case}, {as_array.__name__}: scatter {paths[0]}, gather {paths[1]}")
     assert set(called) == {"Ialltoallw"}, called  # whichever way: the same collective on every rank
     return seen

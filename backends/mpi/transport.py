@@ -17,7 +17,7 @@ with per-rank counts, uneven blocks included.
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
 expert-major order, so MPI's own copy does the reorder and no second buffer is needed. Below
-:data:`_SCATTER_FUSED_FROM_BYTES` (global_gather: :data:`_GATHER_FUSED_FROM_BYTES`) that side is
+:data:`_FUSED_FROM_BYTES` that side is
 contiguous rank-major rows and a reorder follows (precedes), which costs less there. Both are an
 ``Ialltoallw``: each rank decides by its own bytes, which differ between ranks, and every rank
 must call the same collective.
@@ -56,15 +56,12 @@ _YIELD_AFTER_S = 50e-6
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
 it waits for run (docs/mpi.md)."""
 
-_SCATTER_FUSED_FROM_BYTES = 128 * 2**10
-"""global_scatter of fewer bytes than this runs as an ``Ialltoallv`` and a reorder by the
-call's plan (:class:`unicoll.backends.layout.MoePlan`): below it, making the fused path's
-indexed datatypes (2-3 us a call) costs more than the copy it saves; the two cross over here
-on 2 ranks (docs/performance.md, "Sixth pass")."""
-
-_GATHER_FUSED_FROM_BYTES = 64 * 2**10
-"""The same for global_gather, whose unfused path costs more: it sends the rows its reorder has
-just written, which the peer then reads out of this core's cache."""
+_FUSED_FROM_BYTES = 32 * 2**10
+"""A global_scatter or global_gather side of fewer bytes than this is sent (received) as
+contiguous rank-major rows and reordered by the call's plan
+(:class:`unicoll.backends.layout.MoePlan`): below it, making the fused path's indexed
+datatypes (2-3 us a call) costs more than the copy it saves; the two cross over here on 2 ranks,
+for both operators (docs/performance.md, "Sixth pass")."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
@@ -82,11 +79,11 @@ def yield_after(world_size: int) -> float:
     return _YIELD_AFTER_S if local > cores else math.inf
 
 
-def _fused(x: Any, from_bytes: int) -> bool:
+def _fused(x: Any) -> bool:
     """Whether this rank's side of a global_scatter/global_gather whose rows need a reorder
-    takes the fused way (:data:`_SCATTER_FUSED_FROM_BYTES`, :data:`_GATHER_FUSED_FROM_BYTES`):
-    ``x``'s bytes differ between ranks, so ranks may decide differently."""
-    return x.nbytes >= from_bytes
+    takes the fused way (:data:`_FUSED_FROM_BYTES`): ``x``'s bytes differ between ranks, so
+    ranks may decide differently."""
+    return x.nbytes >= _FUSED_FROM_BYTES
 
 
 def _contiguous_side(buffer: Any, splits: list[int], row: MPI.Datatype) -> list[Any]:
@@ -357,12 +354,12 @@ class MpiBackend(Backend):
 
     def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """One ``Ialltoallw`` whose receive side places each rank's rows in expert-major order
-        (fused), or below :data:`_SCATTER_FUSED_FROM_BYTES` receives them rank-major for a
+        (fused), or below :data:`_FUSED_FROM_BYTES` receives them rank-major for a
         reorder after (see the module)."""
         if not plan.reordered:
             return super().global_scatter(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.recv))
-        if _fused(x, _SCATTER_FUSED_FROM_BYTES):
+        if _fused(x):
             work = self._moe_alltoallw(x, out, plan, True, True, group, async_op)
             return issued(work, lambda: out)
         work = self._moe_alltoallw(x, out, plan, True, False, group, async_op)
@@ -370,12 +367,12 @@ class MpiBackend(Backend):
 
     def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """The mirror image of :meth:`global_scatter`: each rank's rows sent from their
-        expert-major places (fused), or below :data:`_GATHER_FUSED_FROM_BYTES` reordered to
+        expert-major places (fused), or below :data:`_FUSED_FROM_BYTES` reordered to
         rank-major first."""
         if not plan.reordered:
             return super().global_gather(x, plan, group, async_op, calc_stream)
         out = self.empty_rows(x, sum(plan.send))
-        fused = _fused(x, _GATHER_FUSED_FROM_BYTES)
+        fused = _fused(x)
         rows = x if fused else self.take_rows(x, plan.to_rank_major)
         work = self._moe_alltoallw(out, rows, plan, False, fused, group, async_op)
         return issued(work, lambda: out)
