@@ -121,11 +121,14 @@ def moe_both_paths(rank: int) -> list[str]:
         local = _moe_counts(case, world, rng)
         glob = reference.global_counts(local)
         xs = [rng.standard_normal((int(local[r].sum()), hidden)) for r in range(world)]
-        for as_array in (np.asarray, torch.from_numpy):
-            scattered = uc.global_scatter(as_array(xs[rank]), local[rank], glob[rank])
+        for as_array, sync_op in ((np.asarray, True), (torch.from_numpy, False)):  # torch: as Tasks
+            scattered = uc.global_scatter(
+                as_array(xs[rank]), local[rank], glob[rank], sync_op=sync_op, use_calc_stream=sync_op
+            )
+            scattered = scattered if sync_op else scattered.wait()
             np.testing.assert_array_equal(np.asarray(scattered), reference.global_scatter(xs, local)[rank])
-            back = uc.global_gather(scattered, local[rank], glob[rank])
-            np.testing.assert_array_equal(np.asarray(back), xs[rank])
+            back = uc.global_gather(scattered, local[rank], glob[rank], sync_op=sync_op, use_calc_stream=sync_op)
+            np.testing.assert_array_equal(np.asarray(back if sync_op else back.wait()), xs[rank])
             paths = ["fused" if x.nbytes >= _FUSED_FROM_BYTES else "reordered" for x in (xs[rank], scattered)]
             seen.append(f"{case}, {as_array.__name__}: scatter {paths[0]}, gather {paths[1]}")
     assert set(called) == {"Ialltoallw"}, called  # whichever way: the same collective on every rank
