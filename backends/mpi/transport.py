@@ -56,12 +56,12 @@ _YIELD_AFTER_S = 50e-6
 between polls. A small message completes within it; past it, a rank that waits lets the ranks
 it waits for run (docs/mpi.md)."""
 
-_FUSED_FROM_BYTES = 32 * 2**10
+_FUSED_FROM_BYTES = 24 * 2**10
 """A global_scatter or global_gather side of fewer bytes than this is sent (received) as
 contiguous rank-major rows and reordered by the call's plan
 (:class:`unicoll.backends.layout.MoePlan`): below it, making the fused path's indexed
-datatypes (2-3 us a call) costs more than the copy it saves; the two cross over here on 2 ranks,
-for both operators (docs/performance.md, "Sixth pass")."""
+datatypes (2-3 us a call) costs more than the copy it saves; the two cross over between 16 and
+32 KiB on 2 ranks, for both operators (docs/performance.md, "Sixth pass")."""
 
 _ROW_TYPES_KEPT = 64
 """How many row datatypes (one per row size in bytes, a few hundred bytes each) a backend keeps."""
