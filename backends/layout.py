@@ -113,9 +113,7 @@ class MoePlan:
         [([1, 2], [0, 2]), ([1, 0], [1, 4])]
         """
         if self._chunks is None:
-            lengths = self.received.T.reshape(-1)  # expert-major: for each expert, each rank
-            starts = np.zeros_like(lengths)
-            np.cumsum(lengths[:-1], out=starts[1:])
+            starts = _exclusive_cumsum(self.received.T.reshape(-1))  # expert-major: each expert, each rank
             by_rank = starts.reshape(self.received.shape[1], -1).T
             self._chunks = [(counts.tolist(), first.tolist()) for counts, first in zip(self.received, by_rank)]
         return self._chunks
