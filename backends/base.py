@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 from array_api_compat import array_namespace, device
 
+from unicoll.backends import float_keys
 from unicoll.forking import keep_forever
 
 if TYPE_CHECKING:
@@ -265,11 +266,18 @@ class Backend(ABC):
 
     def all_reduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """Reduce ``x`` in place with ``op`` (one of :data:`REDUCE_OPS`): ``avg`` is ``sum``
-        divided by the group size, on bool ``sum`` is ``max`` and ``prod`` is ``min``. Empty
-        arrays move nothing (every rank passes the same shape)."""
+        divided by the group size, on bool ``sum`` is ``max`` and ``prod`` is ``min``, and float
+        ``max`` and ``min`` travel as integer keys (:mod:`~unicoll.backends.float_keys`: NaN
+        propagates, the same bits on every rank). Empty arrays move nothing (every rank passes
+        the same shape)."""
         if _numel(x) == 0:
             return issued(None, lambda: x)
-        work = self.allreduce(x, _transport_op(op, x), group, async_op, calc_stream)
+        native_op = _transport_op(op, x)
+        if float_keys.applies(native_op, x):
+            keys = float_keys.to_keys(x, native_op)
+            work = self.allreduce(keys, native_op, group, async_op, calc_stream)
+            return issued(work, lambda: float_keys.from_keys(keys, x, native_op))
+        work = self.allreduce(x, native_op, group, async_op, calc_stream)
         if op != "avg":
             return issued(work, lambda: x)
         return issued(work, lambda: _divide(x, group.world_size))
@@ -286,19 +294,30 @@ class Backend(ABC):
     ) -> Pending:
         """Block c of ``x`` (``rows[c]`` consecutive rows) reduced with ``op`` across ``group``
         into ``out`` on position c (allocated when None): equal blocks through
-        :meth:`reduce_scatter_even`, unequal ones through :meth:`reduce_scatter_uneven`."""
+        :meth:`reduce_scatter_even`, unequal ones through :meth:`reduce_scatter_uneven`; float
+        ``max`` and ``min`` as integer keys, as in :meth:`all_reduce`."""
         if out is None:
             out = self.empty_rows(x, int(rows[group.rank]))
         if _numel(x) == 0:
             return issued(None, lambda: out)
         native_op = _transport_op(op, x)
-        if all(r == rows[0] for r in rows):
-            pending = issued(self.reduce_scatter_even(out, x, native_op, group, async_op, calc_stream), lambda: out)
-        else:
-            pending = self.reduce_scatter_uneven(out, x, native_op, rows, group, async_op, calc_stream)
+        if float_keys.applies(native_op, x):
+            keys = float_keys.to_keys(x, native_op)
+            mine = self.empty_rows(keys, int(rows[group.rank]))
+            pending = self._reduce_scatter_blocks(mine, keys, native_op, rows, group, async_op, calc_stream)
+            return Pending(pending.works, lambda: float_keys.from_keys(pending.finish(), out, native_op))
+        pending = self._reduce_scatter_blocks(out, x, native_op, rows, group, async_op, calc_stream)
         if op != "avg":
             return pending
         return Pending(pending.works, lambda: _divide(pending.finish(), group.world_size))
+
+    def _reduce_scatter_blocks(
+        self, out: Any, x: Any, op: str, rows: Sequence[int], group: Group, async_op: bool, calc_stream: bool
+    ) -> Pending:
+        """:meth:`reduce_scatter` with a transport reduction ``op``, into ``out``."""
+        if all(r == rows[0] for r in rows):
+            return issued(self.reduce_scatter_even(out, x, op, group, async_op, calc_stream), lambda: out)
+        return self.reduce_scatter_uneven(out, x, op, rows, group, async_op, calc_stream)
 
     def reduce_scatter_uneven(
         self,

@@ -4,12 +4,14 @@ group of one, broadcast's src as a position in the group, and torch's rules for 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 import unicoll as uc
-from unicoll import runtime
+from unicoll import reference, runtime
 from unicoll.backends.base import Backend
 from unicoll.backends.mpi.bfloat16 import reduce_words, rounded, widened
 
@@ -77,6 +79,95 @@ def test_edges(backend: str) -> None:
         assert got["parameter"] == [[0.0, 0.0], True, True]
     assert results[1]["group of one"] == [[5.0], [7], [1, 2]]
     assert results[1]["src in a group"] == results[2]["src in a group"] == [2]
+
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _specials(rank: int, world: int) -> np.ndarray:
+    """Rank ``rank``'s row of values where a float max or min used to depend on the order of
+    the ranks: NaN on one rank (first, last, a middle one), signed zeros, infinities, and a
+    maximum held by the last rank."""
+    nan, inf = np.nan, np.inf
+    return np.array([
+        nan if rank == 0 else 1.0,
+        nan if rank == world - 1 else -1.0,
+        nan if rank == 1 else rank + 0.5,
+        -0.0 if rank % 2 == 0 else 0.0,
+        0.0 if rank == 0 else -0.0,
+        -inf if rank == 1 else (inf if rank == 2 else 2.0),
+        rank + 0.5,
+    ])  # fmt: skip
+
+
+def _bits(a: torch.Tensor | np.ndarray) -> list[int]:
+    """The bits of each element of a float array (NaN's payload and the sign of zero included)."""
+    t = torch.as_tensor(a)
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).tolist()
+
+
+def _rows(rank: int, world: int, rows: int) -> np.ndarray:
+    return np.stack([_specials(rank, world)[np.roll(np.arange(7), r)] for r in range(rows)])
+
+
+def _as(a: np.ndarray, dtype: str, library: str) -> torch.Tensor | np.ndarray:
+    t = torch.from_numpy(a).to(getattr(torch, dtype))
+    return t if library == "torch" else t.numpy()
+
+
+def float_extremes(rank: int) -> dict:
+    """Float max and min with NaN and signed zeros: all_reduce (also as a Task) and
+    reduce_scatter (even and uneven), numpy and torch, on the world and a sub-group; the
+    bits of every result."""
+    world = uc.get_world_size()
+    pair = uc.new_group([1, world - 1])
+    got: dict = {}
+    for dtype in FLOATS:
+        for op in ("max", "min"):
+            libraries = ("torch",) if dtype == "bfloat16" else ("torch", "numpy")
+            for library in libraries:
+                array = functools.partial(_as, dtype=dtype, library=library)
+                key = (dtype, op, library)
+                got[("all_reduce", *key)] = _bits(uc.all_reduce(array(_rows(rank, world, 1)), op))
+                got[("task", *key)] = _bits(uc.all_reduce(array(_rows(rank, world, 2)), op, sync_op=False).wait())
+                x = array(_rows(rank, world, 2 * world))
+                got[("reduce_scatter", *key)] = _bits(uc.reduce_scatter(None, x, op))
+                splits = [3, 0, 1, 2][:world]
+                x = array(_rows(rank, world, 6))
+                got[("uneven", *key)] = _bits(uc.reduce_scatter(None, x, op, split_sizes=splits))
+                if rank in (1, world - 1):
+                    got[("pair", *key)] = _bits(uc.all_reduce(array(_rows(rank, world, 1)), op, group=pair))
+    return got
+
+
+def _expected(kind: str, dtype: str, op: str, world: int) -> list[list[int]]:
+    """Each rank's expected bits, from the numpy reference (bfloat16 rounded from float32)."""
+    wide = "float32" if dtype == "bfloat16" else dtype
+    ranks = [1, world - 1] if kind == "pair" else range(world)
+    rows = {"all_reduce": 1, "task": 2, "pair": 1, "reduce_scatter": 2 * world, "uneven": 6}[kind]
+    xs = [_rows(r, world, rows).astype(wide) for r in ranks]
+    if kind == "reduce_scatter":
+        results = reference.reduce_scatter(xs, op)
+    elif kind == "uneven":
+        results = reference.reduce_scatter(xs, op, [3, 0, 1, 2][:world])
+    else:
+        results = reference.all_reduce(xs, op)
+    converted = [torch.from_numpy(y).to(getattr(torch, dtype)) for y in results]
+    return [_bits(torch.where(t.isnan(), float("nan"), t)) for t in converted]  # 0x7FC0: torch's cast gave 0xFFFF
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_float_max_min_propagate_nan_alike_on_every_rank(backend: str) -> None:
+    """NaN on any rank gives NaN on every rank, -0 < +0, and every rank gets the same bits,
+    which are the reference's (before: mpi gave ranks different answers, gloo dropped NaN)."""
+    world = 4
+    results = uc.testing.spawn(float_extremes, world, backend=backend)
+    assert len(results[1]) == 7 * 2 * 5  # (dtype, library) pairs x (max, min) x kinds of call
+    for key in results[1]:
+        kind, dtype, op, _ = key
+        ranks = [1, world - 1] if kind == "pair" else range(world)
+        assert [results[r][key] for r in ranks] == _expected(kind, dtype, op, world), key
+    assert np.isnan(reference.all_reduce([np.array([np.nan, 1.0]), np.array([1.0, np.nan])], "max")[0]).all()
 
 
 def test_bfloat16_words_round_as_torch_does() -> None:

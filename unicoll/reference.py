@@ -390,7 +390,8 @@ def all_reduce(xs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
 
     ``op``: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` computed in the arrays' dtype (integer
     sums and products wrap around; on bool, sum and max are logical or, prod and min logical
-    and), or ``"avg"``: the sum divided by ``W``, rounded to the dtype (floating dtypes only).
+    and; on floats, max and min propagate NaN and order -0 below +0), or ``"avg"``: the sum
+    divided by ``W``, rounded to the dtype (floating dtypes only).
     Every rank passes the same shape. Returns one independent copy per rank.
 
     Example (W=2)::
@@ -410,10 +411,26 @@ def all_reduce(xs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
     if op == "avg" and not np.issubdtype(dtype, np.floating):
         raise ValueError(f"op 'avg' needs a floating dtype, got {dtype}")
     name = _LOGICAL.get(op, op) if dtype == np.bool_ else op
-    total = _UFUNCS["sum" if name == "avg" else name].reduce(np.stack(arrays), axis=0, dtype=dtype)
+    stacked = np.stack(arrays)
+    total = _UFUNCS["sum" if name == "avg" else name].reduce(stacked, axis=0, dtype=dtype)
+    if name in ("max", "min") and np.issubdtype(dtype, np.floating):
+        total = _ieee_extreme(total, stacked, name)
     if op == "avg":
         total = (total / len(arrays)).astype(dtype)
     return [total.copy() for _ in arrays]
+
+
+def _ieee_extreme(total: np.ndarray, stacked: np.ndarray, op: str) -> np.ndarray:
+    """Float ``max``/``min`` as IEEE 754-2019's ``maximum``/``minimum``, whatever the ranks'
+    order: NaN wherever a rank holds one (the dtype's quiet NaN, whatever the NaN's sign or
+    payload), and where the result is zero, +0 for ``max`` when any rank holds +0 and -0 for
+    ``min`` when any rank holds -0 (numpy's ufuncs keep whichever zero came first)."""
+    zeros = stacked == 0
+    positive = (zeros & ~np.signbit(stacked)).any(axis=0)
+    negative = (zeros & np.signbit(stacked)).any(axis=0)
+    signed = np.where(positive if op == "max" else ~negative, 0.0, -0.0).astype(total.dtype)
+    total = np.where(total == 0, signed, total)
+    return np.where(np.isnan(total), np.nan, total).astype(total.dtype)
 
 
 def reduce_scatter(
