@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 @pytest.mark.parametrize("name", ["torch-nccl", "cupy-nccl"])
 def test_init_without_cuda_says_so(name, monkeypatch) -> None:
     reason = registry.registered()[name].probe()  # cupy-nccl without cupy: says that first
-    assert "no CUDA device" in reason or reason.startswith("the package cupy-cuda12x is not installed"), reason
+    assert "no CUDA device" in reason or reason.startswith("the package cupy-cuda"), reason  # test_cuda_packages: which
     monkeypatch.setenv("UNICOLL_BACKEND", name)
     with pytest.raises(
         uc.BackendUnavailableError,
@@ -93,9 +93,7 @@ def test_cupy_nccl_probe_reasons(monkeypatch) -> None:
     _fake_cupy(monkeypatch, "14.0.0", 0, True)
     assert probe() == "no CUDA device is visible"
     _fake_cupy(monkeypatch, "14.0.0", 1, False)
-    assert probe() == (
-        "cupy cannot load the NCCL library: the package nvidia-nccl-cu12 is missing; pip install 'unicoll[cupy]'"
-    )
+    assert probe().startswith("cupy cannot load the NCCL library: the package nvidia-nccl-cu")  # test_cuda_packages
     _fake_cupy(monkeypatch, "14.0.0", 1, True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert "4 ranks on this machine" in probe()
@@ -105,7 +103,7 @@ def test_cupy_nccl_probe_reasons(monkeypatch) -> None:
 
 def test_cupy_nccl_probe_without_cupy(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
-    assert cupy_nccl.CupyNcclFactory().probe().startswith("the package cupy-cuda12x is not installed (")
+    assert cupy_nccl.CupyNcclFactory().probe().startswith("the package cupy-cuda")  # which: test_cuda_packages
 
 
 def test_cupy_nccl_imports_no_torch_and_no_cupy_until_it_starts() -> None:

@@ -8,9 +8,13 @@ entry-point group, which is read once, the first time the registry is consulted.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from .backends.base import BackendFactory
 from .errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from .backends.cupy.packages import Cuda
 
 ENV_VAR = "UNICOLL_BACKEND"
 ENTRY_POINT_GROUP = "unicoll.backends"
@@ -90,11 +94,15 @@ def format_info() -> str:
         except PackageNotFoundError:
             return "not installed"
 
+    from .backends.cupy import packages as cupy_packages
+
+    cuda = cupy_packages.detect()
     lines = [f"unicoll {version_of('unicoll')}"]
     lines += [
         f"  {package}: {version_of(package)}"
-        for package in ("numpy", "array-api-compat", "torch", "cupy-cuda12x", "nvidia-nccl-cu12", "mpi4py", "mpich")
+        for package in ("numpy", "array-api-compat", "torch", *_cupy_packages(cuda), "mpi4py", "mpich")
     ]
+    lines.append(f"  cuda: {cuda.version} (from {cuda.source})" if cuda.version else f"  cuda: none ({cuda.source})")
     lines.append("backends:")
     for name, factory in registered().items():
         reason = factory.probe()
@@ -104,3 +112,18 @@ def format_info() -> str:
     if selected:
         lines.append(f"${ENV_VAR}={selected}")
     return "\n".join(lines)
+
+
+def _cupy_packages(cuda: Cuda) -> list[str]:
+    """The cupy and NCCL packages ``unicoll info`` lists: those of ``cuda``'s major and any other
+    major's that are installed; both majors' where neither applies."""
+    from .backends.cupy import packages
+
+    majors = [
+        major
+        for major in packages.CUDA_MAJORS
+        if major == cuda.major
+        or packages.installed(packages.cupy_package(major))
+        or packages.installed(packages.nccl_package(major))
+    ] or list(packages.CUDA_MAJORS)
+    return [package_of(major) for major in majors for package_of in (packages.cupy_package, packages.nccl_package)]

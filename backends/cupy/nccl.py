@@ -15,6 +15,7 @@ import warnings
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, devices_short, reductions
+from unicoll.backends.cupy import packages
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
@@ -38,7 +39,9 @@ class CupyNcclFactory:
         try:
             import cupy
         except ModuleNotFoundError as exc:
-            return f"the package cupy-cuda12x is not installed ({exc}); pip install 'unicoll[cupy]'"
+            cuda = packages.detect()
+            missing = packages.named(cuda, packages.cupy_package)
+            return f"the package {missing} is not installed ({exc}); {packages.install_hint(cuda)}"
         except Exception as exc:  # a CUDA library that fails to load
             return f"cupy is not importable ({type(exc).__name__}: {exc})"
         major = int(cupy.__version__.split(".")[0])
@@ -54,10 +57,9 @@ class CupyNcclFactory:
             warnings.simplefilter("ignore")
             from cupy.cuda import nccl
         if not nccl.available:
-            return (
-                "cupy cannot load the NCCL library: the package nvidia-nccl-cu12 is missing; "
-                "pip install 'unicoll[cupy]'"
-            )
+            cuda = packages.of_installed_cupy()
+            missing = packages.named(cuda, packages.nccl_package)
+            return f"cupy cannot load the NCCL library: the package {missing} is missing; {packages.install_hint(cuda)}"
         return devices_short(devices)
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
