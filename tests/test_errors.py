@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import unicoll as uc
+from unicoll.backends.torch import compat
 from unicoll.errors import (
     TransportError,
     TransportPeerLostError,
@@ -127,7 +128,7 @@ def _fail(monkeypatch, function: str, error: Exception, at: str) -> None:
             raise error
         return _FailedWork(error)
 
-    monkeypatch.setattr(dist, function, failing)
+    monkeypatch.setattr(compat if hasattr(compat, function) else dist, function, failing)  # compat: renamed in 2.13
 
 
 CALLS = {

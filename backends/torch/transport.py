@@ -35,6 +35,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.rendezvous import init_hint, is_loopback, open_store, remaining
+from unicoll.backends.torch import compat
 from unicoll.backends.torch.errors import torch_boundary, torch_failure
 from unicoll.backends.torch.liveness import PeerWatch, start_watch
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, init_error
@@ -348,7 +349,7 @@ class TorchDistBackend(Backend):
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg = self._pg(group)
-        return self._issue(lambda a: dist.all_gather_single(out, x, group=pg, async_op=a), group, async_op)
+        return self._issue(lambda a: compat.all_gather_single(out, x, group=pg, async_op=a), group, async_op)
 
     def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg, reduction = self._pg(group), _REDUCE_OPS[op]
@@ -359,7 +360,7 @@ class TorchDistBackend(Backend):
     ) -> Work | None:
         pg, reduction = self._pg(group), _REDUCE_OPS[op]
         return self._issue(
-            lambda a: dist.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), group, async_op
+            lambda a: compat.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), group, async_op
         )
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
@@ -400,7 +401,7 @@ class TorchDistBackend(Backend):
         send = self._host_ints(values)
         recv = send.new_empty((group.world_size * send.numel(),))
         pg = self._pg(group)
-        self._issue(lambda a: dist.all_gather_single(recv, send, group=pg, async_op=a), group, False)
+        self._issue(lambda a: compat.all_gather_single(recv, send, group=pg, async_op=a), group, False)
         return recv.cpu().numpy().reshape(group.world_size, -1)
 
     def finalize(self) -> None:
@@ -464,7 +465,7 @@ class TorchNcclBackend(TorchDistBackend):
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg = self._pg(group)
-        return issue_on_stream(lambda a: dist.all_gather_single(out, x, group=pg, async_op=a), async_op, calc_stream)
+        return issue_on_stream(lambda a: compat.all_gather_single(out, x, group=pg, async_op=a), async_op, calc_stream)
 
     def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg, reduction = self._pg(group), _REDUCE_OPS[op]
@@ -475,7 +476,7 @@ class TorchNcclBackend(TorchDistBackend):
     ) -> Work | None:
         pg, reduction = self._pg(group), _REDUCE_OPS[op]
         return issue_on_stream(
-            lambda a: dist.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), async_op, calc_stream
+            lambda a: compat.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), async_op, calc_stream
         )
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from unicoll.backends.torch import compat
+
 
 class Baseline(Protocol):
     """The raw transport of one backend, as the bench uses it."""
@@ -94,13 +96,13 @@ class TorchDistBaseline:
         return lambda: self._dist.all_to_all_single(out, x, out_splits, in_splits)
 
     def all_gather(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
-        return lambda: self._dist.all_gather_single(out, x)
+        return lambda: compat.all_gather_single(out, x)
 
     def all_reduce(self, x: Tensor) -> Callable[[], Any]:
         return lambda: self._dist.all_reduce(x)
 
     def reduce_scatter(self, out: Tensor, x: Tensor) -> Callable[[], Any]:
-        return lambda: self._dist.reduce_scatter_single(out, x)
+        return lambda: compat.reduce_scatter_single(out, x)
 
     def broadcast(self, x: Tensor) -> Callable[[], Any]:
         return lambda: self._dist.broadcast(x, src=0)
