@@ -80,7 +80,10 @@ def moe_distributed(x, router, local_weights, k, capacity):
     rows, rows_per_expert, handle = uc.moe.dispatch(
         x, experts, gates, experts_per_rank=len(local_weights), capacity=capacity
     )
-    # rows: for each local expert, its rows from rank 0, 1, ... in one block of rows_per_expert[e] rows
+    # rows: for each local expert, its rows from rank 0, 1, ... in one block of rows_per_expert[e] rows.
+    # Every expert runs on its block, even an empty one: skipping an expert that received no rows
+    # would leave this rank's backward without combine's and dispatch's collectives, which its
+    # peers then wait for (docs/semantics.md, "Gradients").
     processed = torch.cat([block @ w for block, w in zip(rows.split(rows_per_expert), local_weights)])
     return uc.moe.combine(processed, handle)
 

@@ -111,7 +111,7 @@ def test_every_spec_has_kinds_and_a_check_mode_comparison() -> None:
     for op in SPECS.values():
         assert all(isinstance(p.kind, kinds.Kind) and p.name in Call.__slots__ for p in op.params), op.name
     assert set(check.CHECKS) == set(SPECS.values())
-    assert check.ENTRY_POINTS == (*SPECS, "barrier", "new_group")
+    assert check.ENTRY_POINTS == (*SPECS, *(f"{name} (backward)" for name in SPECS), "barrier", "new_group")
 
 
 def test_call_copy_keeps_every_field() -> None:

@@ -20,6 +20,7 @@ import threading
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,9 +45,12 @@ from .spec import (
     OpSpec,
 )
 
-#: Every entry point check mode describes, by its index in the header: those with a spec, then
-#: barrier and new_group.
-ENTRY_POINTS: tuple[str, ...] = (*SPECS, "barrier", "new_group")
+if TYPE_CHECKING:
+    from .routing import Handle
+
+#: Every entry point check mode describes, by its index in the header: those with a spec, their
+#: backward passes, then barrier and new_group.
+ENTRY_POINTS: tuple[str, ...] = (*SPECS, *(f"{name} (backward)" for name in SPECS), "barrier", "new_group")
 
 MAX_TRAILING_DIMS = 8
 # header: entry point, issuing thread, call number, dtype, number of trailing dims, the dims (padded with -1),
@@ -66,6 +70,12 @@ def count_call(group: Group) -> None:
     """Note that this rank entered a collective on ``group`` (check mode only), before its
     arguments are read: a rank that skips a call after a local error is then found out."""
     _calls[group] = _calls.get(group, 0) + 1
+
+
+def call_number(group: Group) -> int:
+    """The number of the collective this rank entered last on ``group`` (check mode only): the
+    same on every rank once its check passed, so it names that call across the ranks."""
+    return _calls.get(group, 0)
 
 
 def _thread_tag() -> int:
@@ -152,16 +162,22 @@ def _moe(
     call: Call,
     mismatch: Callable[[int, int, int, int, int], str],
     rows: object = None,
-    counts: tuple[np.ndarray, np.ndarray] | None = None,
+    handle: Handle | None = None,
 ) -> None:
     """Rank r's global_count against every rank c's local_count; ``mismatch(r, c, e, expects,
-    sends)`` words a disagreement. ``rows`` and ``counts`` (local, global) default to the call's
-    ``x`` and counts."""
+    sends)`` words a disagreement. ``rows`` default to the call's ``x``; with a ``handle``, its
+    counts are compared, and first the number of the dispatch that made it (handles of two
+    dispatches may have equal counts)."""
     world = call.W
-    local_count, global_count = counts or (call.local_count, call.global_count)
-    payload = np.concatenate([local_count, global_count])
-    both = _gather(call.backend, call.group, call.x if rows is None else rows, op, payload, inline=False)
-    local, glob = both[:, : both.shape[1] // 2], both[:, both.shape[1] // 2 :]
+    local_count, global_count = (call.local_count, call.global_count) if handle is None else handle.counts()
+    number = [] if handle is None else [handle.dispatch_number]
+    payload = np.concatenate([local_count, global_count, number])
+    gathered = _gather(call.backend, call.group, call.x if rows is None else rows, op, payload, inline=False)
+    if handle is not None:
+        dispatched = lambda row: f"passes the handle of the dispatch that was collective number {row[0]} on this group"  # noqa: E731
+        _agree(op, gathered[:, -1:], dispatched)
+        gathered = gathered[:, :-1]
+    local, glob = gathered[:, : gathered.shape[1] // 2], gathered[:, gathered.shape[1] // 2 :]
     experts = local.shape[1] // world
     for r in range(world):  # rank r receives (scatter) or returns (gather) rows of rank c
         for c in range(world):
@@ -254,13 +270,13 @@ def _moe_dispatch(op: str, call: Call) -> None:
 
 
 def _moe_redispatch(op: str, call: Call) -> None:
-    """The handles' counts pair up: every rank redispatches with the handle of the same dispatch."""
-    _moe(op, call, _scatter_mismatch, call.x, (call.handle.local_count, call.handle.global_count))
+    """Every rank redispatches with the handle of the same dispatch, whose counts pair up."""
+    _moe(op, call, _scatter_mismatch, call.x, call.handle)
 
 
 def _moe_combine(op: str, call: Call) -> None:
-    """The handles' counts pair up: every rank combines with the handle of the same dispatch."""
-    _moe(op, call, _gather_mismatch, call.y, (call.handle.local_count, call.handle.global_count))
+    """Every rank combines with the handle of the same dispatch, whose counts pair up."""
+    _moe(op, call, _gather_mismatch, call.y, call.handle)
 
 
 #: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``.
@@ -288,6 +304,18 @@ def verify(spec: OpSpec, call: Call, **resolved: object) -> None:
     reduce_scatter the ``rows`` of each position's block.
     """
     CHECKS[spec](spec.name, call, **resolved)
+
+
+def verify_backward(op: str, backend: Backend, group: Group, grad: object, forward: int) -> None:
+    """Check mode for the backward pass ``op`` (``"<operator> (backward)"``) of the call that was
+    collective number ``forward`` on ``group``: the ranks are all in the backward pass of that
+    same call, with gradients of one dtype and trailing shape. A rank whose autograd graph
+    lacks the call (it skipped an expert that received no rows, say) is then found at its next
+    collective, by every rank, instead of pairing its peers' backward with another transfer.
+    Counts as a collective of its own."""
+    count_call(group)
+    numbers = _gather(backend, group, grad, op, np.array([forward], np.int64), inline=True)
+    _agree(op, numbers, lambda row: f"is in the backward pass of its collective number {row[0]} on this group")
 
 
 def verify_barrier(backend: Backend, group: Group) -> None:

@@ -221,8 +221,11 @@ def _sign_int(value: Any) -> Any:
 
 
 def _sign_handle(handle: Any) -> Any:
-    """What combine's rules read of a handle: the rows it expects, its arrays' kind, its weights."""
-    return (handle.received, handle.library, handle.device, handle.weighted) if isinstance(handle, Handle) else None
+    """What the rules of moe.redispatch and moe.combine read of a handle: its tokens (the rows
+    redispatch's x has), the rows it received (combine's y), its arrays' place, its weights."""
+    if not isinstance(handle, Handle):
+        return None
+    return (handle.tokens, handle.received, handle.library, handle.device, handle.weighted)
 
 
 def _sign_value(value: Any) -> Any:

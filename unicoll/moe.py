@@ -25,7 +25,7 @@ from array_api_compat import array_namespace, device
 from .arrays import describe, library_of
 from .backends.base import Pending
 from .backends.layout import MoePlan
-from .check import verify
+from .check import call_number, verify
 from .entry import exclusive_as
 from .errors import bad_input, translated
 from .group import Group
@@ -156,12 +156,13 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
     send_tokens = _like(routing.send_tokens, x)
     sent = _take(x, send_tokens)  # in x's library: autograd sums each token's slots
-    plan = None
+    plan, number = None, -1
 
     def issue() -> Pending:
-        nonlocal plan
+        nonlocal plan, number
         if call.check:
             verify(MOE_DISPATCH, call)
+            number = call_number(grp)
         plan = MoePlan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
         native = backend.to_native(sent)
         return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
@@ -172,7 +173,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, plan, grp, shape, weights, send_tokens, slot_rows, kept, like=x)
+        handle = Handle(routing, plan, grp, shape, weights, send_tokens, slot_rows, kept, x, dispatch_number=number)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .arrays import describe, library_of, overlaps
 from .backends.base import Backend, Pending
-from .check import verify
+from .check import call_number, verify, verify_backward
 from .counts import Counts, even_split
 from .entry import collective, enter, exclusive_as, leave
 from .errors import TransportError, bad_input, reported, translated
@@ -77,14 +77,19 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
 
 def _guarded(op: str, call: Call, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``backward`` on native arrays, as torch calls it: one thread at a time, its transport
-    failures reported like the forward's."""
-    backend = call.backend
+    failures reported like the forward's, and in check mode counted and compared across the
+    ranks like a forward call (:func:`unicoll.check.verify_backward`)."""
+    backend, name = call.backend, f"{op} (backward)"
+    forward = call_number(call.group) if call.check else None  # this call's number: prepare counted it
 
     def guarded_backward(grad: Any) -> Any:
-        enter(f"{op} (backward)")
+        enter(name)
         try:
-            with translated(f"{op} (backward)", call.group, call.timeout):
-                return backend.from_native(backward(backend.to_native(grad)), "torch")
+            with translated(name, call.group, call.timeout):
+                native = backend.to_native(grad)
+                if forward is not None:
+                    verify_backward(name, backend, call.group, native, forward)
+                return backend.from_native(backward(native), "torch")
         finally:
             leave()
 

@@ -96,10 +96,14 @@ class Handle:
         slot_rows: Any,
         kept: Any,
         like: Any,
+        dispatch_number: int = -1,
     ) -> None:
         """``plan``: the :class:`~unicoll.backends.layout.MoePlan` of the routing's counts and
         the counts received. ``like``: the dispatched x, whose library and device combine's rows
-        must have (not kept)."""
+        must have (not kept). ``dispatch_number``: in check mode, the dispatch's collective
+        number on ``group`` (:func:`unicoll.check.call_number`), which tells handles of two
+        dispatches apart across the ranks; -1 where it was not numbered."""
+        self.dispatch_number = dispatch_number
         self.local_count = routing.local_count
         self.plan = plan
         """Shared by the calls and backward passes of this routing."""
@@ -122,6 +126,11 @@ class Handle:
         a slot is dropped (else None)."""
         self._ended: str | None = None
         join_session(group.session, self)
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The counts this rank sent to each global expert, and those it received from each
+        (rank, local expert), as global_scatter's ``local_count`` and ``global_count``."""
+        return self.local_count, self.global_count
 
     @property
     def weighted(self) -> bool:

@@ -52,7 +52,17 @@ MISMATCHES = [
      lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=1, capacity=2),
      "moe.dispatch: ranks disagree (check mode): rank 0 passes capacity=None but rank 1 passes 2"),
     ("top-k combine with another dispatch's handle", lambda: _combine_with_handle(0), lambda: _combine_with_handle(1),
-     "moe.combine: ranks disagree (check mode): rank 1 expects 0 row(s) back from rank 0 for expert 0, but rank 0 returns 6"),
+     "moe.combine: ranks disagree (check mode): rank 0 passes the handle of the dispatch that was collective number"),
+    ("top-k combine with another dispatch's handle of equal counts", lambda: _with_same_counts(uc.moe.combine, 0),
+     lambda: _with_same_counts(uc.moe.combine, 1),
+     "moe.combine: ranks disagree (check mode): rank 0 passes the handle of the dispatch that was collective number"),
+    ("top-k redispatch with another dispatch's handle of equal counts", lambda: _with_same_counts(uc.moe.redispatch, 0),
+     lambda: _with_same_counts(uc.moe.redispatch, 1),
+     "moe.redispatch: ranks disagree (check mode): rank 0 passes the handle of the dispatch that was collective number"),
+    ("a backward pass on one rank only", lambda: _layer_backward(skips=False), lambda: _layer_backward(skips=True),
+     "rank 0 calls moe.combine (backward) but rank 1 calls all_gather"),
+    ("the backward passes of two different calls", lambda: _two_backwards(first=0), lambda: _two_backwards(first=1),
+     "alltoall_single (backward): ranks disagree (check mode): rank 0 is in the backward pass of its collective number"),
 ]  # fmt: skip
 
 TO_EXPERT_0 = np.zeros((6, 1), np.int64)  # every token of X to expert 0 of rank 0 (E = 1)
@@ -62,6 +72,36 @@ def _combine_with_handle(which: int) -> None:
     """Two dispatches on every rank (to rank 0, to rank 1), then a combine with handle ``which``."""
     handles = [uc.moe.dispatch(X, TO_EXPERT_0 + rank, experts_per_rank=1)[2] for rank in (0, 1)]
     uc.moe.combine(np.zeros((handles[which].received, 2), np.float32), handles[which])
+
+
+def _with_same_counts(op, which: int) -> None:
+    """Two dispatches with the same routing (equal counts, as when capacity fills every
+    expert), then ``op`` (combine or redispatch) with handle ``which``: before, check mode let it
+    through and every rank got the other layer's rows."""
+    handles = [uc.moe.dispatch(X + layer, TO_EXPERT_0, experts_per_rank=1)[2] for layer in (0, 1)]
+    rows = handles[which].received if op is uc.moe.combine else len(X)
+    op(np.zeros((rows, 2), np.float32), handles[which])
+
+
+def _layer_backward(skips: bool) -> None:
+    """A top-k layer's forward and backward, then the next collective. Every token goes to rank
+    0's expert, so rank 1 receives no rows; if it ``skips`` its expert (a common idiom), its
+    graph holds no dispatch or combine backward, and rank 0's backward pairs with its next call
+    (before: gloo aborted the process, mpi read the gradient as counts and stalled)."""
+    x = torch.tensor(X, requires_grad=True)
+    gates = torch.ones(len(X), 1, requires_grad=True)
+    rows, _, handle = uc.moe.dispatch(x, torch.from_numpy(TO_EXPERT_0), gates, experts_per_rank=1)
+    y = torch.zeros_like(rows) if skips else rows * 2
+    uc.moe.combine(y, handle).sum().backward()
+    uc.all_gather(None, X)
+
+
+def _two_backwards(first: int) -> None:
+    """Two all-to-alls, then their backward passes in an order that differs across the ranks."""
+    xs = [torch.tensor(X * (i + 1), requires_grad=True) for i in range(2)]
+    ys = [uc.alltoall_single(None, x) for x in xs]
+    torch.autograd.backward(ys[first].sum())
+    torch.autograd.backward(ys[1 - first].sum())
 
 
 def mismatches(rank: int) -> list[str]:
