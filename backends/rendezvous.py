@@ -4,14 +4,17 @@ torch's TCPStore there.
 Shared by the torch.distributed backends (whose process group starts from the store) and
 ``cupy-nccl`` (whose NCCL unique ids travel through it: :func:`share_bytes`). Rank 0 hosts the
 store on a socket it binds to ``MASTER_ADDR:MASTER_PORT`` itself (:func:`listen`), so a loopback
-address (the launcher's default) is never reachable from another machine. Nothing here imports
-torch until a store is opened, and the store's failures leave as unicoll's
+address (the launcher's default) is never reachable from another machine. Once every rank has
+reached the store (:func:`arrive`), the ranks know that they are all in this session and what
+each said about itself. :func:`route_source` is the address of this machine that its route to
+``MASTER_ADDR`` leaves from: where a rank's own transport listens (the ``gloo`` backend's
+connections), so that the peers on other machines reach it as they reach rank 0. Nothing here
+imports torch until a store is opened, and the store's failures leave as unicoll's
 :class:`~unicoll.errors.TransportError` kinds.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import os
 import socket
@@ -27,6 +30,9 @@ _POLL_S = 0.05
 
 _SESSION_KEY = "unicoll/session"
 """The key under which rank 0 names each store it hosts (its pid and the store's number)."""
+
+_ARRIVED = "unicoll/arrived/"
+"""The prefix of the key under which each rank leaves its note in the store (:func:`arrive`)."""
 
 _SESSION_WAIT_S = 1.0
 """How long a rank waits for that name on a store it connected to before it tries again."""
@@ -59,11 +65,9 @@ def master_address(world_size: int) -> tuple[str, int]:
             "every rank needs MASTER_ADDR and MASTER_PORT (`unicoll run` and torchrun set them)"
         )
     raw = os.environ["MASTER_PORT"]
-    try:
-        port = int(raw)
-    except ValueError:
-        raise RuntimeError(f"unicoll.init: $MASTER_PORT: expected a port number, got {raw!r}") from None
-    return os.environ["MASTER_ADDR"], port
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise RuntimeError(f"unicoll.init: $MASTER_PORT: expected a port number from 1 to 65535, got {raw!r}")
+    return os.environ["MASTER_ADDR"], int(raw)
 
 
 def listen(addr: str, port: int) -> socket.socket:
@@ -72,12 +76,15 @@ def listen(addr: str, port: int) -> socket.socket:
     return socket.create_server((addr, port))
 
 
-def is_loopback(addr: str) -> bool:
-    """Whether ``addr`` (a name or an IP address) resolves to a loopback address."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
+def route_source(addr: str) -> str:
+    """The address of this machine that the route to ``addr`` (a name or an IP address) leaves
+    from, as the kernel chooses it for a UDP socket connected there (which sends nothing):
+    ``addr`` itself when it is an address of this machine, a loopback address when ``addr`` is
+    one. OSError when ``addr`` does not resolve or no route reaches it."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)
+        return probe.getsockname()[0]
 
 
 def remaining(deadline: float) -> float:
@@ -163,6 +170,24 @@ def _await_listener(addr: str, port: int, deadline: float) -> None:
                     f"rendezvous: rank 0's store at {addr}:{port} was not listening; timed out"
                 ) from None
             time.sleep(_POLL_S)
+
+
+@torch_boundary
+def arrive(store: Any, rank: int, world_size: int, note: str, deadline: float) -> list[str]:
+    """Every rank's ``note`` (what it tells the others about itself), in rank order, once every
+    rank of the world has left its own in ``store``: then every rank has reached this session's
+    store. TransportTimeoutError naming the ranks that had not by ``deadline`` (a
+    ``time.monotonic()`` value)."""
+    import torch.distributed as dist
+
+    keys = [f"{_ARRIVED}{peer}" for peer in range(world_size)]
+    store.set(keys[rank], note.encode())
+    try:
+        store.wait(keys, timedelta(seconds=remaining(deadline)))
+    except dist.DistStoreError:
+        missing = [peer for peer, key in enumerate(keys) if not store.check([key])]
+        raise TransportTimeoutError(f"rendezvous: rank(s) {missing} did not reach rank 0's store; timed out") from None
+    return [value.decode() for value in store.multi_get(keys)]
 
 
 @torch_boundary

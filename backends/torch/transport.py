@@ -34,18 +34,16 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
-from unicoll.backends.rendezvous import init_hint, is_loopback, open_store, remaining
+from unicoll.backends.rendezvous import init_hint, open_store, remaining
 from unicoll.backends.torch import compat
-from unicoll.backends.torch.errors import torch_boundary, torch_failure
+from unicoll.backends.torch.errors import torch_boundary
+from unicoll.backends.torch.gloo import connect_world, listen_interface, listening_on
 from unicoll.backends.torch.liveness import PeerWatch, start_watch
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, init_error
 from unicoll.forking import keep_forever
 
 if TYPE_CHECKING:
     from unicoll.group import Group
-
-_REJOIN_S = 0.05
-"""How long a rank waits before it meets rank 0's store again after the store closed under it."""
 
 _SLICE_S = 0.05
 """How long a gloo wait runs before it looks whether a peer is gone: what a dead peer costs a
@@ -181,16 +179,6 @@ def _from_torch(t: torch.Tensor, library: str) -> Any:
     return cupy.from_dlpack(t)
 
 
-def _gloo_options(addr: str) -> Any:
-    """Gloo options that keep its connections on loopback when the rendezvous is on loopback
-    (unless ``GLOO_SOCKET_IFNAME`` says otherwise); None leaves gloo's own choice."""
-    if not is_loopback(addr) or "GLOO_SOCKET_IFNAME" in os.environ:
-        return None
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return options
-
-
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -212,7 +200,7 @@ class TorchDistBackend(Backend):
         self._seconds = timeout
         self._timeout = timedelta(seconds=timeout)
         self._owns_default_group = not dist.is_initialized()
-        self._options = None
+        self._interface: str | None = None  # where gloo listens (see unicoll.backends.torch.gloo)
         self._groups: list[Any] = []  # every process group this backend created
         self._pg_backend = pg_backend
         self._watch: PeerWatch | None = None
@@ -230,7 +218,7 @@ class TorchDistBackend(Backend):
     def _start(self, rank: int, world_size: int, deadline: float) -> None:
         """Join the default group (or adopt it), make the world's group and connect the watch."""
         if self._owns_default_group:
-            self._join_default_group(rank, world_size, deadline)
+            self._start_default_group(self._pg_backend, rank, world_size, deadline)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if dist.get_backend() == self._pg_backend:
@@ -241,41 +229,27 @@ class TorchDistBackend(Backend):
             share = lambda values: self._broadcast(values, deadline)  # noqa: E731
             self._watch = start_watch(self.rank, self.world_size, os.environ["MASTER_ADDR"], deadline, share)
 
-    def _join_default_group(self, rank: int, world_size: int, deadline: float) -> None:
-        """:meth:`_start_default_group`, tried again until ``deadline`` on a rank other than 0
-        whose store closed under it: after ``finalize()`` and ``init()`` again, such a rank can
-        reach rank 0's store of the old session, still open while rank 0 finalizes."""
-        while True:
-            try:
-                self._start_default_group(self._pg_backend, rank, world_size, deadline)
-                return
-            except RuntimeError as exc:
-                lost = isinstance(torch_failure(exc), TransportPeerLostError)
-                if rank == 0 or not lost or time.monotonic() + _REJOIN_S >= deadline:
-                    raise
-            time.sleep(_REJOIN_S)
-
     def _start_default_group(self, pg_backend: str, rank: int, world_size: int, deadline: float) -> None:
         """Create torch's default group: in-process for a world of one, through torchrun's
         agent store under torchrun, else through our own loopback-by-default rendezvous, whose
-        group is created within ``deadline`` and then given the whole timeout."""
+        gloo group is created within ``deadline`` and then given the whole timeout. gloo listens
+        where this rank reaches ``MASTER_ADDR`` from (a world of one on loopback): see
+        :mod:`unicoll.backends.torch.gloo`."""
+        gloo = pg_backend == "gloo"
         if world_size == 1:
             store = dist.HashStore()
+            self._interface = listen_interface("127.0.0.1")[0] if gloo else None
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(
-                pg_backend, init_method="env://", rank=rank, world_size=world_size, timeout=self._timeout
-            )
-            return
+            store = None  # torchrun's, from the environment
+            self._interface = listen_interface(os.environ["MASTER_ADDR"])[0] if gloo else None
         else:
             store, addr, self._listen_fd = open_store(rank, world_size, self._seconds, deadline)
-            self._options = _gloo_options(addr) if pg_backend == "gloo" else None
-        bounded = pg_backend == "gloo" and world_size > 1
-        creation = timedelta(seconds=remaining(deadline)) if bounded else self._timeout
-        dist.init_process_group(
-            pg_backend, store=store, rank=rank, world_size=world_size, timeout=creation, pg_options=self._options
-        )
-        if bounded:
-            _set_pg_timeout(self._timeout)
+            if gloo:
+                self._interface = connect_world(store, addr, rank, world_size, deadline)
+                _set_pg_timeout(self._timeout)
+                return
+        with listening_on(self._interface):
+            dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world_size, timeout=self._timeout)
 
     def _broadcast(self, values: list[int], deadline: float) -> list[int]:
         """Rank 0's ``values`` on every rank, over the world's gloo group, by ``deadline``."""
@@ -306,7 +280,8 @@ class TorchDistBackend(Backend):
 
     @torch_boundary
     def _new_pg(self, ranks: Sequence[int], pg_backend: str) -> Any:
-        handle = dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout, pg_options=self._options)
+        with listening_on(self._interface):
+            handle = dist.new_group(list(ranks), backend=pg_backend, timeout=self._timeout)
         self._groups.append(handle)
         return handle
 
