@@ -204,3 +204,53 @@ def test_each_rank_gets_its_share_of_the_cores(tmp_path, capfd, monkeypatch) -> 
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     assert launcher.run(1, [str(script)]) == 0
     assert "threads 7" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--master-port", "0"],
+            "unicoll run: --master-port: expected a port number from 1 to 65535 (or none, on one node, for a free one), got 0",
+        ),
+        (
+            ["--master-port", "99999"],
+            "unicoll run: --master-port: expected a port number from 1 to 65535 (or none, on one node, for a free one), got 99999",
+        ),
+        (  # an address of TEST-NET-3 (RFC 5737): no machine's; binding it fails and sends nothing
+            ["--master-addr", "203.0.113.1"],
+            "unicoll run: --master-addr: expected an address of this machine, which hosts rank 0 (--node-rank 0), "
+            "got '203.0.113.1' ([Errno 99] Cannot assign requested address)",
+        ),
+        (["--nnodes", "2"], "unicoll run: --node-rank: expected this node's number from 0 to 1, got none"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-port", "29500"],
+            "unicoll run: --node-rank: expected this node's number from 0 to 1 (with --nnodes 2), got 2",
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "1"],
+            "unicoll run: --master-port: expected the port rank 0 listens on, the same on all 2 nodes, got none",
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "1", "--master-port", "29500"],
+            "unicoll run: --master-addr: expected an address that the other nodes reach (with --nnodes 2), got "
+            "'127.0.0.1', a loopback address",
+        ),
+        (
+            ["--mpi", "--nnodes", "2"],
+            "unicoll run: --master-addr/--master-port/--nnodes/--node-rank do not apply to --mpi (MPI connects the "
+            "ranks; its launcher places them on nodes)",
+        ),
+    ],
+)
+def test_cli_run_refuses_a_rendezvous_it_cannot_start(tmp_path, flags, message):
+    """A usage error at once, naming the flag, what it expects and what it got, and no rank
+    started; before, port 0 waited out the timeout and 99999 and an address of no machine's
+    printed tracebacks."""
+    script = write_script(tmp_path, "print_env.py", PRINT_ENV)
+
+    start = time.monotonic()
+    result = cli_subprocess("run", "-n", "2", *flags, script)
+
+    assert (result.returncode, result.stderr.strip(), result.stdout) == (2, message, "")
+    assert time.monotonic() - start < 10

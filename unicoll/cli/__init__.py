@@ -41,13 +41,19 @@ def _parser() -> argparse.ArgumentParser:
         description="Run `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) as N ranks on "
         "this machine, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and "
         "MASTER_PORT set. Output lines are prefixed with [rank K]; the first rank to fail "
-        "stops the others and its exit code is returned. With --mpi the ranks are an MPI job "
-        "started by mpiexec (the mpi backend; rank and size come from MPI).",
+        "stops the others and its exit code is returned. For a job of several machines, run it "
+        "on each with --nnodes, --node-rank, --master-addr and --master-port, as with torchrun. "
+        "With --mpi the ranks are an MPI job started by mpiexec (the mpi backend; rank and size "
+        "come from MPI).",
     )
-    run.add_argument("-n", "--nprocs", type=_positive_int, required=True, help="number of ranks")
+    run.add_argument("-n", "--nprocs", type=_positive_int, required=True, help="number of ranks (on this node)")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
-    run.add_argument("--master-addr", help="rendezvous address (default: 127.0.0.1)")
-    run.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    run.add_argument("--nnodes", type=_positive_int, help="number of nodes (machines) of the job (default: 1)")
+    run.add_argument("--node-rank", type=int, help="this node's number, 0 to NNODES-1 (node 0 hosts rank 0)")
+    run.add_argument(
+        "--master-addr", help="rendezvous address: an address of node 0 that every node reaches (default: 127.0.0.1)"
+    )
+    run.add_argument("--master-port", type=int, help="rendezvous port (default on one node: a free one)")
     run.add_argument(
         "--mpi",
         action="store_true",
@@ -77,17 +83,39 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     """``unicoll run``: start the world and return the code of its first failing rank, or 0
-    (with ``--mpi``, the MPI launcher's exit code)."""
+    (with ``--mpi``, the MPI launcher's exit code); 2, with the reason, for flags that cannot
+    start a job."""
     argv = ["-m", args.script, *args.args] if args.module else [args.script, *args.args]
     if args.mpi:
-        if args.master_addr is not None or args.master_port is not None:
-            print("unicoll run: --master-addr/--master-port do not apply to --mpi (MPI connects it)", file=sys.stderr)
+        if any(flag is not None for flag in (args.master_addr, args.master_port, args.nnodes, args.node_rank)):
+            print(
+                "unicoll run: --master-addr/--master-port/--nnodes/--node-rank do not apply to --mpi "
+                "(MPI connects the ranks; its launcher places them on nodes)",
+                file=sys.stderr,
+            )
             return 2
         return mpirun.run(args.nprocs, argv, mpiexec=args.mpiexec)
     if args.mpiexec is not None:
         print("unicoll run: --mpiexec needs --mpi", file=sys.stderr)
         return 2
-    return launcher.run(args.nprocs, argv, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port)
+    nnodes = args.nnodes or 1
+    if args.node_rank is None and nnodes > 1:
+        print(
+            f"unicoll run: --node-rank: expected this node's number from 0 to {nnodes - 1}, got none", file=sys.stderr
+        )
+        return 2
+    try:
+        return launcher.run(
+            args.nprocs,
+            argv,
+            master_addr=args.master_addr or "127.0.0.1",
+            master_port=args.master_port,
+            nnodes=nnodes,
+            node_rank=args.node_rank or 0,
+        )
+    except ValueError as exc:  # the rendezvous's flags, checked before any rank starts
+        print(exc, file=sys.stderr)
+        return 2
 
 
 def _info(args: argparse.Namespace) -> int:
