@@ -50,14 +50,18 @@ class MpiFactory:
         return None
 
     def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
+        """Start the backend; from then on this process aborts the MPI job when it exits failing
+        (:mod:`unicoll.backends.mpi.abort`), so its peers do not wait for it until the timeout."""
         _loopback_when_single_node()
         from mpi4py import MPI
 
+        from unicoll.backends.mpi.abort import abort_on_failure
         from unicoll.backends.mpi.transport import MpiBackend
         from unicoll.errors import TransportError, init_error
 
         world = MPI.COMM_WORLD
         _check_launch(world.Get_size())
+        abort_on_failure()
         try:
             return MpiBackend(CAPABILITIES, timeout=timeout)
         except TransportError as exc:

@@ -30,6 +30,11 @@ a wait spins. Only when this node runs more ranks than this process may use core
 yield the CPU between polls once it has lasted :data:`_YIELD_AFTER_S`: there, the ranks it
 waits for need the core, and elsewhere yielding only slows the transfer. docs/mpi.md has the
 measurements behind both choices.
+
+A transfer keeps its request and the arrays whose memory it uses until MPI completes it, whatever
+becomes of its work: one dropped before it completed (a task never waited for, an exception
+between issuing and waiting, the end of the session, an internal wait that timed out) is
+adopted by :mod:`unicoll.backends.mpi.inflight` and reaped at later transfers and at finalize.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 from mpi4py import MPI
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
+from unicoll.backends.mpi import inflight
 from unicoll.backends.mpi.bfloat16 import reduce_words
 from unicoll.errors import TransportError, TransportTimeoutError
 
@@ -115,6 +121,17 @@ def _wait(request: MPI.Request, timeout: float, what: str, spin: float) -> None:
         raise _failure(exc, what) from exc
 
 
+def _settle(request: MPI.Request, timeout: float, what: str, spin: float, keep: tuple[Any, ...] = ()) -> None:
+    """:func:`_wait` for a request that no caller holds: one that times out may still complete
+    later, so it is adopted with ``keep`` (:mod:`unicoll.backends.mpi.inflight`) before the
+    error leaves."""
+    try:
+        _wait(request, timeout, what, spin)
+    except TransportTimeoutError:
+        inflight.adopt(request, keep)
+        raise
+
+
 def _failure(exc: MPI.Exception, what: str) -> TransportError:
     """The TransportError for MPI's error ``exc`` in ``what``: MPICH reports no lost peer (the
     launcher stops the job), so every MPI error is of no particular kind."""
@@ -143,7 +160,10 @@ def _bfloat16_reduction(op: str) -> MPI.Op:
 
 class _MpiWork:
     """An MPI request seen through unicoll's ``Work`` protocol; ``keep``: the arrays whose
-    memory the transfer uses, kept alive until the work is (:func:`_buffer`)."""
+    memory the transfer uses (:func:`_buffer`). A work that goes before its transfer completed
+    hands both to :mod:`unicoll.backends.mpi.inflight`."""
+
+    _adopt = staticmethod(inflight.adopt)  # reachable from __del__ even during the interpreter's teardown
 
     def __init__(self, request: MPI.Request, what: str, spin: float, keep: tuple[Any, ...] = ()) -> None:
         self._request = request
@@ -159,6 +179,10 @@ class _MpiWork:
             return self._request.Test()
         except MPI.Exception as exc:
             raise _failure(exc, self._what) from exc
+
+    def __del__(self) -> None:
+        if self._request:  # not MPI_REQUEST_NULL: no test has seen it complete
+            self._adopt(self._request, self._keep)
 
 
 def _host_view(a: Any) -> np.ndarray:
@@ -202,8 +226,13 @@ def _buffer(a: Any) -> Any:
     """What MPI moves of ``a`` (a contiguous numpy array or torch CPU tensor): a buffer over its
     memory. A tensor's buffer is made from its address, for a third of what a numpy view of it
     costs; it does not keep the tensor alive, so a transfer that outlives its call keeps the
-    tensor in its work (:class:`_MpiWork`)."""
-    return a if isinstance(a, np.ndarray) else MPI.buffer.fromaddress(a.data_ptr(), a.nbytes)
+    tensor in its work (:class:`_MpiWork`). A tensor of zero bytes has address 0, which MPI
+    refuses with a non-zero count (rows of zero bytes: "Invalid buffer pointer"); it moves as an
+    empty numpy array, whose address is its own, so a send and a receive side never alias."""
+    if isinstance(a, np.ndarray):
+        return a
+    address = a.data_ptr()
+    return MPI.buffer.fromaddress(address, a.nbytes) if address else np.empty(0, np.uint8)
 
 
 def _row_bytes(a: Any) -> int:
@@ -227,7 +256,7 @@ class MpiBackend(Backend):
         except MPI.Exception as exc:
             raise _failure(exc, "init") from exc
         self._spin = yield_after(MPI.COMM_WORLD.Get_size())
-        _wait(request, timeout, "init (duplicating COMM_WORLD)", self._spin)
+        _settle(request, timeout, "init (duplicating COMM_WORLD)", self._spin, (self._world,))
         self._comms: list[MPI.Intracomm] = [self._world]  # every communicator this backend made
         self.rank = self._world.Get_rank()
         self.world_size = self._world.Get_size()
@@ -236,9 +265,13 @@ class MpiBackend(Backend):
         return self._world if group.handle is None else group.handle
 
     def _done(self, request: MPI.Request, what: str, async_op: bool, keep: tuple[Any, ...] = ()) -> Work | None:
+        """The work of a transfer just issued, or None once it completed (``async_op`` False);
+        lets go of the adopted transfers that have completed since (:mod:`inflight`)."""
+        if inflight.ADOPTED:
+            inflight.reap()
         if async_op:
             return _MpiWork(request, what, self._spin, keep)
-        _wait(request, self._timeout, what, self._spin)
+        _settle(request, self._timeout, what, self._spin, keep)
         return None
 
     def _row_type(self, row_bytes: int) -> MPI.Datatype:
@@ -287,7 +320,7 @@ class MpiBackend(Backend):
             request = comm.Ibarrier()
         except MPI.Exception as exc:
             raise _failure(exc, what) from exc
-        _wait(request, self._timeout, what, self._spin)
+        _settle(request, self._timeout, what, self._spin)
 
     def barrier(self, group: Group) -> None:
         self._barrier_on(self._comm(group), "barrier")
@@ -336,7 +369,7 @@ class MpiBackend(Backend):
             request = self._comm(group).Iallreduce(MPI.IN_PLACE, view, op=self._reduction(op, x))
         except MPI.Exception as exc:
             raise _failure(exc, "allreduce") from exc
-        return self._done(request, "allreduce", async_op)
+        return self._done(request, "allreduce", async_op, (view,))  # a request keeps no in-place buffer
 
     def reduce_scatter_even(
         self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
@@ -365,7 +398,7 @@ class MpiBackend(Backend):
             )
         except MPI.Exception as exc:
             raise _failure(exc, "reduce_scatter") from exc
-        return self._done(request, "reduce_scatter", async_op)
+        return self._done(request, "reduce_scatter", async_op, (send, recv))
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         view = _host_view(x)
@@ -373,7 +406,7 @@ class MpiBackend(Backend):
             request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(_row_bytes(view))], root=src)
         except MPI.Exception as exc:
             raise _failure(exc, "broadcast") from exc
-        return self._done(request, "broadcast", async_op)
+        return self._done(request, "broadcast", async_op, (view,))
 
     def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         """One ``Ialltoallw`` whose receive side places each rank's rows in expert-major order
@@ -435,7 +468,7 @@ class MpiBackend(Backend):
             request = self._comm(group).Ialltoall([send, per_rank, MPI.INT64_T], [recv, per_rank, MPI.INT64_T])
         except MPI.Exception as exc:
             raise _failure(exc, "alltoall of counts") from exc
-        _wait(request, self._timeout, "alltoall of counts", self._spin)
+        _settle(request, self._timeout, "alltoall of counts", self._spin, (send, recv))
         return recv
 
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
@@ -445,18 +478,22 @@ class MpiBackend(Backend):
             request = self._comm(group).Iallgather([send, MPI.INT64_T], [recv, MPI.INT64_T])
         except MPI.Exception as exc:
             raise _failure(exc, "allgather of counts") from exc
-        _wait(request, self._timeout, "allgather of counts", self._spin)
+        _settle(request, self._timeout, "allgather of counts", self._spin, (send, recv))
         return recv
 
     def finalize(self) -> None:
-        """Free the communicators and datatypes made here; MPI itself stays initialized (mpi4py
-        finalizes it when the process exits), so ``init`` can run again."""
+        """Free the communicators, datatypes and operations made here; MPI itself stays
+        initialized (mpi4py finalizes it when the process exits), so ``init`` can run again.
+
+        Waits for nothing: transfers still in flight (tasks not waited for, which the session's
+        end has just let go of, and internal waits that timed out) stay adopted
+        (:mod:`inflight`), with their arrays, and keep all of these until they complete."""
         if MPI.Is_finalized():
             return
-        for comm in self._comms:
-            comm.Free()
-        for row_type in self._row_types.values():
-            row_type.Free()
-        for operation in self._bfloat16_ops.values():
-            operation.Free()
+        made = (*self._comms, *self._row_types.values(), *self._bfloat16_ops.values())
         self._comms, self._row_types, self._bfloat16_ops = [], {}, {}
+        if inflight.reap():
+            inflight.hold(made)
+            return
+        for handle in made:
+            handle.Free()

@@ -6,19 +6,34 @@ The command is ``MPIEXEC -n N python ARGV...``. MPIEXEC is the one given, else t
 next to the libmpi that mpi4py loads), else the first ``mpiexec`` on ``PATH`` (a system MPI).
 The ranks get ``UNICOLL_BACKEND=mpi`` and, as with :func:`unicoll.launch.local.run`, their
 share of the cores in ``OMP_NUM_THREADS``; variables already set win. The MPI launcher
-forwards output and stops every rank when one fails. The module imports nothing heavy.
+forwards output. The module imports nothing heavy.
+
+:func:`run` (``unicoll run --mpi``) runs each rank's program through
+:mod:`unicoll.launch.mpi_rank`, which keeps a note of how the rank is doing, and watches the
+notes: a rank that failed ends the job at once, and so does one that ended before MPI started
+while another rank starts it (MPICH's hydra would wait for it forever); either way the launcher
+says which rank and why, as the launcher of :mod:`unicoll.launch.local` does.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
+from .mpi_rank import note_path
 from .process import sigterm_raises_system_exit, stop_sessions, thread_share
+
+_POLL_S = 0.05
+"""How often :func:`run` reads the ranks' notes."""
 
 
 def find_mpiexec(mpiexec: str | None = None) -> str:
@@ -72,14 +87,85 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     stop_sessions([proc])
 
 
-def run(nprocs: int, argv: Sequence[str], *, mpiexec: str | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Run ``python *argv`` as ``nprocs`` MPI ranks and return the MPI launcher's exit code.
+class Failure(NamedTuple):
+    """A rank that ended the job: its rank, the exit code :func:`run` returns, and why, in words."""
 
-    Ctrl-C, or SIGTERM to this process (from the main thread), stops the job and propagates.
+    rank: int
+    code: int
+    why: str
+
+
+def run(nprocs: int, argv: Sequence[str], *, mpiexec: str | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Run ``python *argv`` as ``nprocs`` MPI ranks; return the exit code of the rank that
+    failed, else the MPI launcher's.
+
+    As soon as a rank has ended with a non-zero status, or ended before MPI started while
+    another rank starts MPI (:func:`failure`), the job is stopped and ``unicoll run: rank K
+    failed with exit code C (why); stopped the other ranks`` goes to stderr. Ctrl-C, or SIGTERM
+    to this process (from the main thread), stops the job and propagates.
     """
-    proc = start(nprocs, argv, mpiexec=mpiexec, env=env)
+    with tempfile.TemporaryDirectory(prefix="unicoll-mpi-") as notes:
+        proc = start(nprocs, ["-m", "unicoll.launch.mpi_rank", notes, *argv], mpiexec=mpiexec, env=env)
+        try:
+            with sigterm_raises_system_exit():
+                found = _watch(proc, Path(notes), nprocs)
+        finally:
+            stop(proc)
+    if found is None:
+        return proc.returncode
+    print(f"unicoll run: rank {found.rank} {found.why}; stopped the other ranks", file=sys.stderr, flush=True)
+    return found.code
+
+
+def _watch(proc: subprocess.Popen[bytes], notes: Path, nprocs: int) -> Failure | None:
+    """Read the ranks' notes until one tells a :func:`failure` or the job has ended."""
+    while True:
+        ended = proc.poll() is not None  # before reading: the notes then hold how every rank ended
+        found = failure([_read(note_path(notes, rank)) for rank in range(nprocs)], ended)
+        if found is not None or ended:
+            return found
+        time.sleep(_POLL_S)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """A rank's note (:mod:`unicoll.launch.mpi_rank`), or None before it wrote one."""
     try:
-        with sigterm_raises_system_exit():
-            return proc.wait()
-    finally:
-        stop(proc)
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def failure(notes: Sequence[dict[str, Any] | None], job_ended: bool) -> Failure | None:
+    """What ends the job, from the ranks' notes (None for a rank without one yet) and whether
+    the job has ended (then every rank has): the first rank (in time) that ended with a non-zero
+    status; else a rank that ended before MPI started (with status 0, or without one: a signal,
+    ``os._exit``) while another rank starts MPI, whose start waits for every rank of the job;
+    else None."""
+    ended = {rank: note for rank, note in enumerate(notes) if note is not None and (job_ended or _ended(note))}
+    failed = sorted((note["exit"]["at"], rank) for rank, note in ended.items() if note["exit"] and note["exit"]["code"])
+    if failed:
+        rank = failed[0][1]
+        note, end = ended[rank], ended[rank]["exit"]
+        when = "" if note["mpi"] else " before MPI started"
+        return Failure(rank, end["code"], f"failed with exit code {end['code']} ({end['reason']}){when}")
+    if not any(note is not None and note["mpi"] for note in notes):
+        return None
+    for rank, note in ended.items():
+        if not note["mpi"]:
+            how = f"exit code {note['exit']['code']}" if note["exit"] else "no exit status (a signal, or os._exit)"
+            return Failure(rank, 1, f"ended with {how} before MPI started, and MPI cannot start without it")
+    return None
+
+
+def _ended(note: dict[str, Any]) -> bool:
+    """Whether the rank of ``note`` has ended: its process is gone (on this host; elsewhere,
+    its note tells how it ended)."""
+    if note["host"] != socket.gethostname():
+        return note["exit"] is not None
+    try:
+        os.kill(note["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process took the pid
+        return True
+    return False
