@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import unicoll as uc
-from unicoll import registry
+from unicoll import registry, runtime
 from unicoll.backends.torch.gloo import GlooFactory
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -105,6 +105,31 @@ def test_bad_timeout(setting, error, message, monkeypatch) -> None:
     with pytest.raises(error, match=message):
         uc.init("gloo", timeout=setting.get("timeout"))
     assert not uc.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "message"),
+    [({"backend": 3}, TypeError, r"^unicoll.init: backend: expected a backend name \(a str\) or None, got int$"),
+     ({"check": 1}, TypeError, r"^unicoll.init: check: expected True, False or None, got 1$"),
+     ({"env": "yes"}, ValueError, r"^unicoll.init: \$UNICOLL_CHECK: expected 0 or 1 \(or false or true; empty is 0\), got 'yes'$"),
+     ({"env": " 2"}, ValueError, r"got ' 2'$")],
+)  # fmt: skip
+def test_bad_backend_or_check_setting(setting, error, message, monkeypatch) -> None:
+    if "env" in setting:
+        monkeypatch.setenv("UNICOLL_CHECK", setting["env"])
+    with pytest.raises(error, match=message):
+        uc.init(setting.get("backend", "gloo"), check=setting.get("check"))
+    assert not uc.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("value", "checking"), [("1", True), ("TRUE", True), (" true ", True), ("0", False), ("false", False), ("", False)]
+)
+def test_check_setting_from_the_environment(value, checking, monkeypatch) -> None:
+    """Every value the error message names is accepted, and means what it says."""
+    monkeypatch.setenv("UNICOLL_CHECK", value)
+    uc.init("gloo")
+    assert runtime.state("test").check is checking
 
 
 def test_bad_rank_environment(monkeypatch) -> None:

@@ -103,6 +103,23 @@ def test_min_above_max_fails_before_starting_ranks(capsys: pytest.CaptureFixture
     assert "--min-bytes 8192 is above --max-bytes 4096" in capsys.readouterr().err
 
 
+def test_unwritable_json_fails_before_starting_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the whole sweep ran and only then the write failed. A file that exists is left as
+    it was, and the check leaves no file behind."""
+    missing = tmp_path / "no-such-dir" / "out.json"
+    assert cli.main(["bench", "-n", "2", "--json", str(missing)]) == 2
+    assert (
+        f"--json: expected a file it can write, got {str(missing)!r} (No such file or directory)"
+        in capsys.readouterr().err
+    )
+    assert cli.main(["bench", "-n", "2", "--json", str(tmp_path)]) == 2
+    assert "(Is a directory)" in capsys.readouterr().err
+    kept, fresh = tmp_path / "kept.json", tmp_path / "fresh.json"
+    kept.write_text("before")
+    assert bench._unwritable(kept) is None and kept.read_text() == "before"
+    assert bench._unwritable(fresh) is None and not fresh.exists()
+
+
 def test_hand_written_reorder_matches_unicoll_layout() -> None:
     rng = np.random.default_rng(0)
     for world, experts in [(1, 3), (2, 1), (2, 2), (3, 4)]:

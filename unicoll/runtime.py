@@ -102,10 +102,11 @@ def _check_setting(check: bool | None) -> bool:
         if not isinstance(check, bool):
             raise TypeError(f"unicoll.init: check: expected True, False or None, got {check!r}")
         return check
-    raw = os.environ.get(CHECK_ENV_VAR, "0").strip().lower()
-    if raw not in ("0", "1", "false", "true", ""):
-        raise ValueError(f"unicoll.init: ${CHECK_ENV_VAR}: expected 0 or 1, got {raw!r}")
-    return raw in ("1", "true")
+    raw = os.environ.get(CHECK_ENV_VAR, "0")
+    setting = raw.strip().lower()
+    if setting not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"unicoll.init: ${CHECK_ENV_VAR}: expected 0 or 1 (or false or true; empty is 0), got {raw!r}")
+    return setting in ("1", "true")
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, check: bool | None = None) -> None:
@@ -128,6 +129,8 @@ def init(backend: str | None = None, *, timeout: float | None = None, check: boo
         raise RuntimeError(
             f"unicoll.init: already initialized with backend {_state.backend.name!r}; call finalize() first"
         )
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"unicoll.init: backend: expected a backend name (a str) or None, got {type(backend).__name__}")
     seconds = _timeout_setting(timeout)
     checking = _check_setting(check)
     name = registry.resolve(backend)

@@ -456,6 +456,10 @@ EXCHANGE_COUNTS = OpSpec(
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
 
+MAX_EXPERTS = 2**24
+"""The most experts a top-k dispatch routes to (W * experts_per_rank): every rank counts its
+rows for each expert in an int64 array and exchanges it every step."""
+
 
 def _expert_ids_in_range(c: Call) -> str | None:
     ids, experts = c.topk_idx, c.W * c.experts_per_rank
@@ -504,6 +508,8 @@ MOE_DISPATCH = OpSpec(
               keyword_only=True),
     ),
     rules=(
+        Rule("experts_per_rank", f"at most {MAX_EXPERTS} experts in all (W * experts_per_rank, W = {{W}})",
+             lambda c: None if c.W * c.experts_per_rank <= MAX_EXPERTS else str(c.experts_per_rank)),
         Rule("topk_idx", "as many rows as x (one row of expert ids per token)",
              lambda c: None if _rows(c.topk_idx) == _rows(c.x)
              else f"shape {c.topk_idx.shape} for x with {_rows(c.x)} rows"),

@@ -156,6 +156,13 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("unicoll bench: --plot needs matplotlib: pip install 'unicoll[bench]'", file=sys.stderr)
             return 2
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = None if path is None else _unwritable(path)
+        if problem is not None:
+            print(
+                f"unicoll bench: {flag}: expected a file it can write, got {str(path)!r} ({problem})", file=sys.stderr
+            )
+            return 2
     config = Config(
         backend=args.backend,
         ops=tuple(dict.fromkeys(args.op or OPS)),
@@ -192,6 +199,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         bench_report.plot(result, args.plot)
     return 0 if all(row["correct"] for row in result["rows"]) else 1
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written, found before the sweep instead of after it (by opening
+    it for appending, which leaves an existing file as it is; a file made here is removed
+    again), or None when it can."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink()
+    return None
 
 
 @contextmanager

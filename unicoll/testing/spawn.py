@@ -21,7 +21,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..launch.local import free_port, world_env
-from ..launch.process import GRACE_S
+from ..launch.process import GRACE_S, thread_share
 from .report import Report, SpawnError, SpawnTimeout
 
 
@@ -36,7 +36,9 @@ def spawn(
     """Run ``fn(rank, *args)`` on ``world_size`` fresh processes; return the results by rank.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port) and ``env``, then calls
+    ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port), its share of the cores in
+    ``OMP_NUM_THREADS`` (as ``unicoll run`` gives it, unless this process or ``env`` sets it;
+    torch's thread count follows it) and ``env``, then calls
     ``unicoll.init(backend)``, runs ``fn`` and finally ``unicoll.finalize()``. The variables are
     set when the process starts running, after it has imported ``fn``'s module and unicoll,
     and before ``unicoll.init``. ``fn``, ``args`` and the results must be picklable; ``fn``
@@ -57,6 +59,7 @@ def spawn(
 
         return spawn_mpi(fn, world_size, args, backend, timeout, env)
     ctx = multiprocessing.get_context("spawn")
+    share = {} if "OMP_NUM_THREADS" in os.environ else thread_share(world_size)
     port = free_port()
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
@@ -64,7 +67,7 @@ def spawn(
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)
             conns.append(receiver)
-            child_env = {**(env or {}), **world_env(rank, world_size, "127.0.0.1", port)}
+            child_env = {**share, **(env or {}), **world_env(rank, world_size, "127.0.0.1", port)}
             proc = ctx.Process(
                 target=_child_main,
                 args=(sender, rank, child_env, backend, fn, args),
@@ -93,6 +96,7 @@ def _child_main(
     """Entry point of a rank: join the world, run ``fn``, send back its result or its error."""
     try:
         os.environ.update(env)
+        _take_thread_share()
         result = _run_in_world(conn, fn, rank, args, backend)
         # Plain pickle, not the Connection's ForkingPickler: torch registers reducers there
         # that share tensors through this process, which exits right after sending.
@@ -107,6 +111,15 @@ def _child_main(
     # Skip the interpreter's teardown, which takes about a second with torch loaded; the
     # world is finalized and everything the rank printed is flushed.
     os._exit(0)
+
+
+def _take_thread_share() -> None:
+    """Give torch, which unpickling ``fn`` may have loaded before ``OMP_NUM_THREADS`` was set
+    here, that many threads (a library loaded later reads the variable itself)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _run_in_world(
