@@ -6,6 +6,7 @@ distributions."""
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import re
 import sys
 import types
@@ -43,12 +44,12 @@ def _fake_cuda(monkeypatch, built_for: str | None, driver: int | None) -> None:
             raise OSError(f"{name}: cannot open shared object file")
         return _Driver(driver)
 
-    monkeypatch.setattr(packages.ctypes, "CDLL", load)
+    monkeypatch.setattr(ctypes, "CDLL", load)
 
 
 def _fake_installed(monkeypatch, *names: str) -> None:
     """Only the distributions ``names`` (and every one that is not cupy's or NCCL's) are installed."""
-    real = packages.version
+    real = importlib.metadata.version
 
     def version(name: str) -> str:
         if name.startswith(("cupy-cuda", "nvidia-nccl-cu")):
@@ -57,7 +58,7 @@ def _fake_installed(monkeypatch, *names: str) -> None:
             return "14.2.0"
         return real(name)
 
-    monkeypatch.setattr(packages, "version", version)
+    monkeypatch.setattr(importlib.metadata, "version", version)
 
 
 @pytest.mark.parametrize(

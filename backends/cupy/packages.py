@@ -5,15 +5,14 @@ cupy and NCCL come as one package per CUDA major version (``cupy-cuda12x`` with
 ``nvidia-nccl-cu12``, ``cupy-cuda13x`` with ``nvidia-nccl-cu13``), and unicoll has one extra for
 each (``unicoll[cupy-cuda12]``, ``unicoll[cupy-cuda13]``). The CUDA to match is the one torch is
 built for (its wheels bring that CUDA's NCCL), else the newest the driver supports. Nothing here
-imports cupy, and torch only when :func:`detect` is called.
+imports cupy; torch, ctypes and importlib.metadata (which loads socket) are imported only when
+asked, since ``import unicoll`` imports this module.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 #: The CUDA major versions that unicoll has an extra for.
 CUDA_MAJORS = (12, 13)
@@ -57,6 +56,8 @@ def detect() -> Cuda:
 
 def driver_cuda() -> str | None:
     """The newest CUDA version the installed driver supports (``"13.0"``), or None without one."""
+    import ctypes
+
     for name in DRIVER_LIBRARIES:
         try:
             driver = ctypes.CDLL(name)
@@ -80,6 +81,8 @@ def nccl_package(major: int) -> str:
 
 def installed(package: str) -> bool:
     """Whether the distribution ``package`` is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         version(package)
     except PackageNotFoundError:
