@@ -1,0 +1,205 @@
+"""Jobs across machines: two hosts made of network namespaces (helpers/netns.py), two ranks on
+each, started as they would be on two machines: ``unicoll run --nnodes 2 --node-rank K`` on each
+host (gloo), or one ``mpiexec`` whose hydra starts the ranks over the hosts (mpi). Skipped, with
+the reason, where namespaces cannot be made (not root, no iproute2).
+
+The hosts' names resolve to a loopback address, as in many containers: gloo must listen where a
+host reaches ``MASTER_ADDR`` from, not where its name points. Each job runs a subset of the
+conformance matrix (helpers/multihost_rank.py); the gloo job also runs over a slowed link, then
+loses that link in the middle of its transfers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import netns
+from helpers.multihost_rank import subset
+from unicoll.backends.mpi.mpi import MpiFactory
+from unicoll.backends.torch.gloo import CAPABILITIES
+
+REASON = netns.unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs network namespaces: {REASON}")
+
+TESTS = Path(__file__).resolve().parent
+RANK = TESTS / "helpers" / "multihost_rank.py"
+PORT = 29500  # free: nothing else runs in the namespaces
+TIMEOUT = 4.0
+RATE_MBIT = 40
+
+
+@pytest.fixture
+def network():
+    """Two hosts, removed with whatever still runs on them when the test ends."""
+    with netns.Network(2) as made:
+        yield made
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The ranks' environment: helpers importable, the timeout, one thread each."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "UNICOLL_TIMEOUT": str(TIMEOUT),
+        "UNICOLL_BACKEND": "gloo",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def _nodes(network: netns.Network, argv: list[str], env_per_host: list[dict[str, str]]) -> list[subprocess.Popen]:
+    """``unicoll run -n 2 ARGV`` on each host, as node K of 2, meeting on the first host."""
+    return [
+        subprocess.Popen(
+            network.command(
+                host,
+                [sys.executable, "-m", "unicoll", "run", "-n", "2", "--nnodes", "2", "--node-rank", str(host)]
+                + ["--master-addr", network.addresses[0], "--master-port", str(PORT), *argv],
+            ),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for host, env in enumerate(env_per_host)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen], within: float) -> list[str]:
+    """Each process's output once all have exited, which must be within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{proc.args} still ran after {within} s: {proc.communicate()[0]}")
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output
+    return outputs
+
+
+def _reports(out: Path, world_size: int) -> list[dict]:
+    return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _no_process_left(network: netns.Network) -> None:
+    """Nothing runs on the hosts any more (within a second of the jobs' end: no orphan)."""
+    deadline = time.monotonic() + 1
+    while network.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert network.pids() == []
+
+
+def test_gloo_across_hosts_then_a_partition(network, tmp_path) -> None:
+    """2 hosts x 2 ranks on gloo, the second host's link slowed to 40 Mbit/s and, once every
+    rank runs all-to-alls, cut: the conformance subset passes, each rank listens only on its
+    host's address (the first host chose it from MASTER_ADDR; the second names it with
+    GLOO_SOCKET_IFNAME), a timed all-to-all takes as long as the link says, and after the cut
+    every rank gets CollectiveTimeoutError or PeerLostError within the timeout, and exits."""
+    network.limit(1, f"{RATE_MBIT}mbit")
+    envs = [_env(), _env(GLOO_SOCKET_IFNAME=netns.DEVICE)]
+    procs = _nodes(network, [str(RANK), str(tmp_path), "bulk", "partition"], envs)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("ready-*"))) < 4:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the ranks did not get ready"
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the next all-to-all
+        network.cut(1)
+        cut_at = time.time()
+        _finish(procs, TIMEOUT + 10)
+    finally:
+        for proc in procs:
+            proc.kill()
+    reports = _reports(tmp_path, 4)
+    assert reports[1]["cases"] == len(subset(CAPABILITIES, 4)), "rank 1, in the world and the sub-group, ran them all"
+    for report in reports:
+        rank = report["rank"]
+        assert report["failures"] == [], report["failures"][:1]
+        assert report["listening"], f"rank {rank} listens nowhere"
+        assert set(report["listening"]) == {network.addresses[rank // 2]}, report
+        partition = report["partition"]
+        assert partition["error"] in ("CollectiveTimeoutError", "PeerLostError"), partition
+        assert partition["message"].startswith("alltoall_single on Group(ranks=[0, 1, 2, 3]): "), partition
+        assert partition["at"] - cut_at < TIMEOUT + 2, partition
+    crossing = 2 * 2 * 2**20 * 8  # bits from the second host's 2 ranks to the first host's 2 (and as many back)
+    assert crossing / (RATE_MBIT * 1e6) * 0.8 < reports[0]["bulk_s"] < 30, reports[0]["bulk_s"]
+    _no_process_left(network)
+
+
+INIT_ONLY = """
+import json, sys, time
+import torch.distributed  # before the clock: it times init, not imports
+import unicoll as uc
+start = time.monotonic()
+try:
+    uc.init()
+    error, message = None, None
+except Exception as exc:
+    error, message = type(exc).__name__, str(exc)
+rank = int(__import__("os").environ["RANK"])
+with open(f"{sys.argv[1]}/rank-{rank}.json", "w") as f:
+    json.dump({"rank": rank, "error": error, "message": message, "seconds": time.monotonic() - start}, f)
+"""
+
+
+def test_init_ends_within_its_timeout_when_a_peer_cannot_be_reached(network, tmp_path) -> None:
+    """Every host's gloo on loopback (GLOO_SOCKET_IFNAME=lo, honoured): no rank can reach the
+    other host's ranks. Every rank's init fails within its timeout, naming what gloo could not
+    reach and where each rank listens (before, the ranks that waited for a connection waited five
+    times the timeout)."""
+    script = tmp_path / "init_only.py"
+    script.write_text(INIT_ONLY)
+    env = _env(GLOO_SOCKET_IFNAME="lo")
+    _finish(_nodes(network, [str(script), str(tmp_path)], [env, env]), TIMEOUT + 15)
+    for report in _reports(tmp_path, 4):
+        assert report["error"] in ("CollectiveTimeoutError", "CommunicationError"), report
+        assert report["seconds"] < TIMEOUT + 1.5, report
+        assert f"init on backend 'gloo' (rank {report['rank']} of 4): " in report["message"]
+        assert "could not connect with every peer (Gloo connectFullMesh failed" in report["message"]
+        assert "ranks 0-3 on interface lo (GLOO_SOCKET_IFNAME): each rank must reach every other's" in report["message"]
+    _no_process_left(network)
+
+
+MPI_REASON = MpiFactory().probe() if REASON is None else REASON
+
+
+@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
+def test_mpi_across_hosts(network, tmp_path) -> None:
+    """2 hosts x 2 ranks on mpi: hydra starts the second host's ranks through the namespace
+    (``-launcher-exec``), UCX stays on TCP over the hosts' link: the conformance subset passes
+    and each rank's own sockets are on its host's address."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    hosts = ",".join(f"{address}:2" for address in network.addresses)
+    launcher = network.hydra_launcher(tmp_path)
+    job = [str(mpiexec), "-launcher", "ssh", "-launcher-exec", str(launcher), "-hosts", hosts]
+    job += ["-localhost", network.addresses[0], "-n", "4"]
+    for name, value in {"UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.DEVICE, "UNICOLL_BACKEND": "mpi"}.items():
+        job += ["-genv", name, value]
+    proc = subprocess.Popen(
+        network.command(0, [*job, sys.executable, str(RANK), str(tmp_path)]),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _finish([proc], 120)
+    finally:
+        proc.kill()
+    reports = _reports(tmp_path, 4)
+    assert reports[1]["cases"] == len(subset(MpiFactory.capabilities, 4))
+    for report in reports:
+        assert report["backend"] == "mpi"
+        assert report["failures"] == [], report["failures"][:1]
+        assert set(report["listening"]) <= {network.addresses[report["rank"] // 2]}, report
+    _no_process_left(network)
