@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from unicoll.backends.rendezvous import listen, open_store, share_bytes
+from unicoll.backends.rendezvous import arrive, listen, open_store, route_source, share_bytes
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError
 from unicoll.launch.local import free_port
 
@@ -89,6 +90,51 @@ def test_dropping_the_store_frees_the_port(port) -> None:
     del host
     gc.collect()
     listen(ADDR, port).close()
+
+
+@pytest.mark.parametrize("raw", ["0", "99999", "-1", "http"])
+def test_a_port_out_of_range_is_refused_at_once(port, monkeypatch, raw) -> None:
+    """Before, port 0 let rank 0 listen on a port nobody knew and the others wait out the timeout."""
+    monkeypatch.setenv("MASTER_PORT", raw)
+    with pytest.raises(
+        RuntimeError, match=rf"^unicoll\.init: \$MASTER_PORT: expected a port number from 1 to 65535, got '{raw}'$"
+    ):
+        open_store(0, 2, 5, _soon())
+
+
+def test_the_route_to_a_loopback_address_leaves_from_loopback() -> None:
+    assert route_source(ADDR) == ADDR
+
+
+def test_arrive_hands_every_rank_the_notes_of_all(port) -> None:
+    host, guest = open_store(0, 2, 5, _soon()), open_store(1, 2, 5, _soon())
+    seen: dict[int, list[str]] = {}
+    guest_thread = threading.Thread(target=lambda: seen.update({1: arrive(guest.store, 1, 2, "B", _soon())}))
+    guest_thread.start()
+    seen[0] = arrive(host.store, 0, 2, "A", _soon())
+    guest_thread.join(5)
+    assert seen == {0: ["A", "B"], 1: ["A", "B"]}
+
+
+def test_arrive_names_the_ranks_that_did_not(port) -> None:
+    """Ranks 0 and 2 of 4 arrive; 1 and 3 never do: both are told which, at the deadline."""
+    host, guest = open_store(0, 4, 5, _soon()), open_store(2, 4, 5, _soon())
+    errors: dict[int, Exception] = {}
+
+    def arrive_as(rank: int, store: Any) -> None:
+        try:
+            arrive(store, rank, 4, "A", _soon(0.3))
+        except TransportTimeoutError as exc:
+            errors[rank] = exc
+
+    start = time.monotonic()
+    guest_thread = threading.Thread(target=arrive_as, args=(2, guest.store))
+    guest_thread.start()
+    arrive_as(0, host.store)
+    guest_thread.join(5)
+    assert time.monotonic() - start < 2
+    expected = "rendezvous: rank(s) [1, 3] did not reach rank 0's store; timed out"
+    assert {rank: str(exc) for rank, exc in errors.items()} == {0: expected, 2: expected}
 
 
 # -- cupy-nccl's id exchange, with cupy stood in for ----------------------------------------------
