@@ -1,0 +1,216 @@
+"""tools/gpu_check.sh, the one-call run of every GPU check, and its helper tools/gpu_check.py: the
+script end to end on this machine (without a GPU its GPU steps skip with their reason), and the
+summary read from real pytest and ``unicoll bench`` output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+KIT = ROOT / "tools" / "gpu_check.sh"
+
+
+def _load_helper():
+    """tools/gpu_check.py as a module (tools/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load_helper()
+
+without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU steps' skips without a GPU")
+
+
+def _kit(out: Path, *args: str, seconds: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    if seconds is not None:
+        env["GPU_CHECK_SECONDS"] = str(seconds)
+    return subprocess.run(["bash", str(KIT), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+@without_cuda
+def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(tmp_path) -> None:
+    steps = ["versions", "example-moe-torch-nccl", "reorder-cupy"]
+    run = _kit(tmp_path, "--no-install", "--only", ",".join(steps))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "logs.tar.gz", "summary.json", "summary.txt"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [step["name"] for step in summary["steps"]] == steps
+    versions, example, reorder = summary["steps"]
+    assert versions["status"] == "pass" and versions["exit_code"] == 0
+    assert summary["versions"]["python"] == platform.python_version()
+    assert summary["versions"]["torch"]["version"] == torch.__version__
+    assert summary["versions"]["packages"]["numpy"] == __import__("numpy").__version__
+    assert example["status"] == "skip" and example["exit_code"] is None
+    assert example["reason"].startswith("torch-nccl: no CUDA device is visible to torch")
+    assert example["command"] == f"{sys.executable} -m unicoll run -n 1 examples/moe_dispatch.py --backend torch-nccl"
+    assert reorder["status"] == "skip" and reorder["reason"].startswith("cupy-nccl: ")
+    assert summary["totals"] == {"pass": 1, "fail": 0, "timeout": 0, "skip": 2, "not run": 0}
+    assert (tmp_path / "summary.txt").read_text() in run.stdout
+    with tarfile.open(tmp_path / "logs.tar.gz") as logs:
+        assert {"./steps.jsonl", "./versions.json", "./versions.log"} <= set(logs.getnames())
+    assert "=== example-moe-torch-nccl: skipped: torch-nccl: no CUDA device" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_no_step_starts_once_the_runs_seconds_are_spent(tmp_path) -> None:
+    run = _kit(tmp_path, "--no-install", "--only", "versions,bench-torch-nccl", seconds=0)
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert [(step["name"], step["status"]) for step in steps] == [
+        ("versions", "not run"),
+        ("bench-torch-nccl", "not run"),
+    ]
+    assert steps[0]["reason"] == "not run: the run's 0 s were spent"
+
+
+def test_the_header_carries_an_ignored_wheel_folder() -> None:
+    """The device call in the script's header carries .gpu-wheels, which git must ignore (only
+    ignored paths are carried), as it ignores the default output folder."""
+    header = subprocess.run(["bash", str(KIT), "--help"], capture_output=True, text=True, check=True).stdout
+    (carried,) = re.findall(r'run\(command="bash tools/gpu_check.sh", carry=\["([^"]+)"\], timeout_s=600\)', header)
+    for path in (f"{carried}/array_api_compat-1.16.0-py3-none-any.whl", "gpu-check-out/summary.json"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_junit_counts_from_a_real_pytest_run(tmp_path) -> None:
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_passes(): pass\n"
+        "def test_fails(): assert False\n"
+        "@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_skips(n): pytest.skip('torch-nccl: no CUDA device')\n"
+        "def test_skips_otherwise(): pytest.skip('cupy-nccl: no cupy')\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('fixture')\n"
+        "def test_errors(broken): pass\n"
+    )
+    xml = tmp_path / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_sample.py"]
+    subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=120)
+    assert gpu_check.junit_counts(xml) == {
+        "passed": 1,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 3,
+        "skip_reasons": {"torch-nccl: no CUDA device": 2, "cupy-nccl: no cupy": 1},
+        "failures": ["test_sample::test_fails", "test_sample::test_errors"],
+    }
+
+
+def _step(exit_code: int | None, not_run: str | None = None) -> dict:
+    return {"exit_code": exit_code, "not_run": not_run}
+
+
+def _tests(passed: int = 0, failed: int = 0, errors: int = 0) -> dict:
+    return {"passed": passed, "failed": failed, "errors": errors, "skipped": 0}
+
+
+@pytest.mark.parametrize(
+    ("step", "tests", "text", "status"),
+    [
+        (_step(None, "skip"), None, "", "skip"),
+        (_step(None, "not run"), None, "", "not run"),
+        (_step(124), _tests(passed=3), "", "timeout"),  # timeout's limit passed
+        (_step(137), None, "", "timeout"),  # killed after it
+        (_step(0), _tests(passed=3), "", "pass"),
+        (_step(1), _tests(passed=3, failed=1), "", "fail"),
+        (_step(1), _tests(passed=3, errors=1), "", "fail"),
+        (_step(2), _tests(), "", "fail"),  # pytest interrupted, say by a collection error
+        (_step(0), _tests(), "", "skip"),  # every test skipped
+        (_step(5), _tests(), "", "skip"),  # no test selected
+        (_step(0), None, "gpu_reorder: skipped: RuntimeError: no CUDA device\n", "skip"),
+        (_step(0), None, "done\n", "pass"),
+        (_step(1), None, "Traceback ...\n", "fail"),
+    ],
+)
+def test_status(step, tests, text, status) -> None:
+    assert gpu_check.status(step, tests, text) == status
+
+
+REORDER_OUTPUT = """NVIDIA H100 80GB HBM3, torch float32, rows of 1024, 8 ranks x 4 experts
+       bytes  copy GB/s  reorder GB/s  ratio  unicoll GB/s  ratio
+     1048576      812.3         640.1   0.79         402.7   0.50
+  1073741824     2950.0        2714.0   0.92        2650.5   0.90
+reorder / copy, worst size: 0.79 (goal: 0.80 or more)
+"""
+
+
+def test_figures_of_the_reorder_benchmark() -> None:
+    found = gpu_check.figures(Path("."), "reorder-torch", REORDER_OUTPUT)
+    assert found["device"] == "NVIDIA H100 80GB HBM3, torch float32, rows of 1024, 8 ranks x 4 experts"
+    assert found["worst_reorder_ratio"] == 0.79
+    assert found["reorder"][1] == {
+        "bytes": 1073741824,
+        "copy_gbps": 2950.0,
+        "reorder_gbps": 2714.0,
+        "reorder_ratio": 0.92,
+        "unicoll_gbps": 2650.5,
+        "unicoll_ratio": 0.90,
+    }
+
+
+@pytest.mark.parametrize(
+    ("example", "option", "result"),
+    [
+        (
+            "moe_dispatch.py",
+            "--iters",
+            r"moe\.dispatch \+ moe\.combine: median [\d.]+ ms over 2 iterations \(slowest rank\)",
+        ),
+        (
+            "train_moe.py",
+            "--steps",
+            r"backend gloo: 1 ranks x 2 experts, 2 Adam steps: every loss and every parameter match .*",
+        ),
+    ],
+)
+def test_figures_of_the_examples(example, option, result) -> None:
+    """The line each example ends with, from a real run on gloo, as the kit reads it on a GPU backend."""
+    command = [
+        sys.executable,
+        "-m",
+        "unicoll",
+        "run",
+        "-n",
+        "1",
+        f"examples/{example}",
+        "--backend",
+        "gloo",
+        option,
+        "2",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (found,) = gpu_check.figures(Path("."), "example", run.stdout).values()
+    assert re.fullmatch(result, found), found
+
+
+def test_figures_of_a_real_unicoll_bench_run(tmp_path) -> None:
+    """``unicoll bench --json`` on gloo, read as the kit reads a GPU backend's."""
+    command = [sys.executable, "-m", "unicoll", "bench", "-n", "1", "--backend", "gloo", "--op", "alltoall_single"]
+    command += ["--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2", "--warmup", "0"]
+    run = subprocess.run([*command, "--json", str(tmp_path / "bench-gloo.json")], capture_output=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    found = gpu_check.figures(tmp_path, "bench-gloo", "")
+    assert found["baseline"] == "torch.distributed" and found["device"] == "cpu"
+    assert [(row["op"], row["size_bytes"], row["correct"]) for row in found["rows"]] == [
+        ("alltoall_single", 1024, True),
+        ("alltoall_single", 2048, True),
+    ]
+    assert all(row["time_us"] > 0 and row["raw_time_us"] > 0 for row in found["rows"])
+    assert set(found["overhead"]["alltoall_single"]) >= {"unicoll_us", "raw_us", "difference_us", "raw_again_ratio"}
+    assert found["frontend"]["alltoall_single"]["frontend_us"] > 0

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Every CUDA path of unicoll in one call of at most 10 minutes on a lent GPU machine (issue 31).
+#
+# The GPU machine reaches no package index. array-api-compat (unicoll's one dependency it lacks)
+# travels as a wheel, and so does setuptools, which builds unicoll there in an isolated build
+# environment: unicoll's metadata (a license expression) needs setuptools 77 or later, whatever
+# that machine has. Once, here, where pip reaches the index:
+#
+#     bash tools/gpu_check.sh --prepare
+#
+# downloads both into .gpu-wheels/ (ignored by git, so it travels only when carried). Then the one
+# call, with the device tool's `run`:
+#
+#     run(command="bash tools/gpu_check.sh", carry=[".gpu-wheels"], timeout_s=600)
+#
+# Without a GPU, `bash tools/gpu_check.sh` runs the same steps, and those that need a GPU skip
+# with their reason. PYTHON picks the interpreter (default python3); the steps install unicoll
+# into it. Options: --only NAME[,NAME...] runs those steps alone (after the install, unless
+# --no-install), for a second call after a fix.
+#
+# The steps, the most valuable first, each under its own time limit in seconds. A step that runs
+# over is stopped (SIGINT, as Ctrl-C, so that pytest still writes its report; SIGKILL 10 s later)
+# and recorded as a timeout, and the rest still run. The limits add up to 560 s; no step starts,
+# or runs on, past GPU_CHECK_SECONDS (default 570) from the start, so the summary is written
+# within the call's 600 s:
+#
+#   install-array-api-compat   15  pip install --no-index --no-deps .gpu-wheels/array_api_compat-*.whl
+#   install-unicoll            30  pip install --no-index --no-deps --find-links .gpu-wheels -e .
+#                                  (without .gpu-wheels: --no-build-isolation, with the setuptools installed)
+#   versions                   20  python, torch, CUDA, cupy, NCCL, numpy, mpi4py; the GPU (nvidia-smi)
+#   conformance-torch-nccl     90  the GPU conformance matrix, world size 1, every stream mode
+#   conformance-cupy-nccl      90  the same on cupy-nccl
+#   gpu-tests                  60  pytest -m gpu in the other files (autograd, streams, device counts),
+#                                  the example tests left to the example steps
+#   compile-cuda               50  pytest -m gpu tests/test_compile.py (the compiled MoE layer on CUDA)
+#   example-moe-<backend>      25  examples/moe_dispatch.py --backend <backend> on one rank (both backends)
+#   example-train-<backend>    25  examples/train_moe.py --backend <backend> on one rank (both backends)
+#   reorder-torch, -cupy       20  benchmarks/gpu_reorder.py --library torch|cupy
+#   bench-torch-nccl           50  unicoll bench -n 1 --backend torch-nccl
+#   bench-cupy-nccl            15  the same on cupy-nccl (bench compares with torch.distributed or
+#                                  mpi4py, and a world of one on cupy-nccl starts neither: expect it to say so)
+#
+# A step whose backend cannot run here is skipped with the backend's reason (pytest's steps report
+# their own skips). Everything lands in $OUT (default: gpu-check-out/, ignored by git), four files,
+# since the device tool brings back at most eight:
+#
+#   summary.json   per step: command, exit code, status, pass/fail/skip counts with skip reasons and
+#                  failed tests, seconds, figures (the reorder table, unicoll bench's rows and
+#                  overheads, the examples' result lines); the GPU; the versions. Rewritten after
+#                  every step, so a call cut short still leaves it.
+#   summary.txt    the same as a table, also printed at the end
+#   gpu_check.log  every step's output, written as it runs
+#   logs.tar.gz    each step's log, pytest's JUnit XML and unicoll bench's JSON
+#
+# Exit code: 0 when no step failed or ran out of time, else 1.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY=${PYTHON:-python3}
+WHEELS=.gpu-wheels
+TOTAL=${GPU_CHECK_SECONDS:-570}
+ONLY=""
+INSTALL=1
+
+usage() {
+    sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+}
+
+prepare() {
+    rm -rf "$WHEELS"
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d "$WHEELS" \
+        array-api-compat setuptools || exit 1
+    echo "tools/gpu_check.sh --prepare: $(ls "$WHEELS" | paste -sd ' ') in $WHEELS/; the device call:"
+    echo "    run(command=\"bash tools/gpu_check.sh\", carry=[\"$WHEELS\"], timeout_s=600)"
+}
+
+while (($#)); do
+    case $1 in
+        --prepare) prepare; exit 0 ;;
+        --only) ONLY=${2:?--only needs step names}; shift ;;
+        --no-install) INSTALL=0 ;;
+        -h | --help) usage; exit 0 ;;
+        *) echo "tools/gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT" || exit 1
+rm -f "$OUT/summary.json" "$OUT/summary.txt" "$OUT/gpu_check.log" "$OUT/logs.tar.gz"
+COMBINED=$OUT/gpu_check.log
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || exit 1
+DEADLINE=$((SECONDS + TOTAL))
+declare -A PROBED=()
+export PYTHONUNBUFFERED=1 LC_ALL=C  # C: EPOCHREALTIME with a decimal point
+
+helper() {
+    "$PY" tools/gpu_check.py "$@"
+}
+
+selected() {
+    [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]
+}
+
+# Why BACKEND cannot run here, as its probe says (exit code 3); empty where it can run, or where
+# the probe itself failed, so that the step runs and shows the error. Asked once per backend.
+why_not() {
+    local backend=$1 reason
+    if [[ ! -v PROBED[$backend] ]]; then
+        reason=$(helper probe "$backend" 2>&1)
+        (($? == 3)) || reason=""
+        PROBED[$backend]=$reason
+    fi
+    printf '%s' "${PROBED[$backend]}"
+}
+
+# step NAME LIMIT_S BACKEND COMMAND: run COMMAND (a bash command line) under its limit, unless
+# BACKEND (empty: none needed) cannot run here or no time is left; record and summarize it.
+step() {
+    local name=$1 limit=$2 backend=$3 command=$4 left=$((DEADLINE - SECONDS)) reason started elapsed rc
+    if ((left < 5)); then
+        helper record "$WORK" "$name" "$limit" not-run 0 "" "$command" "not run: the run's ${TOTAL} s were spent"
+    elif [[ -n $backend && -n $(why_not "$backend") ]]; then
+        reason=$(why_not "$backend")
+        echo "=== $name: skipped: $reason" | tee -a "$COMBINED"
+        helper record "$WORK" "$name" "$limit" skip 0 "" "$command" "$reason"
+    else
+        ((limit > left)) && limit=$left
+        echo "=== $name (limit ${limit} s): $command" | tee -a "$COMBINED"
+        started=${EPOCHREALTIME/./}
+        timeout -s INT -k 10 "$limit" bash -c "$command" 2>&1 | tee "$WORK/$name.log" >>"$COMBINED"
+        rc=${PIPESTATUS[0]}
+        elapsed=$((${EPOCHREALTIME/./} - started))
+        elapsed=$((elapsed / 1000000)).$(printf %06d $((elapsed % 1000000)))
+        helper record "$WORK" "$name" "$limit" "$rc" "$elapsed" "$name.log" "$command"
+        echo "=== $name: exit code $rc" | tee -a "$COMBINED"
+    fi
+    helper summary "$WORK" "$OUT" >/dev/null
+    return 0
+}
+
+# pytest_step NAME LIMIT_S ARGS...: pytest ARGS with its JUnit XML where the summary reads it.
+pytest_step() {
+    local name=$1 limit=$2
+    shift 2
+    selected "$name" && step "$name" "$limit" "" "$PY -m pytest -p no:cacheprovider $* --junitxml=$WORK/$name.xml"
+}
+
+if ((INSTALL)); then
+    if compgen -G "$WHEELS/array_api_compat-*.whl" >/dev/null; then
+        step install-array-api-compat 15 "" "$PY -m pip install --no-index --no-deps $WHEELS/array_api_compat-*.whl"
+    else
+        echo "no wheels in $WHEELS/ (tools/gpu_check.sh --prepare makes them): array-api-compat must be installed"
+        step install-array-api-compat 15 "" "$PY -c 'import array_api_compat as m; print(m.__version__)'"
+    fi
+    if compgen -G "$WHEELS/setuptools-*.whl" >/dev/null; then
+        build="--find-links $WHEELS"  # an isolated build with the carried setuptools
+    else
+        build="--no-build-isolation"  # with the setuptools installed
+    fi
+    step install-unicoll 30 "" "$PY -m pip install --no-index --no-deps $build -e ."
+fi
+selected versions && step versions 20 "" "$PY tools/gpu_check.py versions $WORK/versions.json"
+
+for backend in torch-nccl cupy-nccl; do
+    pytest_step "conformance-$backend" 90 -m gpu tests/test_conformance_gpu.py -k "$backend"
+done
+pytest_step gpu-tests 60 -m gpu tests --ignore=tests/test_conformance_gpu.py --ignore=tests/test_compile.py \
+    -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
+pytest_step compile-cuda 50 -m gpu tests/test_compile.py
+
+for backend in torch-nccl cupy-nccl; do
+    for example in moe:moe_dispatch train:train_moe; do
+        name=example-${example%%:*}-$backend
+        selected "$name" && step "$name" 25 "$backend" \
+            "$PY -m unicoll run -n 1 examples/${example#*:}.py --backend $backend"
+    done
+done
+for library in torch cupy; do
+    backend=$library-nccl
+    selected "reorder-$library" && step "reorder-$library" 20 "$backend" \
+        "$PY benchmarks/gpu_reorder.py --library $library"
+done
+selected bench-torch-nccl && step bench-torch-nccl 50 torch-nccl \
+    "$PY -m unicoll bench -n 1 --backend torch-nccl --json $WORK/bench-torch-nccl.json"
+selected bench-cupy-nccl && step bench-cupy-nccl 15 cupy-nccl \
+    "$PY -m unicoll bench -n 1 --backend cupy-nccl --json $WORK/bench-cupy-nccl.json"
+
+echo
+helper summary "$WORK" "$OUT"
+verdict=$?
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+echo "tools/gpu_check.sh: summary.json, summary.txt, gpu_check.log and logs.tar.gz in $OUT"
+exit "$verdict"
