@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs network names
 TESTS = Path(__file__).resolve().parent
 RANK = TESTS / "helpers" / "multihost_rank.py"
 PORT = 29500  # free: nothing else runs in the namespaces
-TIMEOUT = 4.0
+TIMEOUT = 3.0
 RATE_MBIT = 40
 
 
@@ -167,6 +167,47 @@ def test_init_ends_within_its_timeout_when_a_peer_cannot_be_reached(network, tmp
         assert f"init on backend 'gloo' (rank {report['rank']} of 4): " in report["message"]
         assert "could not connect with every peer (Gloo connectFullMesh failed" in report["message"]
         assert "ranks 0-3 on interface lo (GLOO_SOCKET_IFNAME): each rank must reach every other's" in report["message"]
+    _no_process_left(network)
+
+
+GATHER = """
+import json, sys
+import numpy as np
+import unicoll as uc
+from helpers.multihost_rank import listening
+uc.init()
+rank = uc.get_rank()
+gathered = uc.all_gather(None, np.array([rank])).tolist()
+with open(f"{sys.argv[1]}/rank-{rank}.json", "w") as f:
+    json.dump({"rank": rank, "gathered": gathered, "listening": listening()}, f)
+"""
+
+
+def test_torchrun_across_hosts(network, tmp_path) -> None:
+    """torchrun's own multi-node flags on each host: init takes torchrun's store, and gloo
+    listens on the host's address there too."""
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER)
+    procs = [
+        subprocess.Popen(
+            network.command(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"])
+            + ["--node-rank", str(host), "--master-addr", network.addresses[0], "--master-port", str(PORT)]
+            + ["--nproc-per-node", "2", str(script), str(tmp_path)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for host in range(2)
+    ]
+    try:
+        _finish(procs, 60)
+    finally:
+        for proc in procs:
+            proc.kill()
+    for report in _reports(tmp_path, 4):
+        assert report["gathered"] == [0, 1, 2, 3]
+        assert set(report["listening"]) == {network.addresses[report["rank"] // 2]}, report
     _no_process_left(network)
 
 
