@@ -137,24 +137,25 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 def failure(notes: Sequence[dict[str, Any] | None], job_ended: bool) -> Failure | None:
     """What ends the job, from the ranks' notes (None for a rank without one yet) and whether
-    the job has ended (then every rank has): the first rank (in time) that ended with a non-zero
-    status; else a rank that ended before MPI started (with status 0, or without one: a signal,
-    ``os._exit``) while another rank starts MPI, whose start waits for every rank of the job;
-    else None."""
-    ended = {rank: note for rank, note in enumerate(notes) if note is not None and (job_ended or _ended(note))}
-    failed = sorted((note["exit"]["at"], rank) for rank, note in ended.items() if note["exit"] and note["exit"]["code"])
+    the job has ended (then so has every rank): the
+    first rank (in time) that ended with a non-zero status; else a rank that ended before
+    starting MPI (with status 0, or without one: a signal, ``os._exit``) while another rank
+    started it, whose start waits for every rank of the job (exit code 1); else None."""
+    ranks = {rank: note for rank, note in enumerate(notes) if note is not None}
+    ended = {rank: note for rank, note in ranks.items() if job_ended or _ended(note)}
+    failed = [(note["exit"]["at"], rank) for rank, note in ended.items() if note["exit"] and note["exit"]["code"]]
     if failed:
-        rank = failed[0][1]
-        note, end = ended[rank], ended[rank]["exit"]
-        when = "" if note["mpi"] else " before MPI started"
+        rank = min(failed)[1]
+        end, when = ended[rank]["exit"], "" if ended[rank]["mpi"] else " before MPI started"
         return Failure(rank, end["code"], f"failed with exit code {end['code']} ({end['reason']}){when}")
-    if not any(note is not None and note["mpi"] for note in notes):
+    starting = [rank for rank, note in ranks.items() if note["mpi"]]
+    stranded = [rank for rank, note in ended.items() if not note["mpi"]]
+    if not starting or not stranded:
         return None
-    for rank, note in ended.items():
-        if not note["mpi"]:
-            how = f"exit code {note['exit']['code']}" if note["exit"] else "no exit status (a signal, or os._exit)"
-            return Failure(rank, 1, f"ended with {how} before MPI started, and MPI cannot start without it")
-    return None
+    rank, end = stranded[0], ended[stranded[0]]["exit"]
+    how = f"exit code {end['code']}" if end else "no exit status (a signal, or os._exit)"
+    why = f"ended with {how} before starting MPI, while rank {starting[0]} started it"
+    return Failure(rank, 1, f"{why} (MPI's start waits for every rank)")
 
 
 def _ended(note: dict[str, Any]) -> bool:
