@@ -76,6 +76,13 @@ def test_no_step_starts_once_the_runs_seconds_are_spent(tmp_path) -> None:
     assert steps[0]["reason"] == "not run: the run's 0 s were spent"
 
 
+def test_only_refuses_a_step_that_does_not_exist(tmp_path) -> None:
+    run = _kit(tmp_path, "--no-install", "--only", "versions,conformance-torch", seconds=0)
+    assert run.returncode == 2
+    assert "tools/gpu_check.sh: --only names no step conformance-torch (see --help)" in run.stderr
+    assert "--only names no step versions" not in run.stderr
+
+
 def test_the_header_carries_an_ignored_wheel_folder() -> None:
     """The device call in the script's header carries .gpu-wheels, which git must ignore (only
     ignored paths are carried), as it ignores the default output folder."""

@@ -8,10 +8,10 @@ one step's record, and the summary of them all.
 
 ``record`` appends one JSON line per step to ``WORK/steps.jsonl``: OUTCOME is the step's exit code,
 or ``skip`` (its backend cannot run here) or ``not-run`` (no time was left), with the REASON.
-``summary`` reads those lines,
-each step's log and pytest's JUnit XML (``WORK/NAME.xml``), and the versions (``WORK/versions.json``),
-and adds what each step measured: the tests' counts, skip reasons and failures, the reorder
-benchmark's table, ``unicoll bench``'s figures (``WORK/NAME.json``), the examples' result lines.
+``summary`` reads those lines, each step's log and pytest's JUnit XML (``WORK/NAME.xml``), and the
+versions (``WORK/versions.json``), and adds what each step measured: the tests' counts, skip
+reasons and failures, the reorder benchmark's table, ``unicoll bench``'s figures
+(``WORK/NAME.json``), the examples' result lines.
 ``probe`` and ``versions`` import unicoll and the array libraries; the rest imports nothing heavy,
 so a summary can be written after every step.
 """
@@ -82,6 +82,9 @@ def headline(found: dict[str, Any]) -> str:
     if isinstance(cupy, dict):
         parts.append(f"cupy {cupy['version']} (CUDA runtime {cupy['cuda_runtime']}, NCCL {cupy['nccl']})")
     parts += [f"{name} {packages.get(name, '-')}" for name in ("numpy", "mpi4py")]
+    missing = [name for name, version in packages.items() if version == "not installed"]
+    if missing:
+        parts.append(f"not installed: {' '.join(missing)}")
     gpu = found.get("gpu (nvidia-smi)")
     parts.append(f"GPU: {'; '.join(gpu) if isinstance(gpu, list) else gpu}")
     return ", ".join(parts)
@@ -123,9 +126,14 @@ def _cupy() -> dict[str, Any]:
 
 
 def _packages() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, distributions, version
+    """The versions of unicoll, of every package it requires (installed without its dependencies,
+    so a missing one shows here as ``not installed``), of the test tools, and of cupy and NCCL."""
+    from importlib.metadata import PackageNotFoundError, distributions, requires, version
 
-    wanted = ("unicoll", "numpy", "array-api-compat", "torch", "mpi4py", "mpich", "pytest", "hypothesis")
+    required = [
+        re.match(r"[A-Za-z0-9._-]+", line).group() for line in requires("unicoll") or [] if "extra ==" not in line
+    ]
+    wanted = ("unicoll", *required, "mpi4py", "mpich", "pytest", "hypothesis")
     found = {}
     for name in wanted:
         try:

@@ -99,16 +99,20 @@ helper() {
     "$PY" tools/gpu_check.py "$@"
 }
 
+declare -A SEEN=()
+# Whether step NAME is to run (all of them without --only); remembers NAME, so that the end can
+# name the steps in --only that do not exist.
 selected() {
+    SEEN[$1]=1
     [[ -z $ONLY || ",$ONLY," == *",$1,"* ]]
 }
 
 # Why BACKEND cannot run here, as its probe says (exit code 3); empty where it can run, or where
-# the probe itself failed, so that the step runs and shows the error. Asked once per backend.
+# the probe itself failed or hung, so that the step runs and shows the error. Asked once per backend.
 why_not() {
     local backend=$1 reason
     if [[ ! -v PROBED[$backend] ]]; then
-        reason=$(helper probe "$backend" 2>&1)
+        reason=$(timeout -k 5 30 "$PY" tools/gpu_check.py probe "$backend" 2>&1)
         (($? == 3)) || reason=""
         PROBED[$backend]=$reason
     fi
@@ -167,7 +171,7 @@ for backend in torch-nccl cupy-nccl; do
     pytest_step "conformance-$backend" 90 -m gpu tests/test_conformance_gpu.py -k "$backend"
 done
 pytest_step gpu-tests 60 -m gpu tests --ignore=tests/test_conformance_gpu.py --ignore=tests/test_compile.py \
-    -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
+    --continue-on-collection-errors -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
 pytest_step compile-cuda 50 -m gpu tests/test_compile.py
 
 for backend in torch-nccl cupy-nccl; do
@@ -190,6 +194,9 @@ selected bench-cupy-nccl && step bench-cupy-nccl 15 cupy-nccl \
 echo
 helper summary "$WORK" "$OUT"
 verdict=$?
+for name in ${ONLY//,/ }; do
+    [[ -v SEEN[$name] ]] || { echo "tools/gpu_check.sh: --only names no step $name (see --help)" >&2; verdict=2; }
+done
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" . && rm -rf "$WORK"
 echo "tools/gpu_check.sh: summary.json, summary.txt, gpu_check.log and logs.tar.gz in $OUT"
 exit "$verdict"
