@@ -127,7 +127,7 @@ def test_rows_of_zero_bytes(dropped_job: Job) -> None:
 )
 def test_a_failing_rank_ends_the_job_at_once(case: str, code: int, why: str) -> None:
     """Rank 1 fails while rank 0 waits for it in all_reduce: before, the job waited for the
-    whole timeout (301.6 s by default); now rank 1 aborts it, and the launcher names it."""
+    whole timeout (300.2 s with the default 300 s); now rank 1 aborts it, and the launcher names it."""
     job = run_job(case)
     (fault,) = job.reports[1]
     assert job.reports[0] == [{"rank": 0, "action": "waits in all_reduce"}], job.output

@@ -2,7 +2,7 @@
 
 When the interpreter exits, mpi4py calls ``MPI_Finalize``, which waits for the other ranks,
 while they wait for this one in their next collective: a rank that raised held its job for the
-whole timeout (301.6 s by default, measured). So once MPI runs, a process that exits after an
+whole timeout (300.2 s with the default 300 s, measured). So once MPI runs, a process that exits after an
 uncaught exception (``KeyboardInterrupt`` included), or after :func:`record_failure`, calls
 ``MPI_Abort`` on ``COMM_WORLD`` with its exit status instead: the MPI launcher stops every rank
 and exits with that status (MPICH's hydra, in a fraction of a second).
