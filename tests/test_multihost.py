@@ -228,7 +228,7 @@ def test_mpi_across_hosts(network, tmp_path) -> None:
         job += ["-genv", name, value]
     proc = subprocess.Popen(
         network.command(0, [*job, sys.executable, str(RANK), str(tmp_path)]),
-        env=_env(),
+        env=_env(UNICOLL_TIMEOUT="60"),  # nothing here times out on purpose; MPI's waits spin, 4 ranks on 2 cores
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
