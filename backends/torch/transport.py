@@ -15,7 +15,7 @@ process group and the watch's connections, so a rank that never starts fails the
 the timeout; the process group keeps the whole timeout for its collectives.
 
 Every way in from the front end is a :func:`~unicoll.backends.torch.errors.torch_boundary`:
-``_issue``, :func:`issue_on_stream` and ``_new_pg``, which every primitive goes through, the
+``_launch``, :func:`issue_on_stream` and ``_new_pg``, which every primitive goes through, the
 works' ``wait`` and ``init``. torch's transport failures leave this module as unicoll's
 :class:`~unicoll.errors.TransportError` kinds.
 """
@@ -258,11 +258,12 @@ class TorchDistBackend(Backend):
         return shared.tolist()
 
     @torch_boundary
-    def _issue(self, launch: Callable[[bool], Any], group: Group, async_op: bool) -> Work | None:
-        """Run ``launch(async_op)``, a torch.distributed call; on gloo it is issued
-        asynchronously and waited for by :func:`wait_gloo`, now or in ``Task.wait()``."""
-        if self._pg_backend != "gloo":  # NCCL: on the current stream when synchronous
-            return issue_on_stream(launch, async_op, calc_stream=True)
+    def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
+        """Run ``launch(async_op)``, a torch.distributed call, as every primitive does: on gloo
+        it is issued asynchronously and waited for by :func:`wait_gloo`, now or in
+        ``Task.wait()`` (CPU has no streams: ``calc_stream`` has no effect).
+        :class:`TorchNcclBackend` overrides this, and only this, to put the call on the stream
+        it asks for."""
         work = launch(True)
         if async_op:
             return _GlooWork(work, self, group.ranks)
@@ -304,7 +305,7 @@ class TorchDistBackend(Backend):
 
     def barrier(self, group: Group) -> None:
         pg = self._pg(group)
-        self._issue(lambda a: dist.barrier(group=pg, async_op=a), group, False)
+        self._launch(lambda a: dist.barrier(group=pg, async_op=a), group, False, True)
 
     def alltoallv(
         self,
@@ -316,31 +317,34 @@ class TorchDistBackend(Backend):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Work | None:
-        """On CPU there are no streams: ``calc_stream`` has no effect (see torch_nccl for CUDA)."""
         pg = self._pg(group)
-        return self._issue(
-            lambda a: dist.all_to_all_single(out, x, out_splits, in_splits, group=pg, async_op=a), group, async_op
-        )
+        launch = lambda a: dist.all_to_all_single(out, x, out_splits, in_splits, group=pg, async_op=a)  # noqa: E731
+        return self._launch(launch, group, async_op, calc_stream)
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg = self._pg(group)
-        return self._issue(lambda a: compat.all_gather_single(out, x, group=pg, async_op=a), group, async_op)
+        return self._launch(
+            lambda a: compat.all_gather_single(out, x, group=pg, async_op=a), group, async_op, calc_stream
+        )
 
     def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg, reduction = self._pg(group), _REDUCE_OPS[op]
-        return self._issue(lambda a: dist.all_reduce(x, op=reduction, group=pg, async_op=a), group, async_op)
+        return self._launch(
+            lambda a: dist.all_reduce(x, op=reduction, group=pg, async_op=a), group, async_op, calc_stream
+        )
 
     def reduce_scatter_even(
         self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
     ) -> Work | None:
         pg, reduction = self._pg(group), _REDUCE_OPS[op]
-        return self._issue(
-            lambda a: compat.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), group, async_op
-        )
+        launch = lambda a: compat.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a)  # noqa: E731
+        return self._launch(launch, group, async_op, calc_stream)
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         pg = self._pg(group)
-        return self._issue(lambda a: dist.broadcast(x, group=pg, async_op=a, group_src=src), group, async_op)
+        return self._launch(
+            lambda a: dist.broadcast(x, group=pg, async_op=a, group_src=src), group, async_op, calc_stream
+        )
 
     def reduce_scatter_uneven(
         self,
@@ -357,10 +361,6 @@ class TorchDistBackend(Backend):
         launch = lambda a: dist.reduce_scatter(out, blocks, op=reduction, group=pg, async_op=a)  # noqa: E731
         return issued(self._launch(launch, group, async_op, calc_stream), lambda: out)
 
-    def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
-        """:meth:`_issue` (gloo); :class:`TorchNcclBackend` runs it on the stream the call asks for."""
-        return self._issue(launch, group, async_op)
-
     def _host_ints(self, values: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
         return t.cuda() if self._pg_backend == "nccl" else t
@@ -369,14 +369,14 @@ class TorchDistBackend(Backend):
         send = self._host_ints(values)
         recv = torch.empty_like(send)
         pg = self._pg(group)
-        self._issue(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), group, False)
+        self._launch(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), group, False, True)
         return recv.cpu().numpy()
 
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self._host_ints(values)
         recv = send.new_empty((group.world_size * send.numel(),))
         pg = self._pg(group)
-        self._issue(lambda a: compat.all_gather_single(recv, send, group=pg, async_op=a), group, False)
+        self._launch(lambda a: compat.all_gather_single(recv, send, group=pg, async_op=a), group, False, True)
         return recv.cpu().numpy().reshape(group.world_size, -1)
 
     def finalize(self) -> None:
@@ -421,42 +421,8 @@ class TorchDistBackend(Backend):
 
 
 class TorchNcclBackend(TorchDistBackend):
-    """torch.distributed over NCCL, with each call's stream choice applied (:func:`issue_on_stream`)."""
-
-    def alltoallv(
-        self,
-        out: Any,
-        x: Any,
-        out_splits: list[int],
-        in_splits: list[int],
-        group: Group,
-        async_op: bool,
-        calc_stream: bool = False,
-    ) -> Work | None:
-        pg = self._pg(group)
-        return issue_on_stream(
-            lambda a: dist.all_to_all_single(out, x, out_splits, in_splits, group=pg, async_op=a), async_op, calc_stream
-        )
-
-    def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        pg = self._pg(group)
-        return issue_on_stream(lambda a: compat.all_gather_single(out, x, group=pg, async_op=a), async_op, calc_stream)
-
-    def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        pg, reduction = self._pg(group), _REDUCE_OPS[op]
-        return issue_on_stream(lambda a: dist.all_reduce(x, op=reduction, group=pg, async_op=a), async_op, calc_stream)
-
-    def reduce_scatter_even(
-        self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
-    ) -> Work | None:
-        pg, reduction = self._pg(group), _REDUCE_OPS[op]
-        return issue_on_stream(
-            lambda a: compat.reduce_scatter_single(out, x, op=reduction, group=pg, async_op=a), async_op, calc_stream
-        )
-
-    def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        pg = self._pg(group)
-        return issue_on_stream(lambda a: dist.broadcast(x, group=pg, async_op=a, group_src=src), async_op, calc_stream)
+    """torch.distributed over NCCL: every primitive of :class:`TorchDistBackend`, each call put on
+    the stream it asks for (:func:`issue_on_stream`)."""
 
     def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
         return issue_on_stream(launch, async_op, calc_stream)
