@@ -67,7 +67,8 @@ class GlooFactory:
 def listen_interface(master_addr: str) -> tuple[str | None, str]:
     """The interface that holds :func:`route_source` of ``master_addr``, for
     :func:`listening_on`, and where gloo will listen, for messages; with ``GLOO_SOCKET_IFNAME``
-    set, None (the interfaces it names stay) and those. TransportError when no route reaches
+    set, None (the interfaces it names stay) and those; where no interface holds that address
+    (psutil lists none), None: gloo's own choice. TransportError when no route reaches
     ``master_addr``."""
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return None, f"interface {os.environ['GLOO_SOCKET_IFNAME']} (GLOO_SOCKET_IFNAME)"
@@ -80,7 +81,7 @@ def listen_interface(master_addr: str) -> tuple[str | None, str]:
     for interface, addresses in psutil.net_if_addrs().items():
         if any(entry.address == address for entry in addresses):
             return interface, f"{address} (interface {interface})"
-    raise TransportError(f"gloo: no interface of this machine holds {address}, its address towards {master_addr}")
+    return None, f"gloo's own choice (no interface holds {address}, this machine's address towards {master_addr})"
 
 
 @contextmanager
