@@ -3,8 +3,9 @@ each, started as they would be on two machines: ``unicoll run --nnodes 2 --node-
 host (gloo), or one ``mpiexec`` whose hydra starts the ranks over the hosts (mpi). Skipped, with
 the reason, where namespaces cannot be made (not root, no iproute2).
 
-The hosts' names resolve to a loopback address, as in many containers: gloo must listen where a
-host reaches ``MASTER_ADDR`` from, not where its name points. Each job runs a subset of the
+The hosts share this machine's host name, which resolves to a loopback address on many machines
+(in containers, clouds, this one): gloo must listen where a host reaches ``MASTER_ADDR`` from,
+not where its name points. Each job runs a subset of the
 conformance matrix (helpers/multihost_rank.py); the gloo job also runs over a slowed link, then
 loses that link in the middle of its transfers.
 """
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -54,37 +56,44 @@ def _env(**extra: str) -> dict[str, str]:
     }
 
 
-def _nodes(network: netns.Network, argv: list[str], env_per_host: list[dict[str, str]]) -> list[subprocess.Popen]:
+class Job(NamedTuple):
+    """A process started on a host, its output going to ``log`` (no pipe to fill up)."""
+
+    proc: subprocess.Popen
+    log: Path
+
+
+def _start(network: netns.Network, host: int, argv: list[str], env: dict[str, str], log: Path) -> Job:
+    """Run ``argv`` on ``host`` with ``env``, its output to ``log``."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(network.command(host, argv), env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Job(proc, log)
+
+
+def _nodes(network: netns.Network, argv: list[str], envs: list[dict[str, str]], logs: Path) -> list[Job]:
     """``unicoll run -n 2 ARGV`` on each host, as node K of 2, meeting on the first host."""
+    node = [sys.executable, "-m", "unicoll", "run", "-n", "2", "--nnodes", "2"]
+    rendezvous = ["--master-addr", network.addresses[0], "--master-port", str(PORT)]
     return [
-        subprocess.Popen(
-            network.command(
-                host,
-                [sys.executable, "-m", "unicoll", "run", "-n", "2", "--nnodes", "2", "--node-rank", str(host)]
-                + ["--master-addr", network.addresses[0], "--master-port", str(PORT), *argv],
-            ),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for host, env in enumerate(env_per_host)
+        _start(network, host, [*node, "--node-rank", str(host), *rendezvous, *argv], env, logs / f"node{host}.log")
+        for host, env in enumerate(envs)
     ]
 
 
-def _finish(procs: list[subprocess.Popen], within: float) -> list[str]:
-    """Each process's output once all have exited, which must be within ``within`` seconds."""
+def _finish(jobs: list[Job], within: float) -> None:
+    """Return once every job has exited 0, which must be within ``within`` seconds; else fail
+    with its output. The jobs are killed either way."""
     deadline = time.monotonic() + within
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"{proc.args} still ran after {within} s: {proc.communicate()[0]}")
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output
-    return outputs
+    try:
+        for job in jobs:
+            try:
+                job.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{job.proc.args} still ran after {within} s: {job.log.read_text()[-3000:]}")
+            assert job.proc.returncode == 0, job.log.read_text()[-3000:]
+    finally:
+        for job in jobs:
+            job.proc.kill()
 
 
 def _reports(out: Path, world_size: int) -> list[dict]:
@@ -107,19 +116,17 @@ def test_gloo_across_hosts_then_a_partition(network, tmp_path) -> None:
     every rank gets CollectiveTimeoutError or PeerLostError within the timeout, and exits."""
     network.limit(1, f"{RATE_MBIT}mbit")
     envs = [_env(), _env(GLOO_SOCKET_IFNAME=netns.DEVICE)]
-    procs = _nodes(network, [str(RANK), str(tmp_path), "bulk", "partition"], envs)
-    try:
-        deadline = time.monotonic() + 90
-        while len(list(tmp_path.glob("ready-*"))) < 4:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the ranks did not get ready"
-            time.sleep(0.05)
-        time.sleep(0.3)  # into the next all-to-all
-        network.cut(1)
-        cut_at = time.time()
-        _finish(procs, TIMEOUT + 10)
-    finally:
-        for proc in procs:
-            proc.kill()
+    jobs = _nodes(network, [str(RANK), str(tmp_path), "bulk", "partition"], envs, tmp_path)
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob("ready-*"))) < 4:
+        if time.monotonic() > deadline or any(job.proc.poll() is not None for job in jobs):
+            _finish(jobs, 0)
+            pytest.fail("the ranks did not get ready")
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the next all-to-all
+    network.cut(1)
+    cut_at = time.time()
+    _finish(jobs, TIMEOUT + 10)
     reports = _reports(tmp_path, 4)
     assert reports[1]["cases"] == len(subset(CAPABILITIES, 4)), "rank 1, in the world and the sub-group, ran them all"
     for report in reports:
@@ -160,7 +167,7 @@ def test_init_ends_within_its_timeout_when_a_peer_cannot_be_reached(network, tmp
     script = tmp_path / "init_only.py"
     script.write_text(INIT_ONLY)
     env = _env(GLOO_SOCKET_IFNAME="lo")
-    _finish(_nodes(network, [str(script), str(tmp_path)], [env, env]), TIMEOUT + 15)
+    _finish(_nodes(network, [str(script), str(tmp_path)], [env, env], tmp_path), TIMEOUT + 15)
     for report in _reports(tmp_path, 4):
         assert report["error"] in ("CollectiveTimeoutError", "CommunicationError"), report
         assert report["seconds"] < TIMEOUT + 1.5, report
@@ -188,23 +195,10 @@ def test_torchrun_across_hosts(network, tmp_path) -> None:
     listens on the host's address there too."""
     script = tmp_path / "gather.py"
     script.write_text(GATHER)
-    procs = [
-        subprocess.Popen(
-            network.command(host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"])
-            + ["--node-rank", str(host), "--master-addr", network.addresses[0], "--master-port", str(PORT)]
-            + ["--nproc-per-node", "2", str(script), str(tmp_path)],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for host in range(2)
-    ]
-    try:
-        _finish(procs, 60)
-    finally:
-        for proc in procs:
-            proc.kill()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+    torchrun += ["--master-addr", network.addresses[0], "--master-port", str(PORT)]
+    argv = [[*torchrun, "--node-rank", str(host), str(script), str(tmp_path)] for host in range(2)]
+    _finish([_start(network, host, argv[host], _env(), tmp_path / f"node{host}.log") for host in range(2)], 60)
     for report in _reports(tmp_path, 4):
         assert report["gathered"] == [0, 1, 2, 3]
         assert set(report["listening"]) == {network.addresses[report["rank"] // 2]}, report
@@ -226,17 +220,9 @@ def test_mpi_across_hosts(network, tmp_path) -> None:
     job += ["-localhost", network.addresses[0], "-n", "4"]
     for name, value in {"UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.DEVICE, "UNICOLL_BACKEND": "mpi"}.items():
         job += ["-genv", name, value]
-    proc = subprocess.Popen(
-        network.command(0, [*job, sys.executable, str(RANK), str(tmp_path)]),
-        env=_env(UNICOLL_TIMEOUT="60"),  # nothing here times out on purpose; MPI's waits spin, 4 ranks on 2 cores
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        _finish([proc], 120)
-    finally:
-        proc.kill()
+    # nothing here times out on purpose; MPI's waits spin, and 4 ranks share 2 cores
+    env = _env(UNICOLL_TIMEOUT="60")
+    _finish([_start(network, 0, [*job, sys.executable, str(RANK), str(tmp_path)], env, tmp_path / "mpiexec.log")], 120)
     reports = _reports(tmp_path, 4)
     assert reports[1]["cases"] == len(subset(MpiFactory.capabilities, 4))
     for report in reports:
