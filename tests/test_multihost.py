@@ -198,17 +198,18 @@ with open(f"{sys.argv[1]}/rank-{rank}.json", "w") as f:
 
 
 def test_torchrun_across_hosts(network, tmp_path) -> None:
-    """torchrun's own multi-node flags on each host: init takes torchrun's store, and gloo
-    listens on the host's address there too."""
+    """torchrun's own multi-node flags on each host (a rank on each): init takes torchrun's
+    store, and gloo listens on the host's address there too (on a04b29f, init failed:
+    ``Gloo connectFullMesh failed ... remote=[127.0.0.1]``)."""
     script = tmp_path / "gather.py"
     script.write_text(GATHER)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     torchrun += ["--master-addr", network.addresses[0], "--master-port", str(PORT)]
     argv = [[*torchrun, "--node-rank", str(host), str(script), str(tmp_path)] for host in range(2)]
     _finish([_start(network, host, argv[host], _env(), tmp_path / f"node{host}.log") for host in range(2)], 60)
-    for report in _reports(tmp_path, 4):
-        assert report["gathered"] == [0, 1, 2, 3]
-        assert set(report["listening"]) == {network.addresses[report["rank"] // 2]}, report
+    for report in _reports(tmp_path, 2):
+        assert report["gathered"] == [0, 1]
+        assert set(report["listening"]) == {network.addresses[report["rank"]]}, report
     _no_process_left(network)
 
 
