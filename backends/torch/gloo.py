@@ -27,7 +27,6 @@ from typing import Any
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, reductions
-from unicoll.backends.rendezvous import arrive, remaining, route_source
 from unicoll.backends.torch.errors import torch_boundary, torch_failure
 from unicoll.errors import TransportError, TransportTimeoutError
 from unicoll.spec import OPS
@@ -74,6 +73,8 @@ def listen_interface(master_addr: str) -> tuple[str | None, str]:
         return None, f"interface {os.environ['GLOO_SOCKET_IFNAME']} (GLOO_SOCKET_IFNAME)"
     import psutil
 
+    from unicoll.backends.rendezvous import route_source  # socket: loaded when a job starts, not with unicoll
+
     try:
         address = route_source(master_addr)
     except OSError as exc:
@@ -109,6 +110,8 @@ def connect_world(store: Any, master_addr: str, rank: int, world_size: int, dead
     import torch.distributed as dist
 
     interface, where = listen_interface(master_addr)
+    from unicoll.backends.rendezvous import arrive, remaining
+
     listening = arrive(store, rank, world_size, where, deadline)
     creation = timedelta(seconds=remaining(deadline) / _FIRST_CONNECT_FACTOR)
     try:
