@@ -109,9 +109,9 @@ def connect_world(store: Any, master_addr: str, rank: int, world_size: int, dead
     (the peer's address it could not reach) and where every rank listens."""
     import torch.distributed as dist
 
-    interface, where = listen_interface(master_addr)
     from unicoll.backends.rendezvous import arrive, remaining
 
+    interface, where = listen_interface(master_addr)
     listening = arrive(store, rank, world_size, where, deadline)
     creation = timedelta(seconds=remaining(deadline) / _FIRST_CONNECT_FACTOR)
     try:
