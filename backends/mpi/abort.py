@@ -16,6 +16,7 @@ run --mpi``).
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 
 from unicoll.forking import mpi_running
@@ -23,10 +24,15 @@ from unicoll.forking import mpi_running
 _recorded: list[int] = []
 """The failing exit status given to :func:`record_failure`, if any."""
 
+_owner: list[int] = []
+"""The pid of the process that called :func:`abort_on_failure`: a child forked from it holds a
+copy of its MPI state and its exit handlers, and must not abort the parent's job."""
+
 
 def abort_on_failure() -> None:
     """Have this process abort its MPI job when it exits failing (see the module); once per
     process, however often it is called."""
+    _owner[:] = [os.getpid()]
     atexit.unregister(_abort_if_failed)
     atexit.register(_abort_if_failed)
 
@@ -49,9 +55,10 @@ def failure_status() -> int:
 
 
 def _abort_if_failed() -> None:
-    """At exit: ``MPI_Abort`` with :func:`failure_status` when it is not 0 and MPI runs here."""
+    """At exit: ``MPI_Abort`` with :func:`failure_status` when it is not 0 and MPI runs here, in
+    the process that asked for it."""
     status = failure_status()
-    if not status or not mpi_running():
+    if not status or _owner != [os.getpid()] or not mpi_running():
         return
     for stream in (sys.stdout, sys.stderr):
         try:

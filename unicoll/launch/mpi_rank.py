@@ -40,8 +40,9 @@ def note_path(notes: str | Path, rank: int) -> Path:
 
 
 class _Note:
-    """This rank's note: written whole (atomically) on every change; nowhere when the launcher's
-    variables give no rank or the folder is not on this host."""
+    """This rank's note: written whole (atomically) on every change, by this process only (a
+    child forked from it runs this runner's code too); nowhere when the launcher's variables give
+    no rank or the folder is not on this host."""
 
     def __init__(self, notes: str) -> None:
         rank = next((os.environ[name] for name in RANK_VARIABLES if os.environ.get(name, "").isdigit()), None)
@@ -51,7 +52,7 @@ class _Note:
 
     def update(self, **fields: Any) -> None:
         self._fields.update(fields)
-        if self._path is not None:
+        if self._path is not None and os.getpid() == self._fields["pid"]:
             try:
                 write_atomically(self._path, json.dumps(self._fields))
             except OSError:  # the launcher's folder is on another host, or gone
