@@ -21,6 +21,7 @@ import pytest
 
 from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.launch.mpi import failure, find_mpiexec
+from unicoll.launch.process import GRACE_S
 
 REASON = MpiFactory().probe()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"backend mpi is not usable here: {REASON}")
@@ -46,7 +47,7 @@ class Job(NamedTuple):
 
 def run_job(*cases: str, launcher: bool = True) -> Job:
     """Run mpi_jobs.py CASES on 2 ranks under ``unicoll run --mpi`` (or a bare mpiexec), in a
-    session of its own that is killed past :data:`JOB_LIMIT` (then the test fails)."""
+    session of its own that is stopped past :data:`JOB_LIMIT` (then the test fails)."""
     if launcher:
         command = [sys.executable, "-m", "unicoll", "run", "--mpi", "-n", "2", str(SCRIPT), *cases]
     else:
@@ -58,8 +59,13 @@ def run_job(*cases: str, launcher: bool = True) -> Job:
     try:
         output = proc.communicate(timeout=JOB_LIMIT)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the job {cases} ran past {JOB_LIMIT} s:\n{proc.communicate()[0]}")
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops the MPI job it started, in its own session
+        try:
+            output = proc.communicate(timeout=GRACE_S)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0]
+        pytest.fail(f"the job {cases} ran past {JOB_LIMIT} s:\n{output}")
     ended = time.time()
     decoder = json.JSONDecoder()
     reports: dict[int, list[dict]] = {0: [], 1: []}
