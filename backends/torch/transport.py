@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.rendezvous import init_hint, open_store, remaining
-from unicoll.backends.torch import compat
+from unicoll.backends.torch import compat, workers
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.backends.torch.gloo import connect_world, listen_interface, listening_on
 from unicoll.backends.torch.liveness import PeerWatch, start_watch
@@ -402,10 +402,12 @@ class TorchDistBackend(Backend):
         self._given_up = []
         if self._owns_default_group:
             dist.destroy_process_group()  # every group with it
-            return
-        for handle in groups:  # an adopted default group stays; ours go
-            if handle is not dist.GroupMember.NON_GROUP_MEMBER:
-                dist.destroy_process_group(handle)
+        else:
+            for handle in groups:  # an adopted default group stays; ours go
+                if handle is not dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(handle)
+        if self._pg_backend == "gloo":
+            workers.settle()  # groups that torch keeps alive: no worker left freeing tensors at exit
 
     def abandon(self) -> None:
         """As :meth:`Backend.abandon`, and torch's default group is kept too, whoever made it:
