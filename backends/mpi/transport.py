@@ -9,9 +9,10 @@ to MPI, which moves bfloat16 and float16 as 2-byte words and bool as bytes.
 
 Reductions (all_reduce, reduce_scatter) cannot move bytes: they hand MPI the typed numpy view
 (float16 as MPICH's 16-bit float, bool as ``C_BOOL`` with logical or and and). MPICH has no
-bfloat16 arithmetic, so bfloat16 travels as 16-bit words reduced by user-defined MPI operations
-(:func:`_bfloat16_reduction`, :mod:`unicoll.backends.mpi.bfloat16`) that compute in float32 and
-round to bfloat16 after each step, as torch does. reduce_scatter is MPI's ``Ireduce_scatter``
+bfloat16 arithmetic, so bfloat16 sums and products travel as 16-bit words reduced by
+user-defined MPI operations (:func:`_bfloat16_reduction`, :mod:`unicoll.backends.mpi.bfloat16`)
+that compute in float32 and round to bfloat16 after each step, as torch does (float max and
+min arrive as integer keys: :mod:`unicoll.backends.float_keys`). reduce_scatter is MPI's ``Ireduce_scatter``
 with per-rank counts, uneven blocks included.
 
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
@@ -144,7 +145,8 @@ _REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _BOOL_OPS = {"max": MPI.LOR, "min": MPI.LAND}
 """On bool, MPI defines only the logical reductions."""
 
-_UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+_UFUNCS = {"sum": np.add, "prod": np.multiply}
+"""The bfloat16 reductions run here (float max and min reach MPI as integer keys: :meth:`Backend.all_reduce`)."""
 
 
 def _bfloat16_reduction(op: str) -> MPI.Op:
