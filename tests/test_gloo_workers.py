@@ -22,9 +22,10 @@ from unicoll.backends.torch import workers
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the workers' states are read from /proc")
 
 
-def _named_worker(spin: float, done: threading.Event) -> None:
+def _named_worker(spin: float, done: threading.Event, ids: list[str]) -> None:
     """A thread that names itself as gloo names its workers, runs for ``spin`` seconds, then sleeps."""
     ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)  # PR_SET_NAME
+    ids.append(str(threading.get_native_id()))
     end = time.monotonic() + spin
     while time.monotonic() < end:
         pass
@@ -32,17 +33,18 @@ def _named_worker(spin: float, done: threading.Event) -> None:
 
 
 def test_settle_waits_for_a_running_worker_to_sleep() -> None:
-    done = threading.Event()
-    worker = threading.Thread(target=_named_worker, args=(0.3, done))
+    """(Workers of groups that earlier tests left to torch are asleep beside it.)"""
+    done, ids = threading.Event(), []
+    worker = threading.Thread(target=_named_worker, args=(0.3, done, ids))
     start = time.monotonic()
     worker.start()
     time.sleep(0.05)  # the worker has named itself and runs
     try:
-        assert list(workers._workers().values()) in (["R"], ["S"])  # R, or S while this thread held the GIL
+        assert workers._workers()[ids[0]] in ("R", "S")  # R, or S while this thread held the GIL
         workers.settle(bound=5)
         waited = time.monotonic() - start
         assert 0.3 <= waited < 5, waited
-        assert list(workers._workers().values()) == ["S"]
+        assert workers._workers()[ids[0]] == "S"
     finally:
         done.set()
         worker.join()
