@@ -168,7 +168,8 @@ def test_peer_killed_under_mpiexec_stops_the_job() -> None:
 @pytest.mark.parametrize(
     ("fault", "op", "bound"), [("peer-absent", "all_gather", TIMEOUT), ("peer-absent-async", "alltoall_single", 2)]
 )
-def test_peer_that_never_calls_times_out(fault, op, bound) -> None:
+def test_peer_that_never_calls_times_out(fault, op, bound, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("INJECT_DONE", str(tmp_path / "done"))  # the absent peer leaves once rank 0 has its error
     world = run_world(fault)
     (record,) = world.reports[0]
     assert record["error"] == "CollectiveTimeoutError", world.output

@@ -111,6 +111,13 @@ def init_absent() -> None:
     timed(uc.init)
 
 
+def stay_away(done: str | None, seconds: float) -> None:
+    """Sleep ``seconds``, or until the file ``done`` exists (checked every 50 ms) when given."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not (done and os.path.exists(done)):
+        time.sleep(0.05)
+
+
 def main(fault: str) -> None:
     if fault == "init":
         timed(uc.init)
@@ -139,15 +146,18 @@ def main(fault: str) -> None:
     elif fault == "peer-killed":
         peer_killed(rank)
     elif fault.startswith("peer-absent"):
+        done = os.environ.get("INJECT_DONE")  # a file rank 0 makes once it has its error (the tests set it)
         if rank == 1:
             report(action="sleeps")
-            time.sleep(float(os.environ["UNICOLL_TIMEOUT"]) + 3)
+            stay_away(done, float(os.environ["UNICOLL_TIMEOUT"]) + 3)
             return
         if fault == "peer-absent-async":
             task = uc.alltoall_single(None, x, sync_op=False)
             timed(lambda: task.wait(timeout=2))
         else:
             timed(lambda: uc.all_gather(None, x))
+        if done:
+            open(done, "w").close()
     elif fault == "poll":
         poll(rank, x)
     else:
