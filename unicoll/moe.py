@@ -63,7 +63,8 @@ def dispatch(
     >>> rows.tolist(), rows_per_expert                                                      # doctest: +SKIP
     ([0, 2, 0, 1, 2], [2, 3])
     """
-    arguments = locals()
+    arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
+                     group=group, sync_op=sync_op, capacity=capacity)  # fmt: skip
     return _dispatch(prepare(MOE_DISPATCH, arguments), arguments)
 
 

@@ -195,7 +195,9 @@ def global_scatter(
     >>> uc.global_scatter(x, [1, 0, 2, 1], [1, 0, 0, 2])   # doctest: +SKIP
     array([ 0, 10, 11])
     """
-    return _moe(GLOBAL_SCATTER, locals(), inverse=GLOBAL_GATHER)
+    arguments = dict(x=x, local_count=local_count, global_count=global_count, group=group, sync_op=sync_op,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    return _moe(GLOBAL_SCATTER, arguments, inverse=GLOBAL_GATHER)
 
 
 @collective
@@ -212,7 +214,9 @@ def global_gather(
     ``x`` is laid out as global_scatter's output; the result holds ``sum(local_count)``
     rows in the original order, so ``global_gather(global_scatter(x, lc, gc), lc, gc) == x``.
     """
-    return _moe(GLOBAL_GATHER, locals(), inverse=GLOBAL_SCATTER)
+    arguments = dict(x=x, local_count=local_count, global_count=global_count, group=group, sync_op=sync_op,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    return _moe(GLOBAL_GATHER, arguments, inverse=GLOBAL_SCATTER)
 
 
 @collective
@@ -234,7 +238,10 @@ def alltoall_single(
 
     >>> y = uc.alltoall_single(None, x, in_split_sizes=[1, 3])   # doctest: +SKIP
     """
-    return _alltoall_single(locals())[0]
+    arguments = dict(out_tensor=out_tensor, in_tensor=in_tensor, out_split_sizes=out_split_sizes,
+                     in_split_sizes=in_split_sizes, group=group, sync_op=sync_op,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    return _alltoall_single(arguments)[0]
 
 
 @exclusive_as(ALLTOALL_SINGLE.name)
@@ -323,7 +330,9 @@ def all_gather(
     >>> parts = []
     >>> uc.all_gather(parts, x)        # doctest: +SKIP
     """
-    return _all_gather(locals())[0]
+    arguments = dict(tensor_or_tensor_list=tensor_or_tensor_list, tensor=tensor, group=group, sync_op=sync_op,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    return _all_gather(arguments)[0]
 
 
 @exclusive_as(ALL_GATHER.name)
@@ -408,7 +417,8 @@ def all_reduce(
 
     >>> g = uc.all_reduce(param.grad, op="avg")   # data-parallel gradients  # doctest: +SKIP
     """
-    return _all_reduce(locals(), None)
+    arguments = dict(tensor=tensor, op=op, group=group, sync_op=sync_op, use_calc_stream=use_calc_stream)
+    return _all_reduce(arguments, None)
 
 
 @exclusive_as(ALL_REDUCE.name)
@@ -482,7 +492,9 @@ def reduce_scatter(
     >>> uc.reduce_scatter(None, tensor, split_sizes=[1, 2])   # doctest: +SKIP
     array([11])   # rank 1: array([22, 33])
     """
-    return _reduce_scatter(locals(), None)
+    arguments = dict(out=out, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=sync_op,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    return _reduce_scatter(arguments, None)
 
 
 @exclusive_as(REDUCE_SCATTER.name)
@@ -543,7 +555,8 @@ def broadcast(
     ...     with torch.no_grad():
     ...         uc.broadcast(p, src=0)               # doctest: +SKIP
     """
-    return _broadcast(locals(), None)
+    arguments = dict(tensor=tensor, src=src, group=group, sync_op=sync_op, use_calc_stream=use_calc_stream)
+    return _broadcast(arguments, None)
 
 
 @exclusive_as(BROADCAST.name)
@@ -581,7 +594,7 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
 
     >>> global_count = uc.exchange_counts(local_count)   # doctest: +SKIP
     """
-    call = prepare(EXCHANGE_COUNTS, locals())
+    call = prepare(EXCHANGE_COUNTS, dict(local_count=local_count, group=group))
     backend, grp = call.backend, call.group
     with translated(EXCHANGE_COUNTS.name, grp, call.timeout):
         if call.check:
