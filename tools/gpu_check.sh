@@ -32,7 +32,7 @@
 #   conformance-cupy-nccl      90  the same on cupy-nccl
 #   gpu-tests                  60  pytest -m gpu in the other files (autograd, streams, device counts),
 #                                  the example tests left to the example steps
-#   compile-cuda               50  pytest -m gpu tests/test_compile.py (the compiled MoE layer on CUDA)
+#   compile-cuda               50  pytest -m gpu tests/compile/test_compile.py (the compiled MoE layer on CUDA)
 #   example-moe-<backend>      25  examples/moe_dispatch.py --backend <backend> on one rank (both backends)
 #   example-train-<backend>    25  examples/train_moe.py --backend <backend> on one rank (both backends)
 #   reorder-torch, -cupy       20  benchmarks/gpu_reorder.py --library torch|cupy
@@ -168,11 +168,11 @@ fi
 selected versions && step versions 20 "" "$PY tools/gpu_check.py versions $WORK/versions.json"
 
 for backend in torch-nccl cupy-nccl; do
-    pytest_step "conformance-$backend" 90 -m gpu tests/test_conformance_gpu.py -k "$backend"
+    pytest_step "conformance-$backend" 90 -m gpu tests/system/test_conformance_gpu.py -k "$backend"
 done
-pytest_step gpu-tests 60 -m gpu tests --ignore=tests/test_conformance_gpu.py --ignore=tests/test_compile.py \
+pytest_step gpu-tests 60 -m gpu tests --ignore=tests/system/test_conformance_gpu.py --ignore=tests/compile/test_compile.py \
     --continue-on-collection-errors -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
-pytest_step compile-cuda 50 -m gpu tests/test_compile.py
+pytest_step compile-cuda 50 -m gpu tests/compile/test_compile.py
 
 for backend in torch-nccl cupy-nccl; do
     for example in moe:moe_dispatch train:train_moe; do

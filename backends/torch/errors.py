@@ -1,7 +1,7 @@
 """torch.distributed's exceptions as unicoll's transport errors, for the code that calls torch:
 the ``gloo`` and ``torch-nccl`` backends and the rendezvous store (``cupy-nccl``'s too).
 
-What torch 2.13 raises, measured with real processes (``tests/test_torch_errors.py``):
+What torch 2.13 raises, measured with real processes (``tests/backends/test_torch_errors.py``):
 
 - its TCPStore: ``DistStoreError`` when a wait runs out (a key nobody sets, ranks that never
   join), ``DistNetworkError`` for its sockets, both when connecting times out (``The client

@@ -1,4 +1,4 @@
-"""One rank of a job across machines (tests/test_multihost.py), started by ``unicoll run`` on each
+"""One rank of a job across machines (tests/system/test_multihost.py), started by ``unicoll run`` on each
 host (gloo) or by ``mpiexec`` over the hosts (mpi):
 
     PYTHONPATH=tests python tests/helpers/multihost_rank.py OUT [bulk] [partition]

@@ -15,7 +15,7 @@ import pytest
 
 from helpers.conformance import Worlds, assert_all_passed, by_operator, cases, run_cases
 
-SOURCE = Path(__file__).resolve().parents[1] / "examples" / "backend_plugin"
+SOURCE = Path(__file__).resolve().parents[2] / "examples" / "backend_plugin"
 WORLD_SIZES = (1, 2, 3)
 
 

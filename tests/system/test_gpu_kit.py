@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 KIT = ROOT / "tools" / "gpu_check.sh"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_moe.py"
 
 
 @pytest.mark.parametrize("launch", [[], ["--mpi"]], ids=["gloo", "mpi"])

@@ -139,7 +139,7 @@ def test_moe_example_on_the_gpu(backend) -> None:
     import sys
     from pathlib import Path
 
-    example = Path(__file__).parent.parent / "examples" / "moe_dispatch.py"
+    example = Path(__file__).parents[2] / "examples" / "moe_dispatch.py"
     command = [sys.executable, "-m", "unicoll", "run", "-n", "1", str(example), "--backend", backend, "--iters", "3"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -153,7 +153,7 @@ def test_training_example_on_the_gpu(backend) -> None:
     import sys
     from pathlib import Path
 
-    example = Path(__file__).parent.parent / "examples" / "train_moe.py"
+    example = Path(__file__).parents[2] / "examples" / "train_moe.py"
     command = [sys.executable, "-m", "unicoll", "run", "-n", "1", str(example), "--backend", backend, "--steps", "5"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

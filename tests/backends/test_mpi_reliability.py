@@ -26,7 +26,7 @@ from unicoll.launch.process import GRACE_S
 REASON = MpiFactory().probe()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"backend mpi is not usable here: {REASON}")
 
-SCRIPT = Path(__file__).parent / "faults" / "mpi_jobs.py"
+SCRIPT = Path(__file__).parents[1] / "faults" / "mpi_jobs.py"
 TIMEOUT = 60
 """UNICOLL_TIMEOUT of the jobs: a job that waited for it would outlast :data:`JOB_LIMIT`."""
 JOB_LIMIT = 30

@@ -121,7 +121,7 @@ def test_call_copy_keeps_every_field() -> None:
 
 
 def test_api_page_is_generated_from_the_specs() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     loader = importlib.util.spec_from_file_location("docgen", root / "tools" / "docgen.py")
     docgen = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(docgen)

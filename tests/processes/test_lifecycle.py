@@ -2,7 +2,7 @@
 after finalize() while groups, tasks and autograd graphs of the old session are still held.
 
 The fork tests run this file as the script of a 2-rank world (``unicoll run -n 2
-tests/test_lifecycle.py BACKEND``, ``--mpi`` for mpi): rank 0 forks three children that each
+tests/processes/test_lifecycle.py BACKEND``, ``--mpi`` for mpi): rank 0 forks three children that each
 try unicoll, report what they got as one JSON line and exit in their own way; the parent
 reports how each child exited and what its collectives returned afterwards.
 """

@@ -21,7 +21,7 @@ import unicoll as uc
 from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.launch.local import free_port, world_env
 
-SCRIPT = Path(__file__).parent / "faults" / "inject.py"
+SCRIPT = Path(__file__).parents[1] / "faults" / "inject.py"
 TIMEOUT = 4  # UNICOLL_TIMEOUT for these worlds, seconds
 MPI_REASON = MpiFactory().probe()
 BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]

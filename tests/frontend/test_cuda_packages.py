@@ -111,7 +111,7 @@ def test_install_hint_names_the_extra_of_the_cuda_major(cuda, hint) -> None:
 
 def test_each_major_has_an_extra_with_the_packages_it_names() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
     for major in packages.CUDA_MAJORS:

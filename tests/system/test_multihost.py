@@ -30,7 +30,7 @@ from unicoll.backends.torch.gloo import CAPABILITIES
 REASON = netns.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs network namespaces: {REASON}")
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 RANK = TESTS / "helpers" / "multihost_rank.py"
 PORT = 29500  # free: nothing else runs in the namespaces
 TIMEOUT = 3.0
