@@ -22,20 +22,22 @@ from typing import Any
 
 from array_api_compat import array_namespace
 
+from unicoll.arrays import dtype_name
+
 _BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 """The width of each floating dtype."""
 
 
 def applies(op: str, x: Any) -> bool:
     """Whether the transport reduction ``op`` on ``x`` goes through keys: max and min of floats."""
-    return op in ("max", "min") and _dtype_name(x) in _BITS
+    return op in ("max", "min") and dtype_name(x) in _BITS
 
 
 def to_keys(x: Any, op: str) -> Any:
     """A new integer array of ``x``'s shape whose ``op`` (``"max"`` or ``"min"``) across ranks,
     turned back by :func:`from_keys`, is the floats' ``op`` with NaN propagated."""
     xp = array_namespace(x)
-    bits = _BITS[_dtype_name(x)]
+    bits = _BITS[dtype_name(x)]
     words = x.view(getattr(xp, f"int{bits}"))
     if bits == 16:
         words = xp.astype(words, xp.int32)
@@ -47,7 +49,7 @@ def from_keys(keys: Any, out: Any, op: str) -> Any:
     """Write the floats of reduced ``keys`` (made by :func:`to_keys` with the same ``op``) into
     ``out``, a float array of their shape; returns ``out``."""
     xp = array_namespace(out)
-    bits = _BITS[_dtype_name(out)]
+    bits = _BITS[dtype_name(out)]
     nan = keys == _nan_key(xp, keys.dtype, op)
     words = xp.where(keys < 0, keys ^ ((1 << (bits - 1)) - 1), keys)
     if bits == 16:
@@ -61,7 +63,3 @@ def _nan_key(xp: Any, dtype: Any, op: str) -> int:
     a NaN themselves, so no number has it)."""
     limits = xp.iinfo(dtype)
     return limits.max if op == "max" else limits.min
-
-
-def _dtype_name(x: Any) -> str:
-    return str(x.dtype).rpartition(".")[2]

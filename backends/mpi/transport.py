@@ -12,8 +12,8 @@ Reductions (all_reduce, reduce_scatter) cannot move bytes: they hand MPI the typ
 bfloat16 arithmetic, so bfloat16 sums and products travel as 16-bit words reduced by
 user-defined MPI operations (:func:`_bfloat16_reduction`, :mod:`unicoll.backends.mpi.bfloat16`)
 that compute in float32 and round to bfloat16 after each step, as torch does (float max and
-min arrive as integer keys: :mod:`unicoll.backends.float_keys`). reduce_scatter is MPI's ``Ireduce_scatter``
-with per-rank counts, uneven blocks included.
+min arrive as integer keys: :mod:`unicoll.backends.float_keys`). reduce_scatter is MPI's
+``Ireduce_scatter`` with per-rank counts, uneven blocks included.
 
 global_scatter and global_gather are fused: one ``Ialltoallw`` whose receive (send) side
 is, per peer, an indexed datatype that puts each expert's rows straight at their place in
