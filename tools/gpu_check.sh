@@ -20,25 +20,27 @@
 #
 # The steps, the most valuable first, each under its own time limit in seconds. A step that runs
 # over is stopped (SIGINT, as Ctrl-C, so that pytest still writes its report; SIGKILL 10 s later)
-# and recorded as a timeout, and the rest still run. The limits add up to 560 s; no step starts,
-# or runs on, past GPU_CHECK_SECONDS (default 570) from the start, so the summary is written
-# within the call's 600 s:
+# and recorded as a timeout, and the rest still run. The limits add up to 720 s, more than the
+# whole run may take, since most steps end well within theirs (the first run on an H100 took
+# 320 s); no step starts, or runs on, past GPU_CHECK_SECONDS (default 570) from the start, so
+# the summary is written within the call's 600 s:
 #
 #   install-array-api-compat   15  pip install --no-index --no-deps .gpu-wheels/array_api_compat-*.whl
 #   install-unicoll            30  pip install --no-index --no-deps --find-links .gpu-wheels -e .
 #                                  (without .gpu-wheels: --no-build-isolation, with the setuptools installed)
 #   versions                   20  python, torch, CUDA, cupy, NCCL, numpy, mpi4py; the GPU (nvidia-smi)
-#   conformance-torch-nccl     90  the GPU conformance matrix, world size 1, every stream mode
-#   conformance-cupy-nccl      90  the same on cupy-nccl
-#   gpu-tests                  60  pytest -m gpu in the other files (autograd, streams, device counts),
+#   conformance-torch-nccl     60  the GPU conformance matrix, world size 1, every stream mode
+#   conformance-cupy-nccl      60  the same on cupy-nccl
+#   gpu-tests                 110  pytest -m gpu in the other files (autograd, streams, device counts),
 #                                  the example tests left to the example steps
-#   compile-cuda               50  pytest -m gpu tests/compile/test_compile.py (the compiled MoE layer on CUDA)
-#   example-moe-<backend>      25  examples/moe_dispatch.py --backend <backend> on one rank (both backends)
-#   example-train-<backend>    25  examples/train_moe.py --backend <backend> on one rank (both backends)
-#   reorder-torch, -cupy       20  benchmarks/gpu_reorder.py --library torch|cupy
-#   bench-torch-nccl           50  unicoll bench -n 1 --backend torch-nccl
-#   bench-cupy-nccl            15  the same on cupy-nccl (bench compares with torch.distributed or
-#                                  mpi4py, and a world of one on cupy-nccl starts neither: expect it to say so)
+#   compile-cuda               55  pytest -m gpu tests/compile/test_compile.py (the compiled MoE layer on CUDA)
+#   example-moe-<backend>      20  examples/moe_dispatch.py --backend <backend> on one rank (both backends)
+#   example-train-<backend>    20  examples/train_moe.py --backend <backend> on one rank (both backends)
+#   reorder-torch, -cupy       15  benchmarks/gpu_reorder.py --library torch|cupy
+#   overhead-<backend>         40  benchmarks/call_overhead.py on one rank: alltoall_single, global_scatter
+#                                  and moe.dispatch+combine beside raw torch.distributed all-to-alls
+#   bench-<backend>            90  unicoll bench -n 1 --iters 10 --warmup 2 on torch-nccl, then cupy-nccl
+#                                  (whose raw baseline is torch.distributed's NCCL, started beside it)
 #
 # A step whose backend cannot run here is skipped with the backend's reason (pytest's steps report
 # their own skips). Everything lands in $OUT (default: gpu-check-out/, ignored by git), four files,
@@ -168,28 +170,32 @@ fi
 selected versions && step versions 20 "" "$PY tools/gpu_check.py versions $WORK/versions.json"
 
 for backend in torch-nccl cupy-nccl; do
-    pytest_step "conformance-$backend" 90 -m gpu tests/system/test_conformance_gpu.py -k "$backend"
+    pytest_step "conformance-$backend" 60 -m gpu tests/system/test_conformance_gpu.py -k "$backend"
 done
-pytest_step gpu-tests 60 -m gpu tests --ignore=tests/system/test_conformance_gpu.py --ignore=tests/compile/test_compile.py \
+pytest_step gpu-tests 110 -m gpu tests --ignore=tests/system/test_conformance_gpu.py --ignore=tests/compile/test_compile.py \
     --continue-on-collection-errors -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
-pytest_step compile-cuda 50 -m gpu tests/compile/test_compile.py
+pytest_step compile-cuda 55 -m gpu tests/compile/test_compile.py
 
 for backend in torch-nccl cupy-nccl; do
     for example in moe:moe_dispatch train:train_moe; do
         name=example-${example%%:*}-$backend
-        selected "$name" && step "$name" 25 "$backend" \
+        selected "$name" && step "$name" 20 "$backend" \
             "$PY -m unicoll run -n 1 examples/${example#*:}.py --backend $backend"
     done
 done
 for library in torch cupy; do
     backend=$library-nccl
-    selected "reorder-$library" && step "reorder-$library" 20 "$backend" \
+    selected "reorder-$library" && step "reorder-$library" 15 "$backend" \
         "$PY benchmarks/gpu_reorder.py --library $library"
 done
-selected bench-torch-nccl && step bench-torch-nccl 50 torch-nccl \
-    "$PY -m unicoll bench -n 1 --backend torch-nccl --json $WORK/bench-torch-nccl.json"
-selected bench-cupy-nccl && step bench-cupy-nccl 15 cupy-nccl \
-    "$PY -m unicoll bench -n 1 --backend cupy-nccl --json $WORK/bench-cupy-nccl.json"
+for backend in torch-nccl cupy-nccl; do
+    selected "overhead-$backend" && step "overhead-$backend" 40 "$backend" \
+        "$PY -m unicoll run -n 1 benchmarks/call_overhead.py --backend $backend"
+done
+for backend in torch-nccl cupy-nccl; do
+    selected "bench-$backend" && step "bench-$backend" 90 "$backend" \
+        "$PY -m unicoll bench -n 1 --backend $backend --iters 10 --warmup 2 --json $WORK/bench-$backend.json"
+done
 
 echo
 helper summary "$WORK" "$OUT"

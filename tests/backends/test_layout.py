@@ -109,3 +109,20 @@ def test_moe_plan_keeps_only_the_last_plan_within_its_bound(monkeypatch: pytest.
     monkeypatch.setattr(layout, "LAST_PLAN_BYTES", 0)
     big = moe_plan(counts, counts[::-1].copy(), 2)
     assert moe_plan(counts, counts[::-1].copy(), 2) is not big and layout._last is None
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "float16", "float32", "complex128"])
+@pytest.mark.parametrize("shape", [(5, 3), (5, 4), (5, 2, 3), (5,), (5, 0), (0, 4)])
+def test_row_words_gather_the_same_bits(dtype: str, shape: tuple[int, ...]) -> None:
+    """A gather of row_words' view, viewed back, is the gather of the rows, bit for bit (NaNs
+    with payloads included), and the words are never narrower than the elements."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (*shape, dt.itemsize), dtype=np.uint8).view(dt).reshape(shape)
+    words = layout.row_words(x)
+    row_bytes = dt.itemsize * int(np.prod(shape[1:]))
+    if x.ndim == 2 and row_bytes:
+        assert words.itemsize == max(dt.itemsize, min(8, row_bytes & -row_bytes))
+    index = np.array([4, 0, 0, 2, 1])[: shape[0]]
+    rows = np.take(words, index, axis=0).view(dt).reshape(len(index), *shape[1:])
+    assert rows.view(np.uint8).tobytes() == x[index].view(np.uint8).tobytes()

@@ -1,6 +1,7 @@
 """The raw baselines that ``unicoll bench`` times beside unicoll: the transport's own calls.
 
-torch.distributed for the backends built on it (``gloo``, ``torch-nccl``) and bare mpi4py for
+torch.distributed for the backends built on it (``gloo``, ``torch-nccl``) and for ``cupy-nccl``
+(the bench starts torch's NCCL beside it, on the same GPUs), and bare mpi4py for
 ``mpi`` (the sums of all_reduce and reduce_scatter on the typed numpy view of the tensor). A
 baseline prepares each raw collective on fixed buffers (torch tensors of the bench), so a timed
 call is the transport call and nothing else, and gives the bench its barrier and the slowest
@@ -62,11 +63,38 @@ def for_backend(backend: str) -> Baseline:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise SystemExit(
-            f"unicoll bench: backend {backend!r} runs neither on torch.distributed nor on MPI, "
-            "the baselines this tool compares with; use gloo, torch-nccl or mpi"
-        )
+        if backend != "cupy-nccl":
+            raise SystemExit(
+                f"unicoll bench: backend {backend!r} runs neither on torch.distributed nor on MPI, "
+                "the baselines this tool compares with; use gloo, torch-nccl, cupy-nccl or mpi"
+            )
+        _start_torch_nccl_beside()
     return TorchDistBaseline()
+
+
+def _start_torch_nccl_beside() -> None:
+    """Start torch.distributed's NCCL on the ranks of unicoll's cupy-nccl world, on the same
+    GPUs, for the raw baseline. Rank 0 hosts a store on a free port and tells the others the
+    port through unicoll's own broadcast; a world of one needs no store but a local one."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import unicoll as uc
+
+    rank, world = uc.get_rank(), uc.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    timeout = timedelta(seconds=300)
+    if world == 1:
+        store: Any = dist.HashStore()
+    else:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        host = dist.TCPStore(addr, 0, world, True, timeout, wait_for_workers=False) if rank == 0 else None
+        port = torch.tensor([host.port if host is not None else 0], device=device)
+        uc.broadcast(port, 0)
+        store = host if host is not None else dist.TCPStore(addr, int(port.item()), world, False, timeout)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
 
 
 class TorchDistBaseline:
