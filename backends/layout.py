@@ -55,17 +55,21 @@ def expert_major_to_rank_major(counts: np.ndarray) -> np.ndarray:
     return _inverse(rank_major_to_expert_major(counts))
 
 
-def row_words(x: Any) -> Any:
+def row_words(x: Any, address: int = 0) -> Any:
     """The rows of the C-contiguous array ``x`` (numpy or cupy) as a 2-D view of the widest
-    unsigned word, up to 8 bytes, that divides a row's bytes: a row gather then moves a few wide
-    elements per row instead of many narrow ones (cupy's ``take`` costs per element, not per
-    byte), and moves the bits unchanged. ``x`` itself when the view would not be wider.
+    unsigned word, up to 8 bytes, that divides a row's bytes and ``address`` (where the words
+    are loaded on a device that needs them aligned: the data's address, or the gcd of several;
+    0 for none): a row gather then moves a few wide elements per row instead of many narrow
+    ones (cupy's ``take`` costs per element, not per byte), and moves the bits unchanged.
+    ``x`` itself when the view would not be wider.
 
     >>> row_words(np.zeros((3, 4), dtype=np.float32)).dtype, row_words(np.zeros((3, 4), dtype=np.float32)).shape
     (dtype('uint64'), (3, 2))
+    >>> row_words(np.zeros((3, 4), dtype=np.float32), address=4).dtype
+    dtype('float32')
     """
     row_bytes = x.itemsize * math.prod(x.shape[1:])
-    word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)
+    word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and address % w == 0)
     if x.ndim < 2 or row_bytes == 0 or word <= x.itemsize:
         return x
     return x.reshape(x.shape[0], row_bytes // x.itemsize).view(np.dtype(f"uint{8 * word}"))

@@ -39,7 +39,7 @@ import numpy as np
 from cupy.cuda import nccl
 
 from unicoll.backends.base import Backend, Capabilities, Work
-from unicoll.backends.layout import row_words
+from unicoll.backends.cupy import rows as row_gather
 from unicoll.backends.cupy.schedule import Transfer, alltoallv_schedule
 from unicoll.backends.rendezvous import init_hint, open_store, share_bytes
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting, init_error
@@ -237,9 +237,8 @@ class CupyNcclBackend(Backend):
         return cupy.empty((rows, *like.shape[1:]), dtype=like.dtype)
 
     def take_rows(self, x: cupy.ndarray, index: np.ndarray) -> cupy.ndarray:
-        """The gather on the rows as wide words (:func:`~unicoll.backends.layout.row_words`)."""
-        rows = cupy.take(row_words(x), cupy.asarray(index), axis=0)
-        return rows.view(x.dtype).reshape(len(index), *x.shape[1:])
+        """The gather of :mod:`~unicoll.backends.cupy.rows`."""
+        return row_gather.take_rows(x, index)
 
     # -- transfers -------------------------------------------------------------------------
 
