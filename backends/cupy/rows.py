@@ -10,6 +10,7 @@ move the bits unchanged, on the current stream.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cupy
@@ -21,15 +22,19 @@ _WORD = 16
 _MIN_ROW_BYTES = 128
 """Below this the kernel's blocks are mostly idle threads; ``take`` on wide words does better."""
 
-_GATHER = cupy.RawKernel(
-    r"""extern "C" __global__
-    void unicoll_gather_rows(const uint4* src, const long long* index, uint4* dst, long long words) {
-        const uint4* from = src + index[blockIdx.x] * words;
-        uint4* to = dst + (long long)blockIdx.x * words;
-        for (long long w = threadIdx.x; w < words; w += blockDim.x) to[w] = from[w];
-    }""",
-    "unicoll_gather_rows",
-)  # compiled by cupy on first use
+
+@functools.cache
+def _gather_kernel() -> cupy.RawKernel:
+    """The kernel, made on first use (cupy compiles it then, once per process)."""
+    return cupy.RawKernel(
+        r"""extern "C" __global__
+        void unicoll_gather_rows(const uint4* src, const long long* index, uint4* dst, long long words) {
+            const uint4* from = src + index[blockIdx.x] * words;
+            uint4* to = dst + (long long)blockIdx.x * words;
+            for (long long w = threadIdx.x; w < words; w += blockDim.x) to[w] = from[w];
+        }""",
+        "unicoll_gather_rows",
+    )
 
 
 def gather_rows(x: cupy.ndarray, index: cupy.ndarray, out: cupy.ndarray) -> None:
@@ -44,7 +49,7 @@ def gather_rows(x: cupy.ndarray, index: cupy.ndarray, out: cupy.ndarray) -> None
     if row_bytes % _WORD == 0 and row_bytes >= _MIN_ROW_BYTES and address % _WORD == 0:
         words = row_bytes // _WORD
         threads = min(256, -(-words // 32) * 32)
-        _GATHER((rows,), (threads,), (x, index, out, np.int64(words)))
+        _gather_kernel()((rows,), (threads,), (x, index, out, np.int64(words)))
     else:
         cupy.take(row_words(x, address), index, axis=0, out=row_words(out, address))
 

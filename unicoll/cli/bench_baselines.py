@@ -10,6 +10,7 @@ rank's figures. Imported only inside the ranks.
 
 from __future__ import annotations
 
+import atexit
 import math
 from collections.abc import Callable, Sequence
 from itertools import accumulate
@@ -95,6 +96,15 @@ def _start_torch_nccl_beside() -> None:
         uc.broadcast(port, 0)
         store = host if host is not None else dist.TCPStore(addr, int(port.item()), world, False, timeout)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
+    atexit.register(_destroy_torch_world)
+
+
+def _destroy_torch_world() -> None:
+    """At exit, the process group started by :func:`_start_torch_nccl_beside`, unless gone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class TorchDistBaseline:
