@@ -23,8 +23,7 @@ from .errors import (
     NotInitializedError,
     PeerLostError,
 )
-from .group import Group
-from .ops import (
+from .face import (
     all_gather,
     all_reduce,
     alltoall_single,
@@ -34,6 +33,7 @@ from .ops import (
     global_scatter,
     reduce_scatter,
 )
+from .group import Group
 from .registry import register_backend
 from .runtime import (
     barrier,

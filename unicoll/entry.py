@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 from collections.abc import Callable
 from threading import get_ident
 from typing import TypeVar
-
-from .tracing import hand_off
 
 F = TypeVar("F", bound=Callable)
 
@@ -51,30 +48,15 @@ def leave() -> None:
     _lock.release()
 
 
-def exclusive_as(op: str, *, traceable: bool = False) -> Callable[[F], F]:
+def exclusive_as(op: str) -> Callable[[F], F]:
     """A decorator: the function run between :func:`enter` and :func:`leave` for ``op`` (the
-    name its errors give: ``"moe.dispatch"``, or the operator an internal entry point serves).
-
-    ``traceable``: the function is a public operator, handed to its traced form while
-    torch.compile traces the caller (:func:`unicoll.tracing.hand_off`). Both happen in one
-    wrapper: every call passes here, and each frame costs."""
+    name its errors give: ``"moe.dispatch"``, or the operator an internal entry point serves)."""
 
     def decorate(fn: F) -> F:
-        def run(*args, **kwargs):  # the path under Dynamo, which is slow anyway
-            enter(op)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                leave()
-
-        dynamo = hand_off(fn, run) if traceable else None
-
         @functools.wraps(fn)
         def entered(*args, **kwargs):
             global _holder
-            if dynamo is not None and "torch._dynamo" in sys.modules:
-                return dynamo(*args, **kwargs)
-            if not _lock.acquire(False):  # enter() and leave() inlined; positional: the keyword costs 0.15 us
+            if not _lock.acquire(False):  # enter() and leave() inlined: this is every call's path
                 raise _busy(op)
             _holder = (op, get_ident())
             try:
@@ -90,12 +72,6 @@ def exclusive_as(op: str, *, traceable: bool = False) -> Callable[[F], F]:
 def exclusive(fn: F) -> F:
     """``fn`` (a collective of the runtime) run between :func:`enter` and :func:`leave`, for its name."""
     return exclusive_as(fn.__name__)(fn)
-
-
-def collective(fn: F) -> F:
-    """``fn`` (a public operator) run between :func:`enter` and :func:`leave` for its name, and
-    handed to its traced form while torch.compile traces the caller."""
-    return exclusive_as(fn.__name__, traceable=True)(fn)
 
 
 def _reset_in_child() -> None:

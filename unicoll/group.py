@@ -38,7 +38,7 @@ class Group:
         self._position = ranks.index(world_rank) if world_rank in ranks else None
         self.number = next(_numbers)
         """Unique among the process's groups: how a traced operator's schema names the group
-        (:mod:`unicoll.custom_ops`), found again with :func:`group_numbered`."""
+        (:mod:`unicoll.compiled.custom_ops`), found again with :func:`group_numbered`."""
         _live[self.number] = self
         join_session(session, self)
 

@@ -37,7 +37,7 @@ from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.rendezvous import init_hint, open_store, remaining
 from unicoll.backends.torch import compat, workers
 from unicoll.backends.torch.errors import torch_boundary
-from unicoll.backends.torch.gloo import connect_world, listen_interface, listening_on
+from unicoll.backends.torch.gloo_world import connect_world, listen_interface, listening_on
 from unicoll.backends.torch.liveness import PeerWatch, start_watch
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, init_error
 from unicoll.forking import keep_forever

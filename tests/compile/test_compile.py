@@ -1,4 +1,4 @@
-"""torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.torch_ops, unicoll.custom_ops).
+"""torch.compile of code that calls unicoll: the operators trace as custom ops (unicoll.compiled.traced, unicoll.compiled.custom_ops).
 
 A top-2 MoE layer compiles forward and backward with ``fullgraph=True`` on 2 and 3 gloo ranks,
 once for six inputs of different routing and sizes, and matches eager exactly in float64 (on 2
@@ -213,7 +213,7 @@ def world_of_one(clean_env) -> None:
 
 
 def test_ops_register_for_cpu_and_cuda() -> None:
-    from unicoll.custom_ops import CUSTOM_OPS  # registers the ops
+    from unicoll.compiled.custom_ops import CUSTOM_OPS  # registers the ops
 
     assert set(CUSTOM_OPS) == {*OPS, "moe_check"}
     for op in CUSTOM_OPS:
@@ -292,8 +292,7 @@ def test_unicolls_internals_are_never_traced(world_of_one) -> None:
         f"{frame.filename}:{frame.lineno}"
         for reason in explained.break_reasons
         for frame in reason.user_stack
-        if frame.filename.startswith(internals)
-        and not frame.filename.endswith(("entry.py", "tracing.py", "torch_ops.py"))
+        if frame.filename.startswith(internals) and not frame.filename.endswith(("face.py", "traced.py"))
     ]
     assert traced_inside == []
     assert torch.equal(torch.compile(counts_in_a_list, backend="eager")(x), x + 3)
@@ -399,7 +398,7 @@ def test_rows_are_known_while_tracing_where_the_counts_say_them(world_of_one) ->
 def test_the_groups_table_keeps_only_live_groups(world_of_one) -> None:
     import gc
 
-    from unicoll.custom_ops import group_of
+    from unicoll.compiled.custom_ops import group_of
     from unicoll.group import group_numbered
 
     group = uc.new_group([0])

@@ -1,8 +1,8 @@
 """The traced forms of unicoll's public operators, for torch.compile.
 
-While torch.compile traces a call to a public operator, :func:`unicoll.tracing.hand_off`
+While torch.compile traces a call to a public operator, the public face (:mod:`unicoll.face`)
 hands it to the function of the same name here, which records the call as one custom op of
-the ``unicoll`` namespace (:mod:`unicoll.custom_ops`, registered when this module is imported).
+the ``unicoll`` namespace (:mod:`unicoll.compiled.custom_ops`, registered when this module is imported).
 
 What cannot be traced (``sync_op=False``, outputs filled in place, arrays of other libraries,
 arguments of unexpected types) runs the eager operator behind one graph break whose reason
@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import moe, ops, runtime
-from .backends.layout import MoePlan
+from .. import runtime
+from ..backends.layout import MoePlan
+from ..group import Group
+from ..routing import Handle, Routing
+from . import locked
 from .custom_ops import WORLD, group_of
-from .group import Group
-from .routing import Handle, Routing
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 
@@ -87,7 +88,7 @@ def _flags(sync_op: Any, use_calc_stream: Any = True) -> bool:
 
 
 def _autograd_state(tensor: torch.Tensor) -> str:
-    """:func:`unicoll.ops.autograd_state` of a tensor, as Dynamo traces it (a constant of the graph)."""
+    """:func:`unicoll.eager.ops.autograd_state` of a tensor, as Dynamo traces it (a constant of the graph)."""
     if not (tensor.requires_grad and torch.is_grad_enabled()):
         return "none"
     if tensor.is_leaf:
@@ -124,7 +125,7 @@ def exchange_counts(local_count: Any, group: Group | None = None) -> Any:
     """:func:`unicoll.exchange_counts` as traced: counts given as a tensor become one op."""
     number = _number(group)
     if not isinstance(local_count, torch.Tensor) or not _traced(number):
-        return _untraced(ops.exchange_counts, local_count, group)
+        return _untraced(locked.exchange_counts, local_count, group)
     return torch.ops.unicoll.exchange_counts(local_count, number)
 
 
@@ -158,7 +159,7 @@ def global_scatter(
     """:func:`unicoll.global_scatter` as traced: one op, whose output rows are a dynamic size
     (``sum(global_count)`` for counts in a list)."""
     args = (x, local_count, global_count, group, sync_op, use_calc_stream)
-    return _moe(ops.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
+    return _moe(locked.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
 
 
 def global_gather(
@@ -172,7 +173,7 @@ def global_gather(
     """:func:`unicoll.global_gather` as traced: one op, whose output rows are a dynamic size
     (``sum(local_count)`` for counts in a list)."""
     args = (x, local_count, global_count, group, sync_op, use_calc_stream)
-    return _moe(ops.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
+    return _moe(locked.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
 
 
 def alltoall_single(
@@ -189,13 +190,13 @@ def alltoall_single(
     ``sum(out_split_sizes)`` for a list)."""
     args = (out_tensor, in_tensor, out_split_sizes, in_split_sizes, group, sync_op, use_calc_stream)
     if out_tensor is not None:
-        return _in_place(ops.alltoall_single, *args)
+        return _in_place(locked.alltoall_single, *args)
     if sync_op is False:
-        return _as_task(ops.alltoall_single, *args)
+        return _as_task(locked.alltoall_single, *args)
     number, out_splits, in_splits = _number(group), _counts(out_split_sizes), _counts(in_split_sizes)
     flags_ok = sync_op is True and type(use_calc_stream) is bool
     if not isinstance(in_tensor, torch.Tensor) or not flags_ok or not _traced(number, out_splits, in_splits):
-        return _untraced(ops.alltoall_single, *args)
+        return _untraced(locked.alltoall_single, *args)
     rows = _total(out_split_sizes)
     result, _ = torch.ops.unicoll.alltoall_single(in_tensor, out_splits, in_splits, number, use_calc_stream, rows)
     return result
@@ -212,13 +213,13 @@ def all_gather(
     concatenated form): one op, whose output rows are a dynamic size."""
     args = (tensor_or_tensor_list, tensor, group, sync_op, use_calc_stream)
     if tensor_or_tensor_list is not None:
-        return _in_place(ops.all_gather, *args)
+        return _in_place(locked.all_gather, *args)
     if sync_op is False:
-        return _as_task(ops.all_gather, *args)
+        return _as_task(locked.all_gather, *args)
     number = _number(group)
     flags_ok = sync_op is True and type(use_calc_stream) is bool
     if not isinstance(tensor, torch.Tensor) or not flags_ok or not _traced(number):
-        return _untraced(ops.all_gather, *args)
+        return _untraced(locked.all_gather, *args)
     result, _ = torch.ops.unicoll.all_gather(tensor, number, use_calc_stream)
     return result
 
@@ -234,11 +235,11 @@ def all_reduce(
     ``tensor`` (which is returned)."""
     args = (tensor, op, group, sync_op, use_calc_stream)
     if sync_op is False:
-        return _as_task(ops.all_reduce, *args)
+        return _as_task(locked.all_reduce, *args)
     number = _number(group)
     traced = _traced(number) and type(op) is str and _flags(sync_op, use_calc_stream)
     if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(ops.all_reduce, *args)
+        return _untraced(locked.all_reduce, *args)
     state = _autograd_state(tensor)
     return _copied_back(tensor, torch.ops.unicoll.all_reduce(tensor, op, number, use_calc_stream, state), state)
 
@@ -254,11 +255,11 @@ def broadcast(
     ``tensor`` (which is returned)."""
     args = (tensor, src, group, sync_op, use_calc_stream)
     if sync_op is False:
-        return _as_task(ops.broadcast, *args)
+        return _as_task(locked.broadcast, *args)
     number = _number(group)
     traced = _traced(number) and type(src) is int and _flags(sync_op, use_calc_stream)
     if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(ops.broadcast, *args)
+        return _untraced(locked.broadcast, *args)
     state = _autograd_state(tensor)
     return _copied_back(tensor, torch.ops.unicoll.broadcast(tensor, src, number, use_calc_stream, state), state)
 
@@ -276,13 +277,13 @@ def reduce_scatter(
     an even share of ``tensor``'s without split sizes, else a dynamic size."""
     args = (out, tensor, op, split_sizes, group, sync_op, use_calc_stream)
     if out is not None:
-        return _in_place(ops.reduce_scatter, *args)
+        return _in_place(locked.reduce_scatter, *args)
     if sync_op is False:
-        return _as_task(ops.reduce_scatter, *args)
+        return _as_task(locked.reduce_scatter, *args)
     number, splits = _number(group), _counts(split_sizes)
     traced = _traced(number, splits) and type(op) is str and _flags(sync_op, use_calc_stream)
     if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(ops.reduce_scatter, *args)
+        return _untraced(locked.reduce_scatter, *args)
     state = _autograd_state(tensor)
     return torch.ops.unicoll.reduce_scatter(tensor, op, splits, number, use_calc_stream, state)
 
@@ -351,7 +352,7 @@ def moe_dispatch(
     ``unicoll::global_scatter``; rows_per_expert are unbacked sizes (``.tolist()``), whose sum
     is the rows' size; the handle is a :class:`TracedHandle`."""
     eager = functools.partial(
-        moe.dispatch, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank, group=group, sync_op=sync_op,
+        locked.moe_dispatch, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank, group=group, sync_op=sync_op,
         capacity=capacity,
     )  # fmt: skip
     if sync_op is False:
@@ -384,11 +385,11 @@ def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.redispatch` as traced, for a :class:`TracedHandle`: the rows taken by
     ``index_select`` and sent by ``unicoll::global_scatter``."""
     if not isinstance(handle, TracedHandle):
-        return _eager_handle(functools.partial(moe.redispatch, x, handle, sync_op=sync_op))
+        return _eager_handle(functools.partial(locked.moe_redispatch, x, handle, sync_op=sync_op))
     if sync_op is False:
-        return _as_task(_with_handle, moe.redispatch, x, handle, sync_op)
+        return _as_task(_with_handle, locked.moe_redispatch, x, handle, sync_op)
     if not isinstance(x, torch.Tensor) or not _flags(sync_op):
-        return _untraced(_with_handle, moe.redispatch, x, handle, sync_op)
+        return _untraced(_with_handle, locked.moe_redispatch, x, handle, sync_op)
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(x, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.redispatch")
     sent = x.index_select(0, handle.send_tokens)
@@ -400,11 +401,11 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     ``unicoll::global_gather``, then each token's slots weighted and summed as eager does (a
     zero row read by dropped slots, whose weights count as zero)."""
     if not isinstance(handle, TracedHandle):
-        return _eager_handle(functools.partial(moe.combine, y, handle, sync_op=sync_op))
+        return _eager_handle(functools.partial(locked.moe_combine, y, handle, sync_op=sync_op))
     if sync_op is False:
-        return _as_task(_with_handle, moe.combine, y, handle, sync_op)
+        return _as_task(_with_handle, locked.moe_combine, y, handle, sync_op)
     if not isinstance(y, torch.Tensor) or not _flags(sync_op):
-        return _untraced(_with_handle, moe.combine, y, handle, sync_op)
+        return _untraced(_with_handle, locked.moe_combine, y, handle, sync_op)
     sent = handle.send_tokens.shape[0]
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")

@@ -1,6 +1,6 @@
 """unicoll's operators on torch tensors as ``torch.library`` custom ops (the ``unicoll``
 namespace), which torch.compile records in a graph as one node each; the traced forms that
-record them are in :mod:`unicoll.torch_ops`.
+record them are in :mod:`unicoll.compiled.traced`.
 
 - an op's real implementation is the eager operator itself, so a call from compiled code is
   validated, checked (check mode) and reported exactly as an eager call, at run time;
@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-from . import moe, ops, runtime
-from .group import Group, group_numbered
+from .. import runtime
+from ..eager import moe
+from ..group import Group, group_numbered
+from . import locked
 
 WORLD = -1
 """The group number of the world of the running session (``group=None``)."""
@@ -86,7 +88,7 @@ def _splits(number: int, op: str) -> torch.Tensor:
 )
 def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
     """The eager exchange_counts."""
-    return ops.exchange_counts(local_count, group_of(group))
+    return locked.exchange_counts(local_count, group_of(group))
 
 
 @_exchange_counts.register_fake
@@ -112,7 +114,7 @@ def _global_scatter(
     rows: int | None,
 ) -> torch.Tensor:
     """The eager global_scatter, with the rows promised to the fake implementation where given."""
-    result = ops.global_scatter(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
+    result = locked.global_scatter(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
     return _rows_as_promised(result, rows, "global_scatter")
 
 
@@ -128,7 +130,7 @@ def _global_gather(
     rows: int | None,
 ) -> torch.Tensor:
     """The eager global_gather, with the rows promised to the fake implementation where given."""
-    result = ops.global_gather(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
+    result = locked.global_gather(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
     return _rows_as_promised(result, rows, "global_gather")
 
 
@@ -188,7 +190,7 @@ def _alltoall_single(
     rows: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output, and the split sizes received (exchanged where only ``in_split_sizes`` is given)."""
-    result, received = ops.alltoall_single_and_splits(
+    result, received = locked.alltoall_single_and_splits(
         in_tensor.detach(), out_split_sizes, in_split_sizes, group_of(group), use_calc_stream
     )
     return _rows_as_promised(result, rows, "alltoall_single"), torch.tensor(received, dtype=torch.int64)
@@ -240,7 +242,7 @@ _alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_sav
 )
 def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's rows concatenated, and the rows each rank sent."""
-    result, rows = ops.all_gather_and_rows(tensor.detach(), group_of(group), use_calc_stream)
+    result, rows = locked.all_gather_and_rows(tensor.detach(), group_of(group), use_calc_stream)
     return result, torch.tensor(rows, dtype=torch.int64)
 
 
@@ -273,7 +275,7 @@ _all_gather.register_autograd(_all_gather_backward, setup_context=_save_all_gath
 # -- the reductions and broadcast: functional ops, copied back into the tensor where in place --
 
 _AUTOGRAD_STATE = "str state"
-"""The caller's tensor's :func:`unicoll.ops.autograd_state` while tracing: the op refuses what eager refuses."""
+"""The caller's tensor's :func:`unicoll.eager.ops.autograd_state` while tracing: the op refuses what eager refuses."""
 
 
 @torch.library.custom_op(
@@ -285,7 +287,7 @@ _AUTOGRAD_STATE = "str state"
 )
 def _all_reduce(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
     """The eager all_reduce, into a copy of ``tensor`` (validated and refused as the call on it)."""
-    return ops.all_reduce_copy(tensor, op, group_of(group), use_calc_stream, state)
+    return locked.all_reduce_copy(tensor, op, group_of(group), use_calc_stream, state)
 
 
 @_all_reduce.register_fake
@@ -316,7 +318,7 @@ _all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_reductio
 )
 def _broadcast(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
     """The eager broadcast, into a copy of ``tensor`` (validated and refused as the call on it)."""
-    return ops.broadcast_copy(tensor, src, group_of(group), use_calc_stream, state)
+    return locked.broadcast_copy(tensor, src, group_of(group), use_calc_stream, state)
 
 
 @_broadcast.register_fake
@@ -352,7 +354,7 @@ def _reduce_scatter(
     tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
 ) -> torch.Tensor:
     """The eager reduce_scatter (out=None), refused as the call on the caller's tensor."""
-    return ops.reduce_scatter_of(tensor.detach(), op, split_sizes, group_of(group), use_calc_stream, state)
+    return locked.reduce_scatter_of(tensor.detach(), op, split_sizes, group_of(group), use_calc_stream, state)
 
 
 @_reduce_scatter.register_fake
@@ -408,7 +410,7 @@ def _moe_layout(
     """moe.dispatch's validation, check and count exchange: the counts sent and received (host
     int64), the token of each row sent and each slot's row (int64 on x's device)."""
     weights = None if topk_weights is None else topk_weights.detach()
-    local_count, global_count, send_tokens, slot_rows = moe.layout(
+    local_count, global_count, send_tokens, slot_rows = locked.moe_layout(
         x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity
     )
     on_x = functools.partial(torch.as_tensor, device=x.device)

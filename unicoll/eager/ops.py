@@ -1,5 +1,6 @@
-"""The operators and exchange_counts: validate from the spec, run on the backend, hand back
-the caller's kind.
+"""The operators and exchange_counts, eagerly: validate from the spec, run on the backend, hand
+back the caller's kind. Plain functions: the public face (:mod:`unicoll.face`) runs them under
+the lock and hands them to torch.compile.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
 this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
@@ -16,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import describe, library_of, overlaps
-from .backends.base import Backend, Pending
-from .check import call_number, verify, verify_backward
-from .counts import Counts, even_split
-from .entry import collective, enter, exclusive_as, leave
-from .errors import TransportError, bad_input, reported, translated
-from .group import Group
-from .spec import (
+from ..arrays import describe, library_of, overlaps
+from ..backends.base import Backend, Pending
+from ..check import call_number, verify, verify_backward
+from ..counts import Counts, even_split
+from ..entry import enter, leave
+from ..errors import TransportError, bad_input, reported, translated
+from ..group import Group
+from ..spec import (
     ALL_GATHER,
     ALL_REDUCE,
     ALLTOALL_SINGLE,
@@ -35,8 +36,8 @@ from .spec import (
     Call,
     OpSpec,
 )
-from .task import Task
-from .validate import prepare
+from ..task import Task
+from ..validate import prepare
 
 
 def _run(op: str, call: Call, issue: Callable[[], Pending], finish: Callable[[Any], Any]) -> Any:
@@ -177,7 +178,6 @@ def _copy(x: Any) -> Any:
     return x.clone() if library_of(x) == "torch" else x.copy()
 
 
-@collective
 def global_scatter(
     x: Any,
     local_count: Counts,
@@ -200,7 +200,6 @@ def global_scatter(
     return _moe(GLOBAL_SCATTER, arguments, inverse=GLOBAL_GATHER)
 
 
-@collective
 def global_gather(
     x: Any,
     local_count: Counts,
@@ -219,7 +218,6 @@ def global_gather(
     return _moe(GLOBAL_GATHER, arguments, inverse=GLOBAL_SCATTER)
 
 
-@collective
 def alltoall_single(
     out_tensor: Any | None,
     in_tensor: Any,
@@ -244,7 +242,6 @@ def alltoall_single(
     return _alltoall_single(arguments)[0]
 
 
-@exclusive_as(ALLTOALL_SINGLE.name)
 def alltoall_single_and_splits(
     in_tensor: Any,
     out_split_sizes: Counts | None,
@@ -254,7 +251,7 @@ def alltoall_single_and_splits(
 ) -> tuple[Any, list[int]]:
     """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
     exchanged where only ``in_split_sizes`` is given: for the traced operator
-    (:mod:`unicoll.custom_ops`), whose backward sends the gradient back with them."""
+    (:mod:`unicoll.compiled.custom_ops`), whose backward sends the gradient back with them."""
     return _alltoall_single(
         {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
          "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
@@ -312,7 +309,6 @@ def _issue_alltoall(
     return backend.alltoall_single(out_native, native_in, out_splits, in_splits, grp, async_op, use_calc_stream)
 
 
-@collective
 def all_gather(
     tensor_or_tensor_list: Any | list | None,
     tensor: Any,
@@ -335,10 +331,9 @@ def all_gather(
     return _all_gather(arguments)[0]
 
 
-@exclusive_as(ALL_GATHER.name)
 def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
     """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: for the
-    traced operator (:mod:`unicoll.custom_ops`), whose backward sends each rank its rows' gradient."""
+    traced operator (:mod:`unicoll.compiled.custom_ops`), whose backward sends each rank its rows' gradient."""
     return _all_gather(
         {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
          "use_calc_stream": use_calc_stream}
@@ -399,7 +394,6 @@ def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], lik
     return target
 
 
-@collective
 def all_reduce(
     tensor: Any,
     op: str = "sum",
@@ -421,11 +415,10 @@ def all_reduce(
     return _all_reduce(arguments, None)
 
 
-@exclusive_as(ALL_REDUCE.name)
 def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: bool, state: str) -> Any:
     """``all_reduce(tensor, op, group)`` (synchronous) into a copy of ``tensor``, which is
     returned; validated, checked and refused as the in-place call on a tensor whose
-    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.custom_ops`),
+    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.compiled.custom_ops`),
     which copies the result back."""
     arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
     return _all_reduce(arguments, state)
@@ -472,7 +465,6 @@ def _in_place_collective(
     return _run(spec.name, call, issue, _in_place(spec.name, call, tensor, recorded, lambda g: backward(call, g)))
 
 
-@collective
 def reduce_scatter(
     out: Any | None,
     tensor: Any,
@@ -497,13 +489,12 @@ def reduce_scatter(
     return _reduce_scatter(arguments, None)
 
 
-@exclusive_as(REDUCE_SCATTER.name)
 def reduce_scatter_of(
     tensor: Any, op: str, split_sizes: Counts | None, group: Group | None, use_calc_stream: bool, state: str
 ) -> Any:
     """``reduce_scatter(None, tensor, op, split_sizes, group)`` (synchronous), refused as the
     call on a tensor whose :func:`autograd_state` is ``state``, without autograd: for the
-    traced operator (:mod:`unicoll.custom_ops`), which records its own backward."""
+    traced operator (:mod:`unicoll.compiled.custom_ops`), which records its own backward."""
     arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
                      use_calc_stream=use_calc_stream)  # fmt: skip
     return _reduce_scatter(arguments, state)
@@ -537,7 +528,6 @@ def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
     return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
 
 
-@collective
 def broadcast(
     tensor: Any,
     src: int,
@@ -559,11 +549,10 @@ def broadcast(
     return _broadcast(arguments, None)
 
 
-@exclusive_as(BROADCAST.name)
 def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: bool, state: str) -> Any:
     """``broadcast(tensor, src, group)`` (synchronous) into a copy of ``tensor``, which is
     returned; validated, checked and refused as the in-place call on a tensor whose
-    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.custom_ops`),
+    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.compiled.custom_ops`),
     which copies the result back."""
     arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
     return _broadcast(arguments, state)
@@ -585,7 +574,6 @@ def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
     return _in_place_collective(BROADCAST, arguments, state, None, transfer, backward)
 
 
-@collective
 def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     """The ``global_count`` that goes with ``local_count``: one all-to-all of the counts.
 

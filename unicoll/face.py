@@ -1,0 +1,87 @@
+"""The public face: every public operator, deciding in one frame per call whether it runs
+eagerly or is traced.
+
+A public operator is its eager function (:mod:`unicoll.eager`) run under the one-thread lock
+(:mod:`unicoll.entry`). Once ``torch._dynamo`` is loaded (a program that uses torch.compile),
+each call first asks whether Dynamo is tracing it: then the call goes to the operator's traced
+form, named in :data:`TRACED_FORMS` (:mod:`unicoll.compiled.traced`, imported on the first
+traced call, which registers the custom ops); else it runs eagerly behind
+``torch.compiler.disable``, so that Dynamo, which watches every function that code it gave up
+tracing calls, never traces unicoll's internals. A program that never imports
+``torch._dynamo`` pays one lookup in ``sys.modules`` per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .eager import moe, ops
+from .entry import enter, exclusive_as, leave
+
+F = TypeVar("F", bound=Callable)
+
+TRACED_FORMS: dict[str, str] = {
+    "exchange_counts": "exchange_counts",
+    "global_scatter": "global_scatter",
+    "global_gather": "global_gather",
+    "alltoall_single": "alltoall_single",
+    "all_gather": "all_gather",
+    "all_reduce": "all_reduce",
+    "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+    "moe.dispatch": "moe_dispatch",
+    "moe.redispatch": "moe_redispatch",
+    "moe.combine": "moe_combine",
+}
+"""Each public operator's traced form: the function of :mod:`unicoll.compiled.traced` that
+records its call while torch.compile traces the caller."""
+
+_DYNAMO = "torch._dynamo"
+
+
+def _public(name: str, eager: F, module: str) -> F:
+    """The public operator ``name`` (as users write it, ``"moe.dispatch"``), of module
+    ``module``: ``eager`` under the lock, or its traced form while Dynamo traces the call."""
+    traced_form = TRACED_FORMS[name]
+    locked = exclusive_as(name)(eager)
+    untraced: Callable[..., Any] | None = None  # locked behind torch.compiler.disable, made on first use
+
+    def under_dynamo(args: tuple, kwargs: dict[str, Any]) -> Any:
+        nonlocal untraced
+        torch = sys.modules["torch"]
+        if torch.compiler.is_compiling():
+            from .compiled import traced
+
+            return getattr(traced, traced_form)(*args, **kwargs)
+        if untraced is None:
+            untraced = torch.compiler.disable(locked, reason=f"unicoll.{name} runs eagerly here")
+        return untraced(*args, **kwargs)
+
+    @functools.wraps(eager)
+    def operator(*args: Any, **kwargs: Any) -> Any:
+        if _DYNAMO in sys.modules:
+            return under_dynamo(args, kwargs)
+        enter(name)  # locked(), inlined: one frame less on every call
+        try:
+            return eager(*args, **kwargs)
+        finally:
+            leave()
+
+    operator.__module__ = module
+    return operator  # type: ignore[return-value]
+
+
+exchange_counts = _public("exchange_counts", ops.exchange_counts, "unicoll")
+global_scatter = _public("global_scatter", ops.global_scatter, "unicoll")
+global_gather = _public("global_gather", ops.global_gather, "unicoll")
+alltoall_single = _public("alltoall_single", ops.alltoall_single, "unicoll")
+all_gather = _public("all_gather", ops.all_gather, "unicoll")
+all_reduce = _public("all_reduce", ops.all_reduce, "unicoll")
+reduce_scatter = _public("reduce_scatter", ops.reduce_scatter, "unicoll")
+broadcast = _public("broadcast", ops.broadcast, "unicoll")
+moe_dispatch = _public("moe.dispatch", moe.dispatch, "unicoll.moe")
+moe_redispatch = _public("moe.redispatch", moe.redispatch, "unicoll.moe")
+moe_combine = _public("moe.combine", moe.combine, "unicoll.moe")
