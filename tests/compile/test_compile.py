@@ -10,8 +10,11 @@ from compiled code. Many cases run inside each spawned world, to keep the suite 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ import torch
 import unicoll as uc
 from helpers.gpu_backends import params
 from helpers.moe import moe_layer, moe_topk_layer, parameters, step
+from unicoll.spec import OPS as SPEC_OPS
 
 FLAGS = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}  # docs/compile.md's settings
 OPS = (
@@ -139,11 +143,42 @@ def _every_op_traces(rank: int) -> dict:
         return sum((out * torch.arange(1.0, out.numel() + 1).reshape(out.shape)).sum() for out in outputs)
 
     eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False  # this rank's only graph whose backward runs more than once
     expected, got = every(eager_x), torch.compile(every, fullgraph=True, backend="aot_eager")(compiled_x)
-    loss(expected).backward()
-    loss(got).backward()
+    gradients = {}
+    for i, name in enumerate(each):  # each operator's own gradient, bit for bit (float64)
+        (eager_grad,) = torch.autograd.grad(loss([expected[i]]), eager_x, retain_graph=True)
+        (compiled_grad,) = torch.autograd.grad(loss([got[i]]), compiled_x, retain_graph=True)
+        gradients[name] = torch.equal(eager_grad, compiled_grad)
+    with _counting_backwards() as eager_calls:
+        loss(expected).backward()
+    with _counting_backwards() as compiled_calls:
+        loss(got).backward()
     same = all(torch.equal(a, b) for a, b in zip(expected, got)) and torch.equal(eager_x.grad, compiled_x.grad)
-    return {"breaks": report, "same": same}
+    return {"breaks": report, "same": same, "gradients": gradients, "backward calls": (eager_calls, compiled_calls)}
+
+
+@contextlib.contextmanager
+def _counting_backwards() -> Iterator[collections.Counter]:
+    """Count the calls of each operator's backward (unicoll.eager.ops.<op>_backward) in this
+    thread, however eager autograd or a compiled backward op reached it (a profile hook sees
+    every call of its code)."""
+    from unicoll.eager import ops
+
+    codes = {getattr(ops, f"{name}_backward").__code__: name for name in SPEC_OPS}
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code in codes:
+            calls[codes[frame.f_code]] += 1
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
 
 
 def _mismatch_caught(rank: int) -> str:
@@ -199,6 +234,16 @@ def test_every_operator_traces_without_a_break(world_of_two) -> None:
         assert report["ops"]["same"]
 
 
+def test_compiled_gradients_are_eagers_bit_for_bit_from_the_same_backward(world_of_two) -> None:
+    """Each operator's gradient from compiled code equals eager's bit for bit (float64), and the
+    compiled backward runs the same backward functions as eager autograd, as many times."""
+    for report in world_of_two:
+        assert report["ops"]["gradients"] == dict.fromkeys(report["ops"]["gradients"], True)
+        eager_calls, compiled_calls = report["ops"]["backward calls"]
+        assert set(eager_calls) == set(SPEC_OPS)
+        assert eager_calls == compiled_calls
+
+
 # -- one process, a world of one ------------------------------------------------------------
 
 
@@ -215,7 +260,7 @@ def world_of_one(clean_env) -> None:
 def test_ops_register_for_cpu_and_cuda() -> None:
     from unicoll.compiled.custom_ops import CUSTOM_OPS  # registers the ops
 
-    assert set(CUSTOM_OPS) == {*OPS, "moe_check"}
+    assert set(CUSTOM_OPS) == {*OPS, "moe_check", *(f"{name}_backward" for name in SPEC_OPS)}
     for op in CUSTOM_OPS:
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)

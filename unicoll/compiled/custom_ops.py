@@ -17,13 +17,18 @@ Importing this module registers the ops, for CPU and CUDA tensors.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import runtime
-from ..eager import moe
+from ..backends.layout import moe_plan
+from ..counts import even_split
+from ..eager import moe, ops
 from ..group import Group, group_numbered
+from ..spec import OPS
 from . import locked
 
 WORLD = -1
@@ -53,12 +58,6 @@ def _world_size(number: int, op: str) -> int:
     return runtime.state(op).world.world_size if group is None else group.world_size
 
 
-def _position(number: int, op: str) -> int:
-    """This rank's position in the group a schema's ``number`` names."""
-    group = group_of(number)
-    return runtime.state(op).world.rank if group is None else group.rank
-
-
 def _rows_as_promised(result: torch.Tensor, rows: int | None, op: str) -> torch.Tensor:
     """``result``, checked to have the ``rows`` rows that the fake implementation promised."""
     if rows is not None and result.shape[0] != rows:
@@ -74,6 +73,31 @@ def _new_rows(rows: int | None) -> Any:
 def _splits(number: int, op: str) -> torch.Tensor:
     """A fake host int64 tensor of one size per rank of the group."""
     return torch.empty((_world_size(number, op),), dtype=torch.int64)
+
+
+def _host_ints(t: torch.Tensor) -> list[int]:
+    """A counts tensor (validated by its forward call) as host ints."""
+    return t.to("cpu", torch.int64).tolist()
+
+
+_UNNUMBERED = -1
+"""The forward collective number a compiled backward pass gives check mode: a compiled forward's
+number is not kept, so every rank's compiled backward says this one."""
+
+
+def _run_backward(op: str, group: int, grad: torch.Tensor, backward: Callable[..., Any], *saved: Any) -> torch.Tensor:
+    """``backward`` (an eager ``*_backward`` of :mod:`unicoll.eager.ops`) of ``grad`` with what the
+    forward call saved, run as eager autograd runs it (:func:`unicoll.eager.ops.guarded`): under
+    the lock, its failures reported, and counted and compared across the ranks in check mode."""
+    state = runtime.state(f"{op} (backward)")
+    found = group_of(group)
+    grp = state.world if found is None else found
+    forward = _UNNUMBERED if state.check else None
+
+    def bound(native: Any) -> Any:
+        return backward(state.backend, grp, native, *saved)
+
+    return ops.guarded(op, state.backend, grp, state.timeout, forward, bound)(grad.contiguous())
 
 
 # -- the custom ops --------------------------------------------------------------------------
@@ -155,17 +179,59 @@ def _save_moe(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.group, ctx.rows = group, x.shape[0]
 
 
+_MOE_BACKWARD_SCHEMA = "(Tensor grad, Tensor local_count, Tensor global_count, int group, SymInt rows) -> Tensor"
+
+
+def _moe_backward(
+    op: str, grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int
+) -> Any:
+    """The eager backward of global_scatter or global_gather (``op``), with the forward's plan."""
+    world = _world_size(group, f"{op} (backward)")
+    plan = moe_plan(np.asarray(_host_ints(local_count)), np.asarray(_host_ints(global_count)), world)
+    backward = ops.global_scatter_backward if op == "global_scatter" else ops.global_gather_backward
+    return _run_backward(op, group, grad, backward, plan)
+
+
+@torch.library.custom_op(
+    "unicoll::global_scatter_backward", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_BACKWARD_SCHEMA
+)
+def _global_scatter_grad(
+    grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
+) -> torch.Tensor:
+    """global_scatter's eager backward (:func:`unicoll.eager.ops.global_scatter_backward`)."""
+    return _moe_backward("global_scatter", grad, local_count, global_count, group)
+
+
+@torch.library.custom_op(
+    "unicoll::global_gather_backward", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_BACKWARD_SCHEMA
+)
+def _global_gather_grad(
+    grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
+) -> torch.Tensor:
+    """global_gather's eager backward (:func:`unicoll.eager.ops.global_gather_backward`)."""
+    return _moe_backward("global_gather", grad, local_count, global_count, group)
+
+
+@_global_scatter_grad.register_fake
+@_global_gather_grad.register_fake
+def _moe_grad_fake(
+    grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
+) -> torch.Tensor:
+    """The input's gradient: the forward input's rows."""
+    return grad.new_empty((rows, *grad.shape[1:]))
+
+
 def _global_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """global_gather of the output gradient with the same counts."""
+    """global_scatter's eager backward, as a custom op."""
     local_count, global_count = ctx.saved_tensors
-    dx = torch.ops.unicoll.global_gather(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
+    dx = torch.ops.unicoll.global_scatter_backward(grad, local_count, global_count, ctx.group, ctx.rows)
     return dx, None, None, None, None, None
 
 
 def _global_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """global_scatter of the output gradient with the same counts."""
+    """global_gather's eager backward, as a custom op."""
     local_count, global_count = ctx.saved_tensors
-    dx = torch.ops.unicoll.global_scatter(grad.contiguous(), local_count, global_count, ctx.group, False, ctx.rows)
+    dx = torch.ops.unicoll.global_gather_backward(grad, local_count, global_count, ctx.group, ctx.rows)
     return dx, None, None, None, None, None
 
 
@@ -220,14 +286,42 @@ def _save_alltoall(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.group, ctx.rows = group, in_tensor.shape[0]
 
 
+@torch.library.custom_op(
+    "unicoll::alltoall_single_backward",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor grad, Tensor? sent, Tensor received, int group, SymInt rows) -> Tensor",
+)
+def _alltoall_single_grad(
+    grad: torch.Tensor, sent: torch.Tensor | None, received: torch.Tensor, group: int, rows: int
+) -> torch.Tensor:
+    """alltoall_single's eager backward (:func:`unicoll.eager.ops.alltoall_single_backward`); the
+    forward's even split where it was given no sizes."""
+    received_rows = _host_ints(received)
+    sent_rows = even_split(rows, len(received_rows)) if sent is None else _host_ints(sent)
+    return _run_backward("alltoall_single", group, grad, ops.alltoall_single_backward, sent_rows, received_rows)
+
+
+@_alltoall_single_grad.register_fake
+def _alltoall_single_grad_fake(
+    grad: torch.Tensor, sent: torch.Tensor | None, received: torch.Tensor, group: int, rows: int
+) -> torch.Tensor:
+    """The input's gradient: the forward input's rows."""
+    return grad.new_empty((rows, *grad.shape[1:]))
+
+
 def _alltoall_single_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-    """The gradient goes back the way the rows came: the split sizes swapped (an even split
-    of the input where no sizes were given)."""
+    """alltoall_single's eager backward, as a custom op."""
     sent, received = ctx.saved_tensors
-    if sent is None:
-        sent = torch.full_like(received, ctx.rows // received.shape[0])
-    dx, _ = torch.ops.unicoll.alltoall_single(grad.contiguous(), sent, received, ctx.group, False, ctx.rows)
-    return dx, None, None, None, None, None
+    return (
+        torch.ops.unicoll.alltoall_single_backward(grad, sent, received, ctx.group, ctx.rows),
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_save_alltoall)
@@ -260,13 +354,28 @@ def _save_all_gather(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.group, ctx.rows = group, tensor.shape[0]
 
 
+@torch.library.custom_op(
+    "unicoll::all_gather_backward",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor grad, Tensor rows, int group, SymInt mine) -> Tensor",
+)
+def _all_gather_grad(grad: torch.Tensor, rows: torch.Tensor, group: int, mine: int) -> torch.Tensor:
+    """all_gather's eager backward (:func:`unicoll.eager.ops.all_gather_backward`)."""
+    return _run_backward("all_gather", group, grad, ops.all_gather_backward, _host_ints(rows))
+
+
+@_all_gather_grad.register_fake
+def _all_gather_grad_fake(grad: torch.Tensor, rows: torch.Tensor, group: int, mine: int) -> torch.Tensor:
+    """The input's gradient: this rank's rows."""
+    return grad.new_empty((mine, *grad.shape[1:]))
+
+
 def _all_gather_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-    """Each rank gets every rank's gradient of its rows, summed (a reduce-scatter)."""
+    """all_gather's eager backward, as a custom op."""
     (rows,) = ctx.saved_tensors
-    world = rows.shape[0]
-    mine = torch.full_like(rows, ctx.rows)
-    received, _ = torch.ops.unicoll.alltoall_single(grad.contiguous(), mine, rows, ctx.group, False, world * ctx.rows)
-    return received.reshape(world, ctx.rows, *grad.shape[1:]).sum(0), None, None
+    return torch.ops.unicoll.all_gather_backward(grad, rows, ctx.group, ctx.rows), None, None
 
 
 _all_gather.register_autograd(_all_gather_backward, setup_context=_save_all_gather)
@@ -301,9 +410,27 @@ def _save_reduction(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.op, ctx.group = inputs[1], inputs[2]
 
 
+@torch.library.custom_op(
+    "unicoll::all_reduce_backward",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor grad, str op, int group) -> Tensor",
+)
+def _all_reduce_grad(grad: torch.Tensor, op: str, group: int) -> torch.Tensor:
+    """all_reduce's eager backward (:func:`unicoll.eager.ops.all_reduce_backward`)."""
+    return _run_backward("all_reduce", group, grad, ops.all_reduce_backward, op)
+
+
+@_all_reduce_grad.register_fake
+def _all_reduce_grad_fake(grad: torch.Tensor, op: str, group: int) -> torch.Tensor:
+    """The gradient's shape."""
+    return torch.empty_like(grad)
+
+
 def _all_reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """The same reduction (sum or avg) of the gradient."""
-    return torch.ops.unicoll.all_reduce(grad.contiguous(), ctx.op, ctx.group, False, "none"), None, None, None, None
+    """all_reduce's eager backward, as a custom op."""
+    return torch.ops.unicoll.all_reduce_backward(grad, ctx.op, ctx.group), None, None, None, None
 
 
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_reduction)
@@ -327,16 +454,32 @@ def _broadcast_fake(tensor: torch.Tensor, src: int, group: int, use_calc_stream:
     return torch.empty_like(tensor)
 
 
+@torch.library.custom_op(
+    "unicoll::broadcast_backward",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor grad, int src, int group) -> Tensor",
+)
+def _broadcast_grad(grad: torch.Tensor, src: int, group: int) -> torch.Tensor:
+    """broadcast's eager backward (:func:`unicoll.eager.ops.broadcast_backward`)."""
+    return _run_backward("broadcast", group, grad, ops.broadcast_backward, src)
+
+
+@_broadcast_grad.register_fake
+def _broadcast_grad_fake(grad: torch.Tensor, src: int, group: int) -> torch.Tensor:
+    """The gradient's shape."""
+    return torch.empty_like(grad)
+
+
 def _save_broadcast(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep the source, the group and this rank's position in it."""
+    """Keep the source and the group."""
     _, ctx.src, ctx.group, _, _ = inputs
-    ctx.position = _position(ctx.group, "broadcast")
 
 
 def _broadcast_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """Every rank's gradient summed on the source, zero elsewhere (every rank takes part)."""
-    total = torch.ops.unicoll.all_reduce(grad.contiguous(), "sum", ctx.group, False, "none")
-    return (total if ctx.position == ctx.src else torch.zeros_like(total)), None, None, None, None
+    """broadcast's eager backward, as a custom op."""
+    return torch.ops.unicoll.broadcast_backward(grad, ctx.src, ctx.group), None, None, None, None
 
 
 _broadcast.register_autograd(_broadcast_backward, setup_context=_save_broadcast)
@@ -366,23 +509,43 @@ def _reduce_scatter_fake(
     return tensor.new_empty((_new_rows(rows), *tensor.shape[1:]))
 
 
+@torch.library.custom_op(
+    "unicoll::reduce_scatter_backward",
+    mutates_args=(),
+    device_types=_DEVICES,
+    tags=_TAGS,
+    schema="(Tensor grad, str op, Tensor? split_sizes, int group, SymInt rows) -> Tensor",
+)
+def _reduce_scatter_grad(
+    grad: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, rows: int
+) -> torch.Tensor:
+    """reduce_scatter's eager backward (:func:`unicoll.eager.ops.reduce_scatter_backward`); the
+    forward's even split where it was given no sizes."""
+    world = _world_size(group, "reduce_scatter (backward)")
+    blocks = even_split(rows, world) if split_sizes is None else _host_ints(split_sizes)
+    return _run_backward("reduce_scatter", group, grad, ops.reduce_scatter_backward, op, blocks)
+
+
+@_reduce_scatter_grad.register_fake
+def _reduce_scatter_grad_fake(
+    grad: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, rows: int
+) -> torch.Tensor:
+    """The input's gradient: the forward input's rows."""
+    return grad.new_empty((rows, *grad.shape[1:]))
+
+
 def _save_reduce_scatter(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep the split sizes, the reduction, the group, its size and the input's rows."""
+    """Keep the split sizes, the reduction, the group and the input's rows."""
     tensor, ctx.op, split_sizes, ctx.group, _, _ = inputs
     ctx.save_for_backward(split_sizes)
-    ctx.world, ctx.rows = _world_size(ctx.group, "reduce_scatter"), tensor.shape[0]
+    ctx.rows = tensor.shape[0]
 
 
 def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """Every rank's block gradient, gathered in rank order (an all-to-all of this rank's block
-    to every rank), divided by the group size for avg."""
+    """reduce_scatter's eager backward, as a custom op."""
     (split_sizes,) = ctx.saved_tensors
-    world = ctx.world
-    mine = torch.full((world,), grad.shape[0], dtype=torch.int64)
-    blocks = torch.full((world,), ctx.rows // world, dtype=torch.int64) if split_sizes is None else split_sizes
-    sent = grad.contiguous().repeat(world, *([1] * (grad.dim() - 1)))
-    gathered, _ = torch.ops.unicoll.alltoall_single(sent, blocks, mine, ctx.group, False, ctx.rows)
-    return (gathered / world if ctx.op == "avg" else gathered), None, None, None, None, None
+    dx = torch.ops.unicoll.reduce_scatter_backward(grad, ctx.op, split_sizes, ctx.group, ctx.rows)
+    return dx, None, None, None, None, None
 
 
 _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_reduce_scatter)
@@ -458,8 +621,11 @@ def _moe_check_fake(
 CUSTOM_OPS = (
     "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
     "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check",
+    *(f"{name}_backward" for name in OPS),
 )  # fmt: skip
-"""The ops of the ``unicoll`` namespace."""
+"""The ops of the ``unicoll`` namespace: each data operator's forward and backward (every one in
+the backends' capability tables has a backward), the counts' exchange, and unicoll.moe's layout
+and check."""
 
 for _op in CUSTOM_OPS:
     # a collective runs on every rank even where its result goes unused, and a check raises:

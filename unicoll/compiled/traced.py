@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import runtime
-from ..backends.layout import MoePlan
+from ..backends.layout import moe_plan
 from ..group import Group
 from ..routing import Handle, Routing
 from . import locked
@@ -331,7 +331,7 @@ def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_o
     if dropped and handle.weights is not None:
         kept = (handle.slot_rows < send_tokens.size).reshape(handle.tokens, handle.topk)
     shape = (handle.tokens, handle.topk)
-    plan = MoePlan(routing.local_count, handle.global_count.numpy(), group.world_size)
+    plan = moe_plan(routing.local_count, handle.global_count.numpy(), group.world_size)
     eager = Handle(routing, plan, group, shape, handle.weights, handle.send_tokens, handle.slot_rows, kept,
                    like=handle.send_tokens)  # fmt: skip
     return op(rows, eager, sync_op=sync_op)

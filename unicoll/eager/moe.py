@@ -9,6 +9,7 @@ documentation are :mod:`unicoll.moe`'s; the semantics are in docs/semantics.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,7 @@ from array_api_compat import array_namespace, device
 
 from ..arrays import describe, library_of
 from ..backends.base import Pending
-from ..backends.layout import MoePlan
+from ..backends.layout import moe_plan
 from ..check import call_number, verify
 from ..errors import bad_input, translated
 from ..group import Group
@@ -26,7 +27,7 @@ from ..routing import Handle, route
 from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from ..task import Task
 from ..validate import prepare
-from .ops import _functional, _run
+from .ops import _functional, _run, global_gather_backward, global_scatter_backward
 
 
 def dispatch(
@@ -151,12 +152,12 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         if call.check:
             verify(MOE_DISPATCH, call)
             number = call_number(grp)
-        plan = MoePlan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
+        plan = moe_plan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
         native = backend.to_native(sent)
         return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
 
-    def backward(grad: Any) -> Any:
-        return backend.global_gather(grad, plan, grp, False).finish()
+    def backward(grad: Any) -> Any:  # the plan is made when the call is issued
+        return global_scatter_backward(backend, grp, grad, plan)
 
     received = _functional(MOE_DISPATCH.name, call, sent, backward)
 
@@ -178,9 +179,7 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
         native = backend.to_native(sent)
         return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
 
-    def backward(grad: Any) -> Any:
-        return backend.global_gather(grad, plan, grp, False).finish()
-
+    backward = functools.partial(global_scatter_backward, backend, grp, plan=plan)
     return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, sent, backward))
 
 
@@ -194,9 +193,7 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
         native = backend.to_native(y)
         return backend.global_gather(native, plan, grp, not call.sync_op, call.sync_op)
 
-    def backward(grad: Any) -> Any:
-        return backend.global_scatter(grad, plan, grp, False).finish()
-
+    backward = functools.partial(global_gather_backward, backend, grp, plan=plan)
     returned = _functional(MOE_COMBINE.name, call, y, backward)
     weights, slot_rows, kept = handle.weights, handle.slot_rows, handle.kept
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..arrays import describe, library_of, overlaps
 from ..backends.base import Backend, Pending
+from ..backends.layout import MoePlan
 from ..check import call_number, verify, verify_backward
 from ..counts import Counts, even_split
 from ..entry import enter, leave
@@ -77,24 +78,81 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
 
 
 def _guarded(op: str, call: Call, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``backward`` on native arrays, as torch calls it: one thread at a time, its transport
-    failures reported like the forward's, and in check mode counted and compared across the
-    ranks like a forward call (:func:`unicoll.check.verify_backward`)."""
-    backend, name = call.backend, f"{op} (backward)"
-    forward = call_number(call.group) if call.check else None  # this call's number: prepare counted it
+    """:func:`guarded` for the forward call ``call`` (numbered in check mode: prepare counted it)."""
+    forward = call_number(call.group) if call.check else None
+    return guarded(op, call.backend, call.group, call.timeout, forward, backward)
+
+
+def guarded(
+    op: str, backend: Backend, group: Group, timeout: float, forward: int | None, backward: Callable[[Any], Any]
+) -> Callable[[Any], Any]:
+    """``backward`` (one of the ``*_backward`` functions below, bound to what its forward call
+    saved) on native arrays, as torch calls it with a tensor: one thread at a time, its
+    transport failures reported like the forward's, and, where ``forward`` (the forward call's
+    number on ``group``) is given, counted and compared across the ranks like a forward call
+    (:func:`unicoll.check.verify_backward`). Eager autograd and the compiled backward ops
+    (:mod:`unicoll.compiled.custom_ops`) both run an operator's backward through here."""
+    name = f"{op} (backward)"
 
     def guarded_backward(grad: Any) -> Any:
         enter(name)
         try:
-            with translated(name, call.group, call.timeout):
+            with translated(name, group, timeout):
                 native = backend.to_native(grad)
                 if forward is not None:
-                    verify_backward(name, backend, call.group, native, forward)
+                    verify_backward(name, backend, group, native, forward)
                 return backend.from_native(backward(native), "torch")
         finally:
             leave()
 
     return guarded_backward
+
+
+# -- each differentiable operator's backward, on native arrays; eager and compiled run these --
+
+
+def global_scatter_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
+    """global_scatter's gradient: global_gather of the output's gradient with the same plan."""
+    return backend.global_gather(grad, plan, group, False).finish()
+
+
+def global_gather_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
+    """global_gather's gradient: global_scatter of the output's gradient with the same plan."""
+    return backend.global_scatter(grad, plan, group, False).finish()
+
+
+def alltoall_single_backward(backend: Backend, group: Group, grad: Any, sent: list[int], received: list[int]) -> Any:
+    """alltoall_single's gradient goes back the way the rows came: ``received[c]`` rows to rank
+    c, ``sent[c]`` rows from it."""
+    return backend.alltoall_single(None, grad, sent, received, group, False).finish()
+
+
+def all_gather_backward(backend: Backend, group: Group, grad: Any, rows: list[int]) -> Any:
+    """all_gather's gradient: every rank's gradient of this rank's rows, summed (a
+    reduce_scatter by the rows each rank sent)."""
+    return backend.reduce_scatter(None, grad, "sum", rows, group, False).finish()
+
+
+def all_reduce_backward(backend: Backend, group: Group, grad: Any, op: str) -> Any:
+    """all_reduce's gradient: the same reduction (sum or avg) of the gradient, into a copy
+    (torch may use the gradient elsewhere)."""
+    return backend.all_reduce(_copy(grad), op, group, False).finish()
+
+
+def reduce_scatter_backward(backend: Backend, group: Group, grad: Any, op: str, rows: list[int]) -> Any:
+    """reduce_scatter's gradient: every rank's block gradient, gathered in rank order (block c
+    has ``rows[c]`` rows), divided by the group size for avg."""
+    gathered = backend.all_gather(None, grad, rows, group, False).finish()
+    return gathered / group.world_size if op == "avg" else gathered
+
+
+def broadcast_backward(backend: Backend, group: Group, grad: Any, src: int) -> Any:
+    """broadcast's gradient: every rank's gradient summed on the source, zero elsewhere (every
+    rank takes part)."""
+    total = backend.all_reduce(_copy(grad), "sum", group, False).finish()
+    if group.rank != src:
+        total[...] = 0
+    return total
 
 
 _DIFFERENTIABLE = ("sum", "avg")
@@ -144,13 +202,13 @@ def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[A
     return lambda _: attach_in_place(x, guarded)
 
 
-def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
-    """global_scatter or global_gather (``spec``); the other one, ``inverse``, is its backward."""
+def _moe(spec: OpSpec, arguments: dict[str, Any]) -> Any:
+    """global_scatter or global_gather (``spec``), whose backward is the other one."""
     call = prepare(spec, arguments)
     backend, x, plan, grp = call.backend, arguments["x"], call.plan, call.group
-    forward, backward = getattr(backend, spec.name), getattr(backend, inverse.name)
+    forward, backward = getattr(backend, spec.name), _MOE_BACKWARD[spec.name]
 
-    finish = _functional(spec.name, call, x, lambda g: backward(g, plan, grp, False).finish())
+    finish = _functional(spec.name, call, x, lambda g: backward(backend, grp, g, plan))
     if call.sync_op and not call.check:  # the steady state of a loop: no closure to issue, no Task
         return finish(_now(spec.name, call, forward, backend.to_native(x), plan, grp, False, call.use_calc_stream))
 
@@ -160,6 +218,9 @@ def _moe(spec: OpSpec, arguments: dict[str, Any], inverse: OpSpec) -> Any:
         return forward(backend.to_native(x), plan, grp, not call.sync_op, call.use_calc_stream)
 
     return _run(spec.name, call, issue, finish)
+
+
+_MOE_BACKWARD = {"global_scatter": global_scatter_backward, "global_gather": global_gather_backward}
 
 
 def _native_input(backend: Backend, x: Any, out: Any | None) -> Any:
@@ -197,7 +258,7 @@ def global_scatter(
     """
     arguments = dict(x=x, local_count=local_count, global_count=global_count, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _moe(GLOBAL_SCATTER, arguments, inverse=GLOBAL_GATHER)
+    return _moe(GLOBAL_SCATTER, arguments)
 
 
 def global_gather(
@@ -215,7 +276,7 @@ def global_gather(
     """
     arguments = dict(x=x, local_count=local_count, global_count=global_count, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _moe(GLOBAL_GATHER, arguments, inverse=GLOBAL_SCATTER)
+    return _moe(GLOBAL_GATHER, arguments)
 
 
 def alltoall_single(
@@ -287,7 +348,7 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     if out_tensor is not None:
         finish = lambda _: out_tensor  # noqa: E731
     else:
-        backward = lambda g: backend.alltoall_single(None, g, in_splits, out_splits, grp, False).finish()  # noqa: E731
+        backward = lambda g: alltoall_single_backward(backend, grp, g, in_splits, out_splits)  # noqa: E731
         finish = _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward)
     result = _run(ALLTOALL_SINGLE.name, call, issue, finish)  # issues: out_splits known from here on
     return result, out_splits
@@ -368,11 +429,7 @@ def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
         )
 
     if target is None:
-
-        def backward(g: Any) -> Any:
-            return backend.reduce_scatter(None, g, "sum", rows, grp, False).finish()
-
-        finish = _functional(ALL_GATHER.name, call, tensor, backward)
+        finish = _functional(ALL_GATHER.name, call, tensor, lambda g: all_gather_backward(backend, grp, g, rows))
     elif not isinstance(target, list):
         finish = lambda _: target  # noqa: E731
     else:
@@ -432,7 +489,7 @@ def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
         return call.backend.all_reduce(native, op, call.group, async_op, use_calc_stream)
 
     def backward(call: Call, g: Any) -> Any:
-        return call.backend.all_reduce(_copy(g), op, call.group, False).finish()  # torch may use the gradient elsewhere
+        return all_reduce_backward(call.backend, call.group, g, op)
 
     return _in_place_collective(ALL_REDUCE, arguments, state, op, transfer, backward)
 
@@ -520,8 +577,7 @@ def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
     _recorded(REDUCE_SCATTER.name, call, tensor, op, False, state)
 
     def backward(g: Any) -> Any:
-        gathered = backend.all_gather(None, g, rows, grp, False).finish()
-        return gathered / call.W if op == "avg" else gathered
+        return reduce_scatter_backward(backend, grp, g, op, rows)
 
     if state is not None:
         return _run(REDUCE_SCATTER.name, call, issue, lambda result: backend.from_native(result, "torch"))
@@ -566,10 +622,7 @@ def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
         return call.backend.broadcast(native, call.src, call.group, async_op, use_calc_stream)
 
     def backward(call: Call, g: Any) -> Any:
-        total = call.backend.all_reduce(_copy(g), "sum", call.group, False).finish()
-        if call.group.rank != call.src:
-            total[...] = 0
-        return total
+        return broadcast_backward(call.backend, call.group, g, call.src)
 
     return _in_place_collective(BROADCAST, arguments, state, None, transfer, backward)
 
