@@ -14,7 +14,7 @@ token dispatch and combine on them.
 
 from __future__ import annotations
 
-from . import backends, moe, reference
+from . import backends, face, moe, reference
 from .errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
@@ -23,16 +23,7 @@ from .errors import (
     NotInitializedError,
     PeerLostError,
 )
-from .face import (
-    all_gather,
-    all_reduce,
-    alltoall_single,
-    broadcast,
-    exchange_counts,
-    global_gather,
-    global_scatter,
-    reduce_scatter,
-)
+from .face import *  # noqa: F403  (the public operators: face.__all__)
 from .group import Group
 from .registry import register_backend
 from .runtime import (
@@ -71,6 +62,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    *face.__all__,
     "BackendUnavailableError",
     "CollectiveTimeoutError",
     "CommunicationError",
@@ -79,25 +71,17 @@ __all__ = [
     "NotInitializedError",
     "PeerLostError",
     "Task",
-    "__version__",
-    "all_gather",
-    "all_reduce",
-    "alltoall_single",
+    "__version__",  # noqa: F405  (read on first use, by __getattr__)
     "barrier",
-    "broadcast",
-    "exchange_counts",
     "finalize",
     "get_backend",
     "get_rank",
     "get_world_size",
-    "global_gather",
-    "global_scatter",
     "init",
     "is_initialized",
     "moe",
     "new_group",
-    "reduce_scatter",
     "reference",
     "register_backend",
-    "testing",
+    "testing",  # noqa: F405  (imported on first use, by __getattr__)
 ]

@@ -303,7 +303,7 @@ def verify(spec: OpSpec, call: Call, **resolved: object) -> None:
     all_gather the ``rows`` it expects from each rank (None when they are exchanged), for
     reduce_scatter the ``rows`` of each position's block.
     """
-    CHECKS[spec](spec.name, call, **resolved)
+    CHECKS[spec.checked_as or spec](spec.name, call, **resolved)
 
 
 def verify_backward(op: str, backend: Backend, group: Group, grad: object, forward: int) -> None:

@@ -23,7 +23,19 @@ from .entry import enter, exclusive_as, leave
 
 F = TypeVar("F", bound=Callable)
 
-TRACED_FORMS: dict[str, str] = {
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "alltoall_single",
+    "broadcast",
+    "exchange_counts",
+    "global_gather",
+    "global_scatter",
+    "reduce_scatter",
+]
+"""The public operators ``import unicoll`` exports (``unicoll.moe`` exports the MoE ones)."""
+
+TRACED_FORMS: dict[str, str | None] = {
     "exchange_counts": "exchange_counts",
     "global_scatter": "global_scatter",
     "global_gather": "global_gather",
@@ -37,7 +49,8 @@ TRACED_FORMS: dict[str, str] = {
     "moe.combine": "moe_combine",
 }
 """Each public operator's traced form: the function of :mod:`unicoll.compiled.traced` that
-records its call while torch.compile traces the caller."""
+records its call while torch.compile traces the caller; None for one that runs eagerly behind
+one graph break."""
 
 _DYNAMO = "torch._dynamo"
 
@@ -52,12 +65,13 @@ def _public(name: str, eager: F, module: str) -> F:
     def under_dynamo(args: tuple, kwargs: dict[str, Any]) -> Any:
         nonlocal untraced
         torch = sys.modules["torch"]
-        if torch.compiler.is_compiling():
+        if traced_form is not None and torch.compiler.is_compiling():
             from .compiled import traced
 
             return getattr(traced, traced_form)(*args, **kwargs)
         if untraced is None:
-            untraced = torch.compiler.disable(locked, reason=f"unicoll.{name} runs eagerly here")
+            reason = f"unicoll.{name} runs eagerly here" + ("" if traced_form else " (it has no traced form)")
+            untraced = torch.compiler.disable(locked, reason=reason)
         return untraced(*args, **kwargs)
 
     @functools.wraps(eager)

@@ -155,8 +155,10 @@ class OpSpec:
     derives from a call that passed the rules, computed once and remembered with the call
     (:attr:`Call.plan`): a tuple of lists of ints (split sizes, say), an object that says
     what it holds in ``nbytes`` (the MoE operators' :class:`~unicoll.backends.layout.MoePlan`)
-    or None, which nothing may change. Specs compare by identity, as check mode
-    keys its comparisons by them.
+    or None, which nothing may change. ``checked_as``: the entry point whose cross-rank
+    comparison check mode runs for this one's calls (None: its own, in
+    :data:`unicoll.check.CHECKS`), for an operator that moves what another one moves. Specs
+    compare by identity, as check mode keys its comparisons by them.
     """
 
     name: str
@@ -166,6 +168,7 @@ class OpSpec:
     backward: str
     in_capabilities: bool = True
     plan: Callable[[Call], Any] | None = None
+    checked_as: OpSpec | None = None
 
     @cached_property
     def signed(self) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
@@ -387,6 +390,7 @@ ALLTOALL_SINGLE = OpSpec(
     backward="alltoall_single of the output gradient with the split sizes swapped",
     plan=_alltoall_splits,
 )  # fmt: skip
+
 
 
 def _gather_output_kind(c: Call) -> str | None:

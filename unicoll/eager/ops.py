@@ -325,9 +325,9 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     call = prepare(ALLTOALL_SINGLE, arguments)
     out_tensor, in_tensor = arguments["out_tensor"], arguments["in_tensor"]
     sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
-    backend, grp = call.backend, call.group
-    in_splits, out_splits = call.plan
     if out_tensor is not None and sync_op and not call.check:  # the steady state of a loop: no closures, no Task
+        backend, grp = call.backend, call.group
+        in_splits, out_splits = call.plan
         try:  # into a given output, base.Backend.alltoall_single is the alltoallv primitive: called directly
             backend.alltoallv(
                 backend.to_native(out_tensor), _native_input(backend, in_tensor, out_tensor),
@@ -336,11 +336,30 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
         except TransportError as exc:
             raise reported(exc, ALLTOALL_SINGLE.name, grp, call.timeout) from exc
         return out_tensor, out_splits
+    return _rows_to_peers(ALLTOALL_SINGLE, call, out_tensor, in_tensor, sync_op, use_calc_stream)
+
+
+def _rows_to_peers(
+    spec: OpSpec,
+    call: Call,
+    out_tensor: Any | None,
+    in_tensor: Any,
+    sync_op: bool,
+    use_calc_stream: bool,
+    then: Callable[[Any, list[int]], Any] | None = None,
+) -> tuple[Any, list[int] | None]:
+    """The all-to-all of ``in_tensor``'s rows by the split sizes of ``call.plan`` (the receive
+    sizes exchanged first where they are None), for alltoall_single or alltoall (``spec``): the
+    result (``out_tensor`` filled, or a new array with alltoall_single's backward), passed
+    through ``then(result, received)`` where given, or a Task; and the split sizes received
+    (None while a Task has not exchanged them yet)."""
+    backend, grp = call.backend, call.group
+    in_splits, out_splits = call.plan
 
     def issue() -> Pending:
         nonlocal out_splits
         if call.check:
-            verify(ALLTOALL_SINGLE, call, in_splits=in_splits, out_splits=out_splits)
+            verify(spec, call, in_splits=in_splits, out_splits=out_splits)
         if out_splits is None:
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
         return _issue_alltoall(backend, out_tensor, in_tensor, out_splits, in_splits, grp, not sync_op, use_calc_stream)
@@ -349,8 +368,11 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
         finish = lambda _: out_tensor  # noqa: E731
     else:
         backward = lambda g: alltoall_single_backward(backend, grp, g, in_splits, out_splits)  # noqa: E731
-        finish = _functional(ALLTOALL_SINGLE.name, call, in_tensor, backward)
-    result = _run(ALLTOALL_SINGLE.name, call, issue, finish)  # issues: out_splits known from here on
+        finish = _functional(spec.name, call, in_tensor, backward)
+    if then is not None:
+        functional = finish
+        finish = lambda result: then(functional(result), out_splits)  # noqa: E731
+    result = _run(spec.name, call, issue, finish)  # issues: out_splits known from here on
     return result, out_splits
 
 
@@ -433,16 +455,16 @@ def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     elif not isinstance(target, list):
         finish = lambda _: target  # noqa: E731
     else:
-        finish = lambda result: _fill_list(backend, target, result, rows, tensor)  # noqa: E731
+        finish = lambda result: _fill_list(target, backend.from_native(result, library_of(tensor)), rows)  # noqa: E731
     result = _run(ALL_GATHER.name, call, issue, finish)  # issues: rows known from here on
     return result, rows
 
 
-def _fill_list(backend: Backend, target: list, result: Any, rows: list[int], like: Any) -> list:
-    """Split the gathered rows per rank into ``target``: appended when empty, else copied in."""
-    gathered = backend.from_native(result, library_of(like))
+def _fill_list(target: list, rows_of_peers: Any, rows: list[int]) -> list:
+    """Split ``rows_of_peers`` (the caller's library) per rank, ``rows[c]`` rows from rank c,
+    into ``target``: appended when empty, else copied into its arrays."""
     offsets = np.concatenate([[0], np.cumsum(rows)]).tolist()
-    parts = [gathered[offsets[c] : offsets[c + 1]] for c in range(len(rows))]
+    parts = [rows_of_peers[offsets[c] : offsets[c + 1]] for c in range(len(rows))]
     if not target:
         target.extend(parts)
     else:
