@@ -50,7 +50,7 @@ TRACED_FORMS: dict[str, str | None] = {
 }
 """Each public operator's traced form: the function of :mod:`unicoll.compiled.traced` that
 records its call while torch.compile traces the caller; None for one that runs eagerly behind
-one graph break."""
+one graph break (:func:`unicoll.compiled.traced.without_traced_form`)."""
 
 _DYNAMO = "torch._dynamo"
 
@@ -65,13 +65,14 @@ def _public(name: str, eager: F, module: str) -> F:
     def under_dynamo(args: tuple, kwargs: dict[str, Any]) -> Any:
         nonlocal untraced
         torch = sys.modules["torch"]
-        if traced_form is not None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             from .compiled import traced
 
+            if traced_form is None:
+                return traced.without_traced_form(locked, args, kwargs)
             return getattr(traced, traced_form)(*args, **kwargs)
         if untraced is None:
-            reason = f"unicoll.{name} runs eagerly here" + ("" if traced_form else " (it has no traced form)")
-            untraced = torch.compiler.disable(locked, reason=reason)
+            untraced = torch.compiler.disable(locked, reason=f"unicoll.{name} runs eagerly here")
         return untraced(*args, **kwargs)
 
     @functools.wraps(eager)

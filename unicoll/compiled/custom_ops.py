@@ -28,7 +28,6 @@ from ..backends.layout import moe_plan
 from ..counts import even_split
 from ..eager import moe, ops
 from ..group import Group, group_numbered
-from ..spec import OPS
 from . import locked
 
 WORLD = -1
@@ -621,11 +620,12 @@ def _moe_check_fake(
 CUSTOM_OPS = (
     "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
     "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check",
-    *(f"{name}_backward" for name in OPS),
+    "global_scatter_backward", "global_gather_backward", "alltoall_single_backward", "all_gather_backward",
+    "all_reduce_backward", "broadcast_backward", "reduce_scatter_backward",
 )  # fmt: skip
-"""The ops of the ``unicoll`` namespace: each data operator's forward and backward (every one in
-the backends' capability tables has a backward), the counts' exchange, and unicoll.moe's layout
-and check."""
+"""The ops of the ``unicoll`` namespace: each traced operator's (:data:`unicoll.face.TRACED_FORMS`)
+forward and, for a data operator, backward; unicoll.moe's layout and check. tests/compile holds
+this list against the table and the specs."""
 
 for _op in CUSTOM_OPS:
     # a collective runs on every rank even where its result goes unused, and a check raises:

@@ -35,9 +35,9 @@ def _eagerly(reason: str) -> Callable[..., Any]:
     break, whose reason reads ``unicoll: <reason>; the call runs eagerly``."""
 
     @torch.compiler.disable(reason=f"unicoll: {reason}; the call runs eagerly")
-    def run(op: Callable[..., Any], *args: Any) -> Any:
-        """``op(*args)``, eagerly."""
-        return op(*args)
+    def run(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``op(*args, **kwargs)``, eagerly."""
+        return op(*args, **kwargs)
 
     return run
 
@@ -57,6 +57,15 @@ _scalars_off = _eagerly(
     "torch._dynamo.config.capture_scalar_outputs = True"
 )
 _eager_handle = _eagerly("a moe.Handle made by an eager moe.dispatch keeps its layout on the host")
+
+_no_traced_form = _eagerly("this operator has no traced form (its arrays come and go in lists)")
+
+
+def without_traced_form(eager: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The call of an operator that has no traced form (:data:`unicoll.face.TRACED_FORMS`):
+    ``eager`` (the operator under the lock), behind one graph break."""
+    return _no_traced_form(eager, *args, **kwargs)
+
 
 _UNTRACEABLE = object()
 """What :func:`_number` and :func:`_counts` return for a value that is not traced."""
