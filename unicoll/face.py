@@ -26,6 +26,7 @@ F = TypeVar("F", bound=Callable)
 __all__ = [
     "all_gather",
     "all_reduce",
+    "alltoall",
     "alltoall_single",
     "broadcast",
     "exchange_counts",
@@ -40,6 +41,7 @@ TRACED_FORMS: dict[str, str | None] = {
     "global_scatter": "global_scatter",
     "global_gather": "global_gather",
     "alltoall_single": "alltoall_single",
+    "alltoall": None,
     "all_gather": "all_gather",
     "all_reduce": "all_reduce",
     "reduce_scatter": "reduce_scatter",
@@ -50,7 +52,8 @@ TRACED_FORMS: dict[str, str | None] = {
 }
 """Each public operator's traced form: the function of :mod:`unicoll.compiled.traced` that
 records its call while torch.compile traces the caller; None for one that runs eagerly behind
-one graph break (:func:`unicoll.compiled.traced.without_traced_form`)."""
+one graph break (:func:`unicoll.compiled.traced.without_traced_form`; ``alltoall``: lists of
+arrays in and out)."""
 
 _DYNAMO = "torch._dynamo"
 
@@ -93,6 +96,7 @@ exchange_counts = _public("exchange_counts", ops.exchange_counts, "unicoll")
 global_scatter = _public("global_scatter", ops.global_scatter, "unicoll")
 global_gather = _public("global_gather", ops.global_gather, "unicoll")
 alltoall_single = _public("alltoall_single", ops.alltoall_single, "unicoll")
+alltoall = _public("alltoall", ops.alltoall, "unicoll")
 all_gather = _public("all_gather", ops.all_gather, "unicoll")
 all_reduce = _public("all_reduce", ops.all_reduce, "unicoll")
 reduce_scatter = _public("reduce_scatter", ops.reduce_scatter, "unicoll")

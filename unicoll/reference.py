@@ -33,6 +33,7 @@ __all__ = [
     "global_gather",
     "global_counts",
     "alltoall_single",
+    "alltoall",
     "all_gather",
     "all_gather_backward",
     "moe_dispatch",
@@ -243,6 +244,25 @@ def alltoall_single(xs: Sequence[np.ndarray], in_split_sizes: Sequence[ArrayLike
         _check_rows(arrays, np.array([s.sum() for s in splits]), "xs", "sum(in_split_sizes[{r}])")
     # An all-to-all is global_scatter with one expert per rank.
     return global_scatter(arrays, splits)
+
+
+def alltoall(xs: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
+    """All-to-all of arrays, for the whole world: ``xs[r][c]`` is what rank r sends rank c;
+    rank c receives ``[xs[r][c] for r]``, entry r from rank r.
+
+    Raises ValueError unless every rank gives one array per rank.
+
+    Example (W=2)::
+
+        >>> ys = alltoall([[np.array([0]), np.array([1, 2])], [np.array([10, 11]), np.array([])]])
+        >>> [[y.tolist() for y in row] for row in ys]
+        [[[0], [10, 11]], [[1, 2], []]]
+    """
+    world = len(xs)
+    for r, row in enumerate(xs):
+        if len(row) != world:
+            raise ValueError(f"xs[{r}]: expected {world} arrays, one per rank, got {len(row)}")
+    return [[np.asarray(xs[r][c]) for r in range(world)] for c in range(world)]
 
 
 def all_gather(xs: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -44,7 +44,7 @@ from .kinds import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .backends.base import Backend
+    from .backends.base import Backend, Capabilities
     from .group import Group
     from .routing import Handle
 
@@ -72,6 +72,8 @@ class Call:
     out_split_sizes: np.ndarray | None = None
     in_split_sizes: np.ndarray | None = None
     tensor_or_tensor_list: Any = None
+    out_tensor_or_tensor_list: Any = None
+    in_tensor_or_tensor_list: Any = None
     tensor: Any = None
     out: Any = None
     op: str | None = None
@@ -103,6 +105,8 @@ class Call:
             self.out_split_sizes,
             self.in_split_sizes,
             self.tensor_or_tensor_list,
+            self.out_tensor_or_tensor_list,
+            self.in_tensor_or_tensor_list,
             self.tensor,
             self.out,
             self.op,
@@ -391,6 +395,102 @@ ALLTOALL_SINGLE = OpSpec(
     plan=_alltoall_splits,
 )  # fmt: skip
 
+
+def _read_arrays(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    """An input array, or a list of them (each read as an input array)."""
+    if isinstance(value, list):
+        return [ARRAY.read(op, f"{param}[{i}]", v, caps, backend) for i, v in enumerate(value)]
+    return ARRAY.read(op, param, value, caps, backend)
+
+
+_ARRAYS = Kind(
+    doc="each array as an input array.",
+    read=_read_arrays,
+    sign=lambda value: None if isinstance(value, list) else ARRAY.sign(value),  # lists are not remembered
+    passed_through=True,
+)
+"""alltoall's input: one array, or a list of one array per rank."""
+
+
+def _peer_rows(value: Any, world: int) -> list[int] | None:
+    """The rows for (or from) each rank that an array (an even split) or a list of W arrays
+    holds; None for an empty list."""
+    if isinstance(value, list):
+        return [_rows(a) for a in value] if value else None
+    return even_split(_rows(value), world)
+
+
+def _alltoall_lists(c: Call) -> str | None:
+    """Inputs: a list of {W} arrays, or one array of a multiple of {W} rows; outputs the same,
+    or an empty list."""
+    for name in ("in_tensor_or_tensor_list", "out_tensor_or_tensor_list"):
+        value = getattr(c, name)
+        if isinstance(value, list):
+            if len(value) != c.W and (value or name.startswith("in")):
+                return f"{name} as a list of length {len(value)}"
+        elif _rows(value) % c.W:
+            return f"{name} as an array of {_rows(value)} rows"
+    return None
+
+
+def _alltoall_kinds(c: Call) -> str | None:
+    """Every array of the library, dtype and trailing shape of the first input."""
+    given, out = c.in_tensor_or_tensor_list, c.out_tensor_or_tensor_list
+    arrays = given if isinstance(given, list) else [given]
+    if not arrays:
+        return None
+    first = arrays[0]
+    others = [*arrays[1:], *(out if isinstance(out, list) else [out])]
+    return next((m for a in others if (m := _same_array_kind(a, first, "in_tensor_or_tensor_list[0]"))), None)
+
+
+def _alltoall_to_self(c: Call) -> str | None:
+    """This rank receives from itself the rows it sends itself (where the output says)."""
+    sent = _peer_rows(c.in_tensor_or_tensor_list, c.W)
+    received = _peer_rows(c.out_tensor_or_tensor_list, c.W)
+    me = c.group.rank
+    if sent is None or received is None or sent[me] == received[me]:
+        return None
+    return f"{received[me]} rows from this rank (position {me}) while it sends itself {sent[me]}"
+
+
+def _alltoall_plan(c: Call) -> tuple[list[int], list[int] | None]:
+    """alltoall's send and receive sizes; the receive sizes None where they are exchanged (an
+    empty output list)."""
+    return _peer_rows(c.in_tensor_or_tensor_list, c.W), _peer_rows(c.out_tensor_or_tensor_list, c.W)
+
+
+ALLTOALL = OpSpec(
+    name="alltoall",
+    summary=(
+        "All-to-all of arrays, PaddlePaddle's stream alltoall: rank r sends its entry c (or block c of an array "
+        "split evenly) to rank c, and receives from each rank c its entry r into entry c of the output, in rank "
+        "order. Entries for different ranks may differ in rows."
+    ),
+    params=(
+        Param("out_tensor_or_tensor_list", GATHER_OUTPUT, "array | list",
+              "A list of W arrays, filled in place (entry c from rank c); an empty list, which gets W arrays "
+              "appended (their rows are exchanged first); or one array, split evenly into W blocks, filled in "
+              "place."),
+        Param("in_tensor_or_tensor_list", _ARRAYS, "array | list",
+              "A list of W arrays (entry c goes to rank c), or one array split evenly into W blocks."),
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(
+        Rule("out_tensor_or_tensor_list", "an array or a list", lambda c: (
+            "None" if c.out_tensor_or_tensor_list is None else None), TypeError),
+        Rule("in_tensor_or_tensor_list",
+             "a list of {W} arrays or an array of a multiple of {W} rows, and an output list of {W} arrays, "
+             "empty, or an array of a multiple of {W} rows", _alltoall_lists),
+        Rule("in_tensor_or_tensor_list", "arrays of one library, dtype and trailing shape, the output's too",
+             _alltoall_kinds, TypeError),
+        Rule("out_tensor_or_tensor_list", "to receive from this rank the rows it sends itself", _alltoall_to_self),
+        _stream_rule(),
+    ),
+    backward="each input entry's gradient is what its rank receives of the output gradient (the all-to-all back)",
+    plan=_alltoall_plan,
+    checked_as=ALLTOALL_SINGLE,
+)  # fmt: skip
 
 
 def _gather_output_kind(c: Call) -> str | None:
@@ -694,7 +794,7 @@ BROADCAST = OpSpec(
 SPECS: dict[str, OpSpec] = {
     op.name: op
     for op in (
-        GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
+        GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALLTOALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
         EXCHANGE_COUNTS, MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE,
     )
 }  # fmt: skip

@@ -29,6 +29,7 @@ OPS = (
     "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
     "all_reduce", "broadcast", "reduce_scatter", "moe_layout",
 )  # fmt: skip
+BACKWARDS = tuple(name for name in SPEC_OPS if name != "alltoall")  # alltoall's is alltoall_single's
 TOKENS = (5, 8, 3, 11, 6, 9)  # six inputs; rank r has r more tokens, and its own routing
 
 
@@ -167,7 +168,7 @@ def _counting_backwards() -> Iterator[collections.Counter]:
     every call of its code)."""
     from unicoll.eager import ops
 
-    codes = {getattr(ops, f"{name}_backward").__code__: name for name in SPEC_OPS}
+    codes = {getattr(ops, f"{name}_backward").__code__: name for name in BACKWARDS}
     calls: collections.Counter = collections.Counter()
 
     def profile(frame, event, arg) -> None:
@@ -240,7 +241,7 @@ def test_compiled_gradients_are_eagers_bit_for_bit_from_the_same_backward(world_
     for report in world_of_two:
         assert report["ops"]["gradients"] == dict.fromkeys(report["ops"]["gradients"], True)
         eager_calls, compiled_calls = report["ops"]["backward calls"]
-        assert set(eager_calls) == set(SPEC_OPS)
+        assert set(eager_calls) == set(BACKWARDS)
         assert eager_calls == compiled_calls
 
 
@@ -259,8 +260,12 @@ def world_of_one(clean_env) -> None:
 
 def test_ops_register_for_cpu_and_cuda() -> None:
     from unicoll.compiled.custom_ops import CUSTOM_OPS  # registers the ops
+    from unicoll.face import TRACED_FORMS
 
-    assert set(CUSTOM_OPS) == {*OPS, "moe_check", *(f"{name}_backward" for name in SPEC_OPS)}
+    traced = {name for name, form in TRACED_FORMS.items() if form is not None and not name.startswith("moe.")}
+    backward = {f"{name}_backward" for name in traced & set(SPEC_OPS)}  # every traced data operator's
+    assert set(CUSTOM_OPS) == {*traced, "moe_layout", "moe_check", *backward}
+    assert traced == set(OPS) - {"moe_layout"}
     for op in CUSTOM_OPS:
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)
@@ -285,6 +290,9 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
         uc.reduce_scatter(out, x * 2)
         return out + 1
 
+    def alltoall_lists(x):
+        return torch.cat(uc.alltoall([], [x * 2])) + 1  # a world of one: one array for the one rank
+
     def dispatch_as_task(x):
         return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [-1]]), experts_per_rank=1, sync_op=False)
 
@@ -307,6 +315,7 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
         (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
         (reduce_scatter_into, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
         (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3), None),
+        (alltoall_lists, "this operator has no traced form", lambda r: torch.equal(r, x * 2 + 1), None),
         (dispatch_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait()[0], x[:2] * 2), None),
         (combine_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * by_row), None),
         (combine_eager_handle, "a moe.Handle made by an eager moe.dispatch", lambda r: torch.equal(r, x * 2 + 1), None),

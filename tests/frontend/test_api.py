@@ -40,6 +40,7 @@ PUBLIC = {
     "global_gather": "(x, local_count, global_count, group=None, sync_op=True, use_calc_stream=True)",
     "alltoall_single": "(out_tensor, in_tensor, out_split_sizes=None, in_split_sizes=None, group=None, "
     "sync_op=True, use_calc_stream=False)",
+    "alltoall": "(out_tensor_or_tensor_list, in_tensor_or_tensor_list, group=None, sync_op=True, use_calc_stream=False)",
     "all_gather": "(tensor_or_tensor_list, tensor, group=None, sync_op=True, use_calc_stream=False)",
     "all_reduce": "(tensor, op='sum', group=None, sync_op=True, use_calc_stream=False)",
     "reduce_scatter": "(out, tensor, op='sum', split_sizes=None, group=None, sync_op=True, use_calc_stream=False)",

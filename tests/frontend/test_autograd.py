@@ -45,3 +45,11 @@ def test_no_graph_without_requires_grad() -> None:
             assert uc.all_gather(None, torch.ones(2, 1, requires_grad=True)).grad_fn is None
     finally:
         uc.finalize()
+
+
+def test_every_data_operator_has_a_gradient_case() -> None:
+    """helpers.gradients.OPS covers every operator of the backends' tables (the specs), and the
+    top-k operators as "moe"."""
+    from unicoll.spec import OPS as SPEC_OPS
+
+    assert set(OPS) == {*SPEC_OPS, "moe"}

@@ -50,6 +50,7 @@ def _cases(h: dict[str, uc.moe.Handle]) -> list[tuple[str, int, dict[str, Any], 
     scatter = dict(x=_rows(3), local_count=[1, 2, 0, 0], global_count=[1, 2, 0, 0])
     gather = dict(x=_rows(3), local_count=[0, 0, 1, 2], global_count=[1, 2, 0, 0])
     splits = dict(out_tensor=None, in_tensor=_rows(4), in_split_sizes=[1, 3])
+    peers = dict(out_tensor_or_tensor_list=_rows(4), in_tensor_or_tensor_list=_rows(4))  # lists are not remembered
     return [
         ("global_scatter", 0, scatter, [dict(local_count=[1, 2, 0])]),
         ("global_scatter", 1, scatter, [dict(global_count=[1, 2])]),
@@ -59,6 +60,11 @@ def _cases(h: dict[str, uc.moe.Handle]) -> list[tuple[str, int, dict[str, Any], 
         ("global_gather", 1, gather, [dict(global_count=[1, 2])]),
         ("global_gather", 2, gather, [dict(x=_rows(4)), dict(global_count=[1, 1, 0, 0])]),
         ("global_gather", 3, gather, [dict(sync_op=False)]),
+        ("alltoall", 0, peers, [dict(out_tensor_or_tensor_list=None)]),
+        ("alltoall", 1, peers, [dict(in_tensor_or_tensor_list=_rows(3)), dict(out_tensor_or_tensor_list=_rows(5))]),
+        ("alltoall", 2, peers, [dict(in_tensor_or_tensor_list=_rows(4, np.float64))]),
+        ("alltoall", 3, peers, [dict(out_tensor_or_tensor_list=_rows(6))]),
+        ("alltoall", 4, {**peers, "use_calc_stream": True}, [dict(sync_op=False)]),
         ("alltoall_single", 0, splits, [dict(in_split_sizes=[4])]),
         ("alltoall_single", 1, splits, [dict(in_split_sizes=[1, 2]), dict(in_tensor=_rows(5))]),
         ("alltoall_single", 2, dict(out_tensor=None, in_tensor=_rows(4)), [dict(in_tensor=_rows(3))]),

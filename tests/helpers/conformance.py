@@ -34,6 +34,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "global_scatter": ("one_expert", "experts"),
     "global_gather": ("one_expert", "experts"),
     "alltoall_single": ("splits", "exchange", "even", "out"),
+    "alltoall": ("lists", "exchange", "arrays"),
     "all_gather": ("new", "array", "empty_list", "filled_list"),
     "all_reduce": REDUCE_OPS,
     "reduce_scatter": ("even", "uneven", "out"),
@@ -271,6 +272,12 @@ def world_case(case: Case, world: int) -> dict[str, Any]:
         expected = reference.alltoall_single(xs, list(splits))
         args = [dict(x=xs[r], in_splits=splits[r], out_splits=splits[:, r]) for r in range(world)]
         return dict(args=args, expected=expected)
+    if case.op == "alltoall":  # rows[r, c]: what rank r sends rank c
+        rows = np.full((world, world), rng.integers(0, 3)) if case.variant == "arrays" else _counts(rng, world, 1)
+        parts = [[_values(rng, int(rows[r, c]), trailing, case.dtype) for c in range(world)] for r in range(world)]
+        expected = [np.concatenate(received) for received in reference.alltoall(parts)]
+        args = [dict(x=np.concatenate(parts[r]), sent=rows[r].tolist(), rows=rows[:, r].tolist()) for r in range(world)]
+        return dict(args=args, expected=expected)
     rows = [int(rng.integers(0, 4))] * world if case.variant == "array" else rng.integers(0, 4, world).tolist()
     xs = [_values(rng, n, trailing, case.dtype) for n in rows]
     return dict(args=[dict(x=x, rows=rows) for x in xs], expected=reference.all_gather(xs))
@@ -332,6 +339,14 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
             return uc.alltoall_single(None, x, **kw), None
         out = _empty(x, int(a["out_splits"].sum()))
         return uc.alltoall_single(out, x, a["out_splits"], a["in_splits"], **kw), out
+    if case.op == "alltoall":
+        if case.variant == "arrays":
+            out = _empty(x, int(sum(a["rows"])))
+            return uc.alltoall(out, x, **kw), out
+        offsets = np.cumsum([0, *a["sent"]])
+        parts = [x[offsets[c] : offsets[c + 1]] for c in range(len(a["sent"]))]
+        target = [] if case.variant == "exchange" else [_empty(x, n) for n in a["rows"]]
+        return uc.alltoall(target, parts, **kw), target
     if case.op == "all_reduce":
         return uc.all_reduce(x, case.reduction, **kw), x
     if case.op == "broadcast":

@@ -14,6 +14,7 @@ OPS = (
     "global_scatter",
     "global_gather",
     "alltoall_single",
+    "alltoall",
     "all_gather",
     "all_reduce",
     "reduce_scatter",
@@ -38,7 +39,7 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
         xs_rows, ys = local.sum(1), reference.global_scatter
     elif op == "global_gather":
         xs_rows, ys = glob.sum(1), reference.global_gather
-    elif op == "alltoall_single":
+    elif op in ("alltoall_single", "alltoall"):
         xs_rows, ys = splits.sum(1), None
     elif op in ("all_reduce", "broadcast"):
         xs_rows, ys = [int(rows[0])] * world, None
@@ -52,7 +53,7 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
         ws = [rng.standard_normal(o.shape) for o in outs]
         back = reference.global_gather if op == "global_scatter" else reference.global_scatter
         grads = back(ws, list(local))
-    elif op == "alltoall_single":
+    elif op in ("alltoall_single", "alltoall"):  # alltoall: x's blocks as a list in, an empty list out
         outs = reference.alltoall_single(xs, list(splits))
         ws = [rng.standard_normal(o.shape) for o in outs]
         grads = reference.alltoall_single(ws, list(splits.T))
@@ -80,6 +81,9 @@ def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
         y = uc.global_gather(x, a["local"][r], a["glob"][r], **kw)
     elif op == "alltoall_single":
         y = uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r], **kw)
+    elif op == "alltoall":  # the received list, concatenated: the gradient flows through its arrays
+        received = uc.alltoall([], list(x.split(a["splits"][r].tolist())), **kw)
+        return torch.cat(received if sync else received.wait())
     elif op == "all_reduce":  # in place: on a result of x, not on the leaf x
         y = uc.all_reduce(x * 1, REDUCTION[op, sync], **kw)
     elif op == "reduce_scatter":

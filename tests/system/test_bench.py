@@ -157,3 +157,13 @@ def _stub_refused_on_two_ranks(rank: int) -> bool:
         with runtime.transport_stubbed():
             pass
     return True
+
+
+def test_every_benched_operator_is_a_specified_one() -> None:
+    """The bench's operators are the specs' (the top-k step as moe_topk), each with a case; the
+    specs' operators it leaves out are the ones composed of another's transfer."""
+    from unicoll.spec import OPS as SPEC_OPS
+
+    assert set(bench.OPS) == set(bench._CASES)
+    assert set(bench.OPS) - {"moe_topk"} <= set(SPEC_OPS)
+    assert set(SPEC_OPS) - set(bench.OPS) == {op for op, spec in SPEC_OPS.items() if spec.checked_as is not None}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from ..arrays import describe, library_of, overlaps
 from ..backends.base import Backend, Pending
@@ -28,6 +29,7 @@ from ..group import Group
 from ..spec import (
     ALL_GATHER,
     ALL_REDUCE,
+    ALLTOALL,
     ALLTOALL_SINGLE,
     BROADCAST,
     EXCHANGE_COUNTS,
@@ -301,6 +303,39 @@ def alltoall_single(
                      in_split_sizes=in_split_sizes, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
     return _alltoall_single(arguments)[0]
+
+
+def alltoall(
+    out_tensor_or_tensor_list: Any | list,
+    in_tensor_or_tensor_list: Any | list,
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """All-to-all of arrays (PaddlePaddle's stream ``alltoall``): rank r sends entry c of
+    ``in_tensor_or_tensor_list`` to rank c and receives rank c's entry r into entry c of
+    ``out_tensor_or_tensor_list``. Returns the output, filled (or a Task whose ``wait()`` does).
+
+    Either side may be one array split evenly into W blocks; the entries of a list may differ in
+    rows; an empty output list gets W arrays appended (their rows are exchanged first). Gradients
+    flow from the outputs of a new list, or of arrays autograd records a copy into, back to the
+    inputs (the all-to-all back: alltoall_single's backward).
+
+    >>> received = []
+    >>> uc.alltoall(received, [x[:1], x[1:]])   # W=2: x[:1] to rank 0, x[1:] to rank 1  # doctest: +SKIP
+    """
+    arguments = dict(out_tensor_or_tensor_list=out_tensor_or_tensor_list,
+                     in_tensor_or_tensor_list=in_tensor_or_tensor_list, group=group, sync_op=sync_op,
+                     use_calc_stream=use_calc_stream)  # fmt: skip
+    call = prepare(ALLTOALL, arguments)
+    out, given = out_tensor_or_tensor_list, in_tensor_or_tensor_list
+    sent = array_namespace(*given).concat(given, axis=0) if isinstance(given, list) else given
+    if call.check:  # a call of its own (prepare copies it in check mode): compared as alltoall_single's rows
+        call.in_tensor = sent
+    if not isinstance(out, list):
+        return _rows_to_peers(ALLTOALL, call, out, sent, sync_op, use_calc_stream)[0]
+    into_list = lambda result, rows: _fill_list(out, result, rows)  # noqa: E731
+    return _rows_to_peers(ALLTOALL, call, None, sent, sync_op, use_calc_stream, into_list)[0]
 
 
 def alltoall_single_and_splits(
