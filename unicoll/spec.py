@@ -14,6 +14,7 @@ group size.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -90,38 +91,13 @@ class Call:
     plan: Any = None
 
     def copy(self) -> Call:
-        """A shallow copy: the same values in a new call."""
-        return Call(
-            self.W,
-            self.group,
-            self.backend,
-            self.timeout,
-            self.check,
-            self.x,
-            self.local_count,
-            self.global_count,
-            self.out_tensor,
-            self.in_tensor,
-            self.out_split_sizes,
-            self.in_split_sizes,
-            self.tensor_or_tensor_list,
-            self.out_tensor_or_tensor_list,
-            self.in_tensor_or_tensor_list,
-            self.tensor,
-            self.out,
-            self.op,
-            self.split_sizes,
-            self.src,
-            self.sync_op,
-            self.use_calc_stream,
-            self.topk_idx,
-            self.topk_weights,
-            self.experts_per_rank,
-            self.capacity,
-            self.y,
-            self.handle,
-            self.plan,
-        )
+        """A shallow copy: the same values in a new call (check mode's calls, and each call
+        the memory of accepted calls serves in check mode, are copies)."""
+        return Call(*_CALL_FIELDS(self))
+
+
+_CALL_FIELDS = operator.attrgetter(*Call.__slots__)
+"""Every field of a :class:`Call`, in the order its constructor takes them."""
 
 
 REQUIRED = object()
