@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from . import forking, registry
 from .backends.base import Backend
 from .backends.stub import StubTransport
-from .cache import BoundedCache
 from .check import count_call, verify_barrier, verify_new_group
 from .entry import exclusive
 from .errors import NotInitializedError, translated
 from .group import Group
+from .memory import CallMemory
 from .session import end_session
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
@@ -35,9 +35,6 @@ MIN_TIMEOUT = 1e-3
 """The shortest timeout: the transports' stores count in milliseconds."""
 MAX_TIMEOUT = 1e7
 """The longest timeout (about 116 days): torch's and MPI's waits take finite durations."""
-ACCEPTED_CACHE_BYTES = 16 * 2**20
-"""The most a session's memory of accepted calls (:mod:`unicoll.validate`) may hold: their counts
-and what the calls derive from them (split sizes, the MoE operators' plans and reorders)."""
 
 
 @dataclass
@@ -46,10 +43,8 @@ class _State:
     world: Group
     timeout: float
     check: bool
-    #: Calls accepted by the validator in this session, by signature (see unicoll.validate).
-    accepted: BoundedCache = field(default_factory=lambda: BoundedCache(ACCEPTED_CACHE_BYTES))
-    #: Each operator's count of calls the memory could not serve, less a credit per call served (unicoll.validate).
-    missed: dict = field(default_factory=dict)
+    #: The validator's memory of the calls it accepted in this session (unicoll.memory).
+    memory: CallMemory = field(default_factory=CallMemory)
 
 
 _state: _State | None = None
@@ -221,12 +216,12 @@ def transport_stubbed() -> Iterator[None]:
             "(the others would wait for transfers that never come)"
         )
     real = current.backend
-    current.accepted.clear()  # remembered calls carry the backend they ran on
+    current.memory.clear()  # remembered calls carry the backend they ran on
     current.backend = StubTransport(real)
     try:
         yield
     finally:
-        current.accepted.clear()
+        current.memory.clear()
         current.backend = real
 
 

@@ -26,7 +26,7 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     A call whose arguments have the signatures (:mod:`unicoll.kinds`) of a call accepted
     before is the call remembered then, so the steady state of a training loop costs a few
     dictionary lookups. The memory of accepted calls keeps copies of counts, never the
-    caller's arrays, and is bounded by :data:`unicoll.runtime.ACCEPTED_CACHE_BYTES`. A
+    caller's arrays, and is bounded by :data:`unicoll.memory.MAX_BYTES`. A
     remembered call is shared and must not be changed, and it carries no arrays: operators
     read their arrays from ``arguments`` (in check mode the call carries them, for
     :mod:`unicoll.check`).
@@ -42,23 +42,24 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     for name, sign in spec.signed:  # a loop: a comprehension costs a call more (Python 3.11)
         parts.append(sign(arguments[name]))
     key = tuple(parts)
+    memory = state.memory
     try:
-        accepted = state.accepted.get(key)  # never holds a key with a None signature (not remembered)
+        accepted = memory.accepted.get(key)  # never holds a key with a None signature (not remembered)
     except TypeError:  # an unhashable argument, such as counts given as a list of lists
         return _read_call(spec, arguments, state, group)
     if accepted is None:
         call = _read_call(spec, arguments, state, group)
-        missed = state.missed[spec] = state.missed.get(spec, 0) + 1
+        missed = memory.missed[spec] = memory.missed.get(spec, 0) + 1
         if None not in key and (missed < _STREAK or missed % _STREAK == 0):
             kept = _frozen(call.copy() if state.check else call, spec)  # check mode returns the arrays too
-            state.accepted.put(key, kept, _remembered_bytes(kept, spec))
+            memory.accepted.put(key, kept, _remembered_bytes(kept, spec))
         return call
-    missed = state.missed.get(spec)
+    missed = memory.missed.get(spec)
     if missed is not None:  # absent in a loop the memory serves: one lookup
         if missed > _CREDIT:
-            state.missed[spec] = missed - _CREDIT
+            memory.missed[spec] = missed - _CREDIT
         else:
-            del state.missed[spec]
+            del memory.missed[spec]
     if not state.check:
         return accepted
     call = accepted.copy()

@@ -81,7 +81,7 @@ def test_a_remembered_call_carries_its_plan_in_the_memory_bound(clean_env: None)
     uc.init("gloo")
     x, counts = np.arange(6.0), np.array([1, 2, 3])
     uc.global_scatter(x, counts, counts)
-    memory = runtime.state("test").accepted
+    memory = runtime.state("test").memory.accepted
     ((kept, nbytes, _),) = memory._entries.values()
     assert isinstance(kept.plan, MoePlan)
     assert nbytes == validate._ENTRY_OVERHEAD + 2 * 3 * validate._BYTES_PER_COUNT + kept.plan.nbytes
@@ -96,7 +96,7 @@ def test_global_gather_after_global_scatter_shares_its_plan(clean_env: None) -> 
     x, local, glob = np.arange(6.0), np.array([1, 2, 3]), np.array([1, 2, 3])
     y = uc.global_scatter(x, local, glob)
     np.testing.assert_array_equal(uc.global_gather(y, local.copy(), glob.copy()), x)
-    plans = [call.plan for call, *_ in runtime.state("test").accepted._entries.values()]
+    plans = [call.plan for call, *_ in runtime.state("test").memory.accepted._entries.values()]
     assert len(plans) == 2 and plans[0] is plans[1]
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _memory() -> BoundedCache:
-    return runtime.state("test").accepted
+    return runtime.state("test").memory.accepted
 
 
 def test_remembered_calls_keep_no_caller_array_and_serve_new_arrays() -> None:
@@ -71,8 +71,8 @@ def test_after_a_streak_of_new_counts_one_call_in_streak_is_remembered() -> None
     for _ in range(3 * streak):
         uc.global_scatter(x, (c := next(fresh)), c)
     assert len(_memory()) == remembered + 3  # the streak's 64th, 128th and 192nd call
-    assert runtime.state("test").missed[GLOBAL_SCATTER] >= streak
-    repeated, missed = np.array([20, 0, 20]), runtime.state("test").missed
+    assert runtime.state("test").memory.missed[GLOBAL_SCATTER] >= streak
+    repeated, missed = np.array([20, 0, 20]), runtime.state("test").memory.missed
     before = len(_memory())
     for _ in range(streak):  # remembered at the count's next multiple of 64 at the latest
         np.testing.assert_array_equal(uc.global_scatter(x, repeated, repeated), x)

@@ -19,7 +19,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "foundations",
         ("unicoll.errors", "unicoll.arrays", "unicoll.session", "unicoll.group", "unicoll.forking",
-         "unicoll.cache", "unicoll.counts", "unicoll.reference"),
+         "unicoll.cache", "unicoll.memory", "unicoll.counts", "unicoll.reference"),
     ),
     (
         "transports",

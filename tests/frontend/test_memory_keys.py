@@ -135,7 +135,7 @@ def _key(spec: OpSpec, arguments: dict[str, Any]) -> tuple:
 def every_rule_against_the_memory(rank: int) -> list[tuple[str, int, str | None, str | None, bool, bool]]:
     """For each case: the error with the passing call remembered, the error with an empty
     memory, whether the passing call was remembered, whether the keys differ."""
-    memory = runtime.state("test").accepted
+    memory = runtime.state("test").memory.accepted
     seen = []
     for name, index, base, changes in _cases(_handles()):
         spec = SPECS[name]
