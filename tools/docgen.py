@@ -14,6 +14,7 @@ import sys
 from unicoll import registry
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import REDUCE_OPS
+from unicoll.eager import ops as eager_ops
 from unicoll.spec import OPS, REQUIRED, SPECS, OpSpec, Param
 
 
@@ -48,8 +49,19 @@ def render_op(op: OpSpec) -> list[str]:
     for rule in op.rules:
         expected = rule.expected.replace("{W}", "W")
         lines.append(f"- `{rule.param}`: {rule.error.__name__} unless {expected}.")
-    lines += ["", f"Gradient: {op.backward}.", ""]
+    lines += ["", _gradient(op), ""]
     return lines
+
+
+def _gradient(op: OpSpec) -> str:
+    """The line that says the operator's gradient: its backward function's docstring (the first
+    paragraph, unicoll.eager.ops.<name>_backward), or the spec's words for one without such a
+    function."""
+    backward = getattr(eager_ops, f"{op.name}_backward", None)
+    if backward is None:
+        return f"Gradient: {op.backward}."
+    first = " ".join(backward.__doc__.split("\n\n")[0].split())
+    return f"Gradient (`unicoll.eager.ops.{backward.__name__}`): {first}"
 
 
 def render_capabilities() -> list[str]:

@@ -137,7 +137,9 @@ class OpSpec:
     what it holds in ``nbytes`` (the MoE operators' :class:`~unicoll.backends.layout.MoePlan`)
     or None, which nothing may change. ``checked_as``: the entry point whose cross-rank
     comparison check mode runs for this one's calls (None: its own, in
-    :data:`unicoll.check.CHECKS`), for an operator that moves what another one moves. Specs
+    :data:`unicoll.check.CHECKS`), for an operator that moves what another one moves.
+    ``backward``: its gradient in words, for an operator without a backward function of its own
+    (``<name>_backward`` in :mod:`unicoll.eager.ops`, whose docstring says it otherwise). Specs
     compare by identity, as check mode keys its comparisons by them.
     """
 
@@ -145,7 +147,7 @@ class OpSpec:
     summary: str
     params: tuple[Param, ...]
     rules: tuple[Rule, ...]
-    backward: str
+    backward: str = ""
     in_capabilities: bool = True
     plan: Callable[[Call], Any] | None = None
     checked_as: OpSpec | None = None
@@ -263,7 +265,6 @@ GLOBAL_SCATTER = OpSpec(
              else f"sum(local_count)={total(c.local_count)} for x with {_rows(c.x)} rows"),
         _stream_rule(),
     ),
-    backward="global_gather of the output gradient with the same counts",
     plan=_moe_plan,
 )  # fmt: skip
 
@@ -285,7 +286,6 @@ GLOBAL_GATHER = OpSpec(
              else f"sum(global_count)={total(c.global_count)} for x with {_rows(c.x)} rows"),
         _stream_rule(),
     ),
-    backward="global_scatter of the output gradient with the same counts",
     plan=_moe_plan,
 )  # fmt: skip
 
@@ -367,7 +367,6 @@ ALLTOALL_SINGLE = OpSpec(
              TypeError),
         _stream_rule(),
     ),
-    backward="alltoall_single of the output gradient with the split sizes swapped",
     plan=_alltoall_splits,
 )  # fmt: skip
 
@@ -511,7 +510,6 @@ ALL_GATHER = OpSpec(
              "for this rank has the rows of tensor", _gather_output_rows),
         _stream_rule(),
     ),
-    backward="each rank's gradient is the sum of every rank's output gradient for its rows (a reduce-scatter)",
 )  # fmt: skip
 
 EXCHANGE_COUNTS = OpSpec(
@@ -707,7 +705,6 @@ ALL_REDUCE = OpSpec(
         *_common_params(use_calc_stream=False),
     ),
     rules=(_reduction_rule(), _stream_rule()),
-    backward="all_reduce of the output gradient with the same op (sum or avg; max, min and prod record none)",
 )
 
 
@@ -744,7 +741,6 @@ REDUCE_SCATTER = OpSpec(
         _reduction_rule(),
         _stream_rule(),
     ),
-    backward="all_gather of the output gradient (avg: divided by W; max, min and prod record none)",
 )  # fmt: skip
 
 BROADCAST = OpSpec(
@@ -763,7 +759,6 @@ BROADCAST = OpSpec(
              lambda c: None if 0 <= c.src < c.W else str(c.src)),
         _stream_rule(),
     ),
-    backward="the sum of every rank's output gradient on src, zero elsewhere (a reduce to src)",
 )  # fmt: skip
 
 #: Every entry point with a spec, by name, in the order the docs list them.

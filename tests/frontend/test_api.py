@@ -116,6 +116,17 @@ def test_every_spec_has_kinds_and_a_check_mode_comparison() -> None:
     assert check.ENTRY_POINTS == (*SPECS, *(f"{name} (backward)" for name in SPECS), "barrier", "new_group")
 
 
+def test_every_gradient_is_said_once() -> None:
+    """An operator's gradient is its backward function (unicoll.eager.ops.<name>_backward, whose
+    docstring the API page shows) or, for one without, the spec's words: never both."""
+    from unicoll.eager import ops as eager_ops
+
+    for name, op in SPECS.items():
+        own = getattr(eager_ops, f"{name.replace('.', '_')}_backward", None)
+        assert (own is None) == bool(op.backward), name
+        assert own is None or own.__doc__, name
+
+
 def test_call_copy_keeps_every_field() -> None:
     values = {name: object() for name in Call.__slots__}
     copied = Call(**values).copy()

@@ -114,43 +114,43 @@ def guarded(
 
 
 def global_scatter_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
-    """global_scatter's gradient: global_gather of the output's gradient with the same plan."""
+    """global_gather of the output gradient with the same counts (the same plan)."""
     return backend.global_gather(grad, plan, group, False).finish()
 
 
 def global_gather_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
-    """global_gather's gradient: global_scatter of the output's gradient with the same plan."""
+    """global_scatter of the output gradient with the same counts (the same plan)."""
     return backend.global_scatter(grad, plan, group, False).finish()
 
 
 def alltoall_single_backward(backend: Backend, group: Group, grad: Any, sent: list[int], received: list[int]) -> Any:
-    """alltoall_single's gradient goes back the way the rows came: ``received[c]`` rows to rank
-    c, ``sent[c]`` rows from it."""
+    """alltoall_single of the output gradient with the split sizes swapped: back the way the
+    rows came, ``received[c]`` rows to rank c and ``sent[c]`` rows from it."""
     return backend.alltoall_single(None, grad, sent, received, group, False).finish()
 
 
 def all_gather_backward(backend: Backend, group: Group, grad: Any, rows: list[int]) -> Any:
-    """all_gather's gradient: every rank's gradient of this rank's rows, summed (a
-    reduce_scatter by the rows each rank sent)."""
+    """Each rank's gradient is the sum of every rank's output gradient for its rows: a
+    reduce_scatter by the rows each rank sent."""
     return backend.reduce_scatter(None, grad, "sum", rows, group, False).finish()
 
 
 def all_reduce_backward(backend: Backend, group: Group, grad: Any, op: str) -> Any:
-    """all_reduce's gradient: the same reduction (sum or avg) of the gradient, into a copy
-    (torch may use the gradient elsewhere)."""
+    """all_reduce of the output gradient with the same op, sum or avg (max, min and prod
+    record none), into a copy: torch may use the gradient elsewhere."""
     return backend.all_reduce(_copy(grad), op, group, False).finish()
 
 
 def reduce_scatter_backward(backend: Backend, group: Group, grad: Any, op: str, rows: list[int]) -> Any:
-    """reduce_scatter's gradient: every rank's block gradient, gathered in rank order (block c
-    has ``rows[c]`` rows), divided by the group size for avg."""
+    """all_gather of the output gradient: every rank's block gradient in rank order (block c
+    has ``rows[c]`` rows), divided by W for avg (max, min and prod record none)."""
     gathered = backend.all_gather(None, grad, rows, group, False).finish()
     return gathered / group.world_size if op == "avg" else gathered
 
 
 def broadcast_backward(backend: Backend, group: Group, grad: Any, src: int) -> Any:
-    """broadcast's gradient: every rank's gradient summed on the source, zero elsewhere (every
-    rank takes part)."""
+    """The sum of every rank's output gradient on src, zero elsewhere (a reduce to src, in
+    which every rank takes part)."""
     total = backend.all_reduce(_copy(grad), "sum", group, False).finish()
     if group.rank != src:
         total[...] = 0
