@@ -221,6 +221,16 @@ def aliasing(rank: int) -> dict[str, bool]:
         results[f"{library} overlapping halves"] = np.array_equal(
             np.asarray(got), reference.alltoall_single([r[:n] for r in rows])[rank]
         )
+        parts = [make(rows[rank][8 * c : 8 * c + 8]) for c in range(world)]
+        got = uc.alltoall(parts, parts)  # the output list is the input list
+        expected = reference.alltoall([[r[8 * c : 8 * c + 8] for c in range(world)] for r in rows])[rank]
+        results[f"{library} alltoall(parts, parts)"] = got is parts and all(
+            np.array_equal(np.asarray(a), b) for a, b in zip(got, expected)
+        )
+        x = make(rows[rank])
+        results[f"{library} alltoall(x, x)"] = np.array_equal(
+            np.asarray(uc.alltoall(x, x)), reference.alltoall_single(rows)[rank]
+        )
     _in_step(rank)
     return results
 
