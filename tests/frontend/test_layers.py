@@ -145,3 +145,13 @@ def test_the_architecture_page_shows_the_floors() -> None:
         f"{i}. {title}: " + ", ".join(f"`{p}`" for p in patterns) for i, (title, patterns) in enumerate(FLOORS)
     )
     assert shown in page, f"docs/architecture.md should show the floors as:\n{shown}"
+
+
+@pytest.mark.parametrize(
+    "name", ["unicoll.entry", *(m for m in sorted(MODULES) if floor_of(m) == floor_of("unicoll.eager"))]
+)
+def test_the_lock_and_the_eager_operators_know_nothing_of_compile(name: str) -> None:
+    """Neither the lock nor the eager floor asks torch.compile anything: Dynamo's modules and
+    torch.compiler are the compile floor's and the public face's."""
+    source = MODULES[name].read_text()
+    assert "_dynamo" not in source and "torch.compiler" not in source and "is_compiling" not in source, name

@@ -93,9 +93,8 @@ def layout(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`dispatch`'s validation, check and counts exchange, without sending the rows: the
     counts sent and received, the send order (each row's token) and each slot's row, as host
-    int64 arrays (see :class:`~unicoll.routing.Routing`). For the traced operator: the custom op
-    ``unicoll::moe_layout`` (:mod:`unicoll.compiled.custom_ops`), after which :mod:`unicoll.compiled.traced`
-    sends the rows with ``global_scatter``."""
+    int64 arrays (see :class:`~unicoll.routing.Routing`), from which a caller that keeps the
+    layout in arrays of its own sends the rows with ``global_scatter``."""
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      group=group, sync_op=True, capacity=capacity)  # fmt: skip
     call = prepare(MOE_DISPATCH, arguments)
@@ -110,8 +109,7 @@ def layout(
 def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weighted: bool) -> None:
     """Check the rows given to ``op`` (moe.redispatch's x or moe.combine's y) against a handle
     of ``tokens`` tokens, ``received`` rows and x's place ``like``, raising eager's error where
-    its rules fail: for the traced operators (:mod:`unicoll.compiled.custom_ops`), whose handle is made
-    of tensors."""
+    its rules fail, for a caller whose handle is kept in arrays of its own."""
     spec = MOE_REDISPATCH if op == MOE_REDISPATCH.name else MOE_COMBINE
     handle = SimpleNamespace(tokens=tokens, received=received, weighted=weighted, library=library_of(like),
                              device=getattr(like, "device", None))  # fmt: skip

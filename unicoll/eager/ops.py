@@ -1,6 +1,5 @@
 """The operators and exchange_counts, eagerly: validate from the spec, run on the backend, hand
-back the caller's kind. Plain functions: the public face (:mod:`unicoll.face`) runs them under
-the lock and hands them to torch.compile.
+back the caller's kind. Plain functions, which the floors above run under the lock.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
 this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
@@ -92,8 +91,8 @@ def guarded(
     saved) on native arrays, as torch calls it with a tensor: one thread at a time, its
     transport failures reported like the forward's, and, where ``forward`` (the forward call's
     number on ``group``) is given, counted and compared across the ranks like a forward call
-    (:func:`unicoll.check.verify_backward`). Eager autograd and the compiled backward ops
-    (:mod:`unicoll.compiled.custom_ops`) both run an operator's backward through here."""
+    (:func:`unicoll.check.verify_backward`). Every caller of an operator's backward runs it
+    through here (eager autograd and the floor above alike)."""
     name = f"{op} (backward)"
 
     def guarded_backward(grad: Any) -> Any:
@@ -110,7 +109,7 @@ def guarded(
     return guarded_backward
 
 
-# -- each differentiable operator's backward, on native arrays; eager and compiled run these --
+# -- each differentiable operator's backward, on native arrays: the one place it is written --
 
 
 def global_scatter_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
@@ -165,7 +164,7 @@ def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool
     """Whether the result computed from ``x`` joins autograd; raises, before anything is sent,
     for what autograd cannot record: a reduction without a gradient, or (``in_place``) a leaf
     that requires grad, which torch never lets change in place. ``state``: x's
-    :func:`autograd_state` where x is not the caller's tensor (the traced operators')."""
+    :func:`autograd_state` where x is not the caller's tensor (the functional forms')."""
     if state is None:
         state = autograd_state(x)
     if state == "none":
@@ -346,8 +345,8 @@ def alltoall_single_and_splits(
     use_calc_stream: bool,
 ) -> tuple[Any, list[int]]:
     """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
-    exchanged where only ``in_split_sizes`` is given: for the traced operator
-    (:mod:`unicoll.compiled.custom_ops`), whose backward sends the gradient back with them."""
+    exchanged where only ``in_split_sizes`` is given: what a backward needs to send the
+    gradient back without exchanging them again."""
     return _alltoall_single(
         {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
          "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
@@ -450,8 +449,8 @@ def all_gather(
 
 
 def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
-    """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: for the
-    traced operator (:mod:`unicoll.compiled.custom_ops`), whose backward sends each rank its rows' gradient."""
+    """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: what a
+    backward needs to send each rank its rows' gradient."""
     return _all_gather(
         {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
          "use_calc_stream": use_calc_stream}
@@ -530,16 +529,15 @@ def all_reduce(
 
 
 def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: bool, state: str) -> Any:
-    """``all_reduce(tensor, op, group)`` (synchronous) into a copy of ``tensor``, which is
-    returned; validated, checked and refused as the in-place call on a tensor whose
-    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.compiled.custom_ops`),
-    which copies the result back."""
+    """all_reduce's functional form: ``all_reduce(tensor, op, group)`` (synchronous) into a
+    copy of ``tensor``, which is returned, without autograd; validated, checked and refused as
+    the in-place call on a tensor whose :func:`autograd_state` is ``state``."""
     arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
     return _all_reduce(arguments, state)
 
 
 def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
-    """all_reduce in place (``state`` None), or into a copy of the tensor for the traced operator."""
+    """all_reduce in place (``state`` None), or its functional form (:func:`all_reduce_copy`)."""
     op, use_calc_stream = arguments["op"], arguments["use_calc_stream"]
 
     def transfer(call: Call, native: Any, async_op: bool) -> Pending:
@@ -560,7 +558,7 @@ def _in_place_collective(
     backward: Callable[[Call, Any], Any],
 ) -> Any:
     """all_reduce or broadcast (``spec``) on ``arguments["tensor"]``: in place (``state``
-    None), or into a copy of it for the traced operator, refused as the in-place call on a
+    None), or into a copy of it (the functional form), refused as the in-place call on a
     tensor whose :func:`autograd_state` is ``state``. ``transfer(call, native, async_op)``
     issues it; ``backward(call, grad)`` is its gradient's collective (``reduction``: the one
     :func:`_recorded` checks, None for broadcast)."""
@@ -606,9 +604,9 @@ def reduce_scatter(
 def reduce_scatter_of(
     tensor: Any, op: str, split_sizes: Counts | None, group: Group | None, use_calc_stream: bool, state: str
 ) -> Any:
-    """``reduce_scatter(None, tensor, op, split_sizes, group)`` (synchronous), refused as the
-    call on a tensor whose :func:`autograd_state` is ``state``, without autograd: for the
-    traced operator (:mod:`unicoll.compiled.custom_ops`), which records its own backward."""
+    """reduce_scatter's functional form: ``reduce_scatter(None, tensor, op, split_sizes, group)``
+    (synchronous) without autograd, refused as the call on a tensor whose
+    :func:`autograd_state` is ``state``."""
     arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
                      use_calc_stream=use_calc_stream)  # fmt: skip
     return _reduce_scatter(arguments, state)
@@ -663,16 +661,15 @@ def broadcast(
 
 
 def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: bool, state: str) -> Any:
-    """``broadcast(tensor, src, group)`` (synchronous) into a copy of ``tensor``, which is
-    returned; validated, checked and refused as the in-place call on a tensor whose
-    :func:`autograd_state` is ``state``: for the traced operator (:mod:`unicoll.compiled.custom_ops`),
-    which copies the result back."""
+    """broadcast's functional form: ``broadcast(tensor, src, group)`` (synchronous) into a copy
+    of ``tensor``, which is returned, without autograd; validated, checked and refused as the
+    in-place call on a tensor whose :func:`autograd_state` is ``state``."""
     arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
     return _broadcast(arguments, state)
 
 
 def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
-    """broadcast in place (``state`` None), or into a copy of the tensor for the traced operator."""
+    """broadcast in place (``state`` None), or its functional form (:func:`broadcast_copy`)."""
     use_calc_stream = arguments["use_calc_stream"]
 
     def transfer(call: Call, native: Any, async_op: bool) -> Pending:
