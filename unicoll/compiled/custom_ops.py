@@ -74,9 +74,14 @@ def _splits(number: int, op: str) -> torch.Tensor:
     return torch.empty((_world_size(number, op),), dtype=torch.int64)
 
 
+def _host_counts(t: torch.Tensor) -> np.ndarray:
+    """A counts tensor (validated by its forward call) as a host int64 array."""
+    return t.to("cpu", torch.int64).numpy()
+
+
 def _host_ints(t: torch.Tensor) -> list[int]:
     """A counts tensor (validated by its forward call) as host ints."""
-    return t.to("cpu", torch.int64).tolist()
+    return _host_counts(t).tolist()
 
 
 _UNNUMBERED = -1
@@ -99,16 +104,19 @@ def _run_backward(op: str, group: int, grad: torch.Tensor, backward: Callable[..
     return ops.guarded(op, state.backend, grp, state.timeout, forward, bound)(grad.contiguous())
 
 
+def _op(name: str, schema: str) -> Callable[[Callable[..., Any]], Any]:
+    """The decorator that makes a function the custom op ``unicoll::<name>`` of ``schema``, as
+    every op here is: it changes none of its arguments, runs on CPU and CUDA tensors, and
+    carries :data:`_TAGS`."""
+    return torch.library.custom_op(
+        f"unicoll::{name}", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=schema
+    )
+
+
 # -- the custom ops --------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
-    "unicoll::exchange_counts",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor local_count, int group) -> Tensor",
-)
+@_op("exchange_counts", "(Tensor local_count, int group) -> Tensor")
 def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
     """The eager exchange_counts."""
     return locked.exchange_counts(local_count, group_of(group))
@@ -125,9 +133,7 @@ _MOE_SCHEMA = (
 )
 
 
-@torch.library.custom_op(
-    "unicoll::global_scatter", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_SCHEMA
-)
+@_op("global_scatter", _MOE_SCHEMA)
 def _global_scatter(
     x: torch.Tensor,
     local_count: torch.Tensor,
@@ -141,9 +147,7 @@ def _global_scatter(
     return _rows_as_promised(result, rows, "global_scatter")
 
 
-@torch.library.custom_op(
-    "unicoll::global_gather", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_SCHEMA
-)
+@_op("global_gather", _MOE_SCHEMA)
 def _global_gather(
     x: torch.Tensor,
     local_count: torch.Tensor,
@@ -186,14 +190,12 @@ def _moe_backward(
 ) -> Any:
     """The eager backward of global_scatter or global_gather (``op``), with the forward's plan."""
     world = _world_size(group, f"{op} (backward)")
-    plan = moe_plan(np.asarray(_host_ints(local_count)), np.asarray(_host_ints(global_count)), world)
+    plan = moe_plan(_host_counts(local_count), _host_counts(global_count), world)
     backward = ops.global_scatter_backward if op == "global_scatter" else ops.global_gather_backward
     return _run_backward(op, group, grad, backward, plan)
 
 
-@torch.library.custom_op(
-    "unicoll::global_scatter_backward", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_BACKWARD_SCHEMA
-)
+@_op("global_scatter_backward", _MOE_BACKWARD_SCHEMA)
 def _global_scatter_grad(
     grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
 ) -> torch.Tensor:
@@ -201,9 +203,7 @@ def _global_scatter_grad(
     return _moe_backward("global_scatter", grad, local_count, global_count, group)
 
 
-@torch.library.custom_op(
-    "unicoll::global_gather_backward", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=_MOE_BACKWARD_SCHEMA
-)
+@_op("global_gather_backward", _MOE_BACKWARD_SCHEMA)
 def _global_gather_grad(
     grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
 ) -> torch.Tensor:
@@ -238,12 +238,9 @@ _global_scatter.register_autograd(_global_scatter_backward, setup_context=_save_
 _global_gather.register_autograd(_global_gather_backward, setup_context=_save_moe)
 
 
-@torch.library.custom_op(
-    "unicoll::alltoall_single",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor in_tensor, Tensor? out_split_sizes, Tensor? in_split_sizes, int group, bool use_calc_stream, "
+@_op(
+    "alltoall_single",
+    "(Tensor in_tensor, Tensor? out_split_sizes, Tensor? in_split_sizes, int group, bool use_calc_stream, "
     "SymInt? rows) -> (Tensor, Tensor)",
 )
 def _alltoall_single(
@@ -285,13 +282,7 @@ def _save_alltoall(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.group, ctx.rows = group, in_tensor.shape[0]
 
 
-@torch.library.custom_op(
-    "unicoll::alltoall_single_backward",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor grad, Tensor? sent, Tensor received, int group, SymInt rows) -> Tensor",
-)
+@_op("alltoall_single_backward", "(Tensor grad, Tensor? sent, Tensor received, int group, SymInt rows) -> Tensor")
 def _alltoall_single_grad(
     grad: torch.Tensor, sent: torch.Tensor | None, received: torch.Tensor, group: int, rows: int
 ) -> torch.Tensor:
@@ -326,13 +317,7 @@ def _alltoall_single_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
 _alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_save_alltoall)
 
 
-@torch.library.custom_op(
-    "unicoll::all_gather",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor tensor, int group, bool use_calc_stream) -> (Tensor, Tensor)",
-)
+@_op("all_gather", "(Tensor tensor, int group, bool use_calc_stream) -> (Tensor, Tensor)")
 def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's rows concatenated, and the rows each rank sent."""
     result, rows = locked.all_gather_and_rows(tensor.detach(), group_of(group), use_calc_stream)
@@ -353,13 +338,7 @@ def _save_all_gather(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.group, ctx.rows = group, tensor.shape[0]
 
 
-@torch.library.custom_op(
-    "unicoll::all_gather_backward",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor grad, Tensor rows, int group, SymInt mine) -> Tensor",
-)
+@_op("all_gather_backward", "(Tensor grad, Tensor rows, int group, SymInt mine) -> Tensor")
 def _all_gather_grad(grad: torch.Tensor, rows: torch.Tensor, group: int, mine: int) -> torch.Tensor:
     """all_gather's eager backward (:func:`unicoll.eager.ops.all_gather_backward`)."""
     return _run_backward("all_gather", group, grad, ops.all_gather_backward, _host_ints(rows))
@@ -386,13 +365,7 @@ _AUTOGRAD_STATE = "str state"
 """The caller's tensor's :func:`unicoll.eager.ops.autograd_state` while tracing: the op refuses what eager refuses."""
 
 
-@torch.library.custom_op(
-    "unicoll::all_reduce",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema=f"(Tensor tensor, str op, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor",
-)
+@_op("all_reduce", f"(Tensor tensor, str op, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor")
 def _all_reduce(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
     """The eager all_reduce, into a copy of ``tensor`` (validated and refused as the call on it)."""
     return locked.all_reduce_copy(tensor, op, group_of(group), use_calc_stream, state)
@@ -409,13 +382,7 @@ def _save_reduction(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.op, ctx.group = inputs[1], inputs[2]
 
 
-@torch.library.custom_op(
-    "unicoll::all_reduce_backward",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor grad, str op, int group) -> Tensor",
-)
+@_op("all_reduce_backward", "(Tensor grad, str op, int group) -> Tensor")
 def _all_reduce_grad(grad: torch.Tensor, op: str, group: int) -> torch.Tensor:
     """all_reduce's eager backward (:func:`unicoll.eager.ops.all_reduce_backward`)."""
     return _run_backward("all_reduce", group, grad, ops.all_reduce_backward, op)
@@ -435,13 +402,7 @@ def _all_reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_reduction)
 
 
-@torch.library.custom_op(
-    "unicoll::broadcast",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema=f"(Tensor tensor, int src, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor",
-)
+@_op("broadcast", f"(Tensor tensor, int src, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor")
 def _broadcast(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
     """The eager broadcast, into a copy of ``tensor`` (validated and refused as the call on it)."""
     return locked.broadcast_copy(tensor, src, group_of(group), use_calc_stream, state)
@@ -453,13 +414,7 @@ def _broadcast_fake(tensor: torch.Tensor, src: int, group: int, use_calc_stream:
     return torch.empty_like(tensor)
 
 
-@torch.library.custom_op(
-    "unicoll::broadcast_backward",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor grad, int src, int group) -> Tensor",
-)
+@_op("broadcast_backward", "(Tensor grad, int src, int group) -> Tensor")
 def _broadcast_grad(grad: torch.Tensor, src: int, group: int) -> torch.Tensor:
     """broadcast's eager backward (:func:`unicoll.eager.ops.broadcast_backward`)."""
     return _run_backward("broadcast", group, grad, ops.broadcast_backward, src)
@@ -484,13 +439,9 @@ def _broadcast_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 _broadcast.register_autograd(_broadcast_backward, setup_context=_save_broadcast)
 
 
-@torch.library.custom_op(
-    "unicoll::reduce_scatter",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor tensor, str op, Tensor? split_sizes, int group, bool use_calc_stream, "
-    f"{_AUTOGRAD_STATE}) -> Tensor",
+@_op(
+    "reduce_scatter",
+    f"(Tensor tensor, str op, Tensor? split_sizes, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor",
 )
 def _reduce_scatter(
     tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
@@ -508,13 +459,7 @@ def _reduce_scatter_fake(
     return tensor.new_empty((_new_rows(rows), *tensor.shape[1:]))
 
 
-@torch.library.custom_op(
-    "unicoll::reduce_scatter_backward",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor grad, str op, Tensor? split_sizes, int group, SymInt rows) -> Tensor",
-)
+@_op("reduce_scatter_backward", "(Tensor grad, str op, Tensor? split_sizes, int group, SymInt rows) -> Tensor")
 def _reduce_scatter_grad(
     grad: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, rows: int
 ) -> torch.Tensor:
@@ -553,12 +498,9 @@ _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_
 # -- unicoll.moe: the layout as tensors; the rows move with global_scatter and global_gather --
 
 
-@torch.library.custom_op(
-    "unicoll::moe_layout",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int group, int? capacity) "
+@_op(
+    "moe_layout",
+    "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int group, int? capacity) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _moe_layout(
@@ -595,13 +537,7 @@ def _moe_layout_fake(
     return counts, torch.empty_like(counts), send_tokens, x.new_empty((topk_idx.numel(),), dtype=torch.int64)
 
 
-@torch.library.custom_op(
-    "unicoll::moe_check",
-    mutates_args=(),
-    device_types=_DEVICES,
-    tags=_TAGS,
-    schema="(Tensor rows, Tensor send_tokens, SymInt tokens, SymInt received, bool weighted, str op) -> ()",
-)
+@_op("moe_check", "(Tensor rows, Tensor send_tokens, SymInt tokens, SymInt received, bool weighted, str op) -> ()")
 def _moe_check(
     rows: torch.Tensor, send_tokens: torch.Tensor, tokens: int, received: int, weighted: bool, op: str
 ) -> None:
