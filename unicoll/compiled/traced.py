@@ -150,7 +150,7 @@ def _moe(
     if sync_op is False:
         return _as_task(op, *args)
     number, lc, gc = _number(group), _counts(local_count), _counts(global_count)
-    flags_ok = sync_op is True and type(use_calc_stream) is bool
+    flags_ok = _flags(sync_op, use_calc_stream)
     if not isinstance(x, torch.Tensor) or not flags_ok or not _traced(number, lc, gc) or lc is None or gc is None:
         return _untraced(op, *args)
     rows = _total(local_count if output_counts == "local_count" else global_count)
@@ -203,7 +203,7 @@ def alltoall_single(
     if sync_op is False:
         return _as_task(locked.alltoall_single, *args)
     number, out_splits, in_splits = _number(group), _counts(out_split_sizes), _counts(in_split_sizes)
-    flags_ok = sync_op is True and type(use_calc_stream) is bool
+    flags_ok = _flags(sync_op, use_calc_stream)
     if not isinstance(in_tensor, torch.Tensor) or not flags_ok or not _traced(number, out_splits, in_splits):
         return _untraced(locked.alltoall_single, *args)
     rows = _total(out_split_sizes)
@@ -226,7 +226,7 @@ def all_gather(
     if sync_op is False:
         return _as_task(locked.all_gather, *args)
     number = _number(group)
-    flags_ok = sync_op is True and type(use_calc_stream) is bool
+    flags_ok = _flags(sync_op, use_calc_stream)
     if not isinstance(tensor, torch.Tensor) or not flags_ok or not _traced(number):
         return _untraced(locked.all_gather, *args)
     result, _ = torch.ops.unicoll.all_gather(tensor, number, use_calc_stream)
