@@ -242,15 +242,7 @@ def all_reduce(
 ) -> Any:
     """:func:`unicoll.all_reduce` as traced: one functional op, whose result is copied back into
     ``tensor`` (which is returned)."""
-    args = (tensor, op, group, sync_op, use_calc_stream)
-    if sync_op is False:
-        return _as_task(locked.all_reduce, *args)
-    number = _number(group)
-    traced = _traced(number) and type(op) is str and _flags(sync_op, use_calc_stream)
-    if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(locked.all_reduce, *args)
-    state = _autograd_state(tensor)
-    return _copied_back(tensor, torch.ops.unicoll.all_reduce(tensor, op, number, use_calc_stream, state), state)
+    return _copied_in_place(locked.all_reduce, "all_reduce", tensor, op, str, group, sync_op, use_calc_stream)
 
 
 def broadcast(
@@ -262,15 +254,32 @@ def broadcast(
 ) -> Any:
     """:func:`unicoll.broadcast` as traced: one functional op, whose result is copied back into
     ``tensor`` (which is returned)."""
-    args = (tensor, src, group, sync_op, use_calc_stream)
+    return _copied_in_place(locked.broadcast, "broadcast", tensor, src, int, group, sync_op, use_calc_stream)
+
+
+def _copied_in_place(
+    eager: Callable[..., Any],
+    name: str,
+    tensor: Any,
+    argument: Any,
+    argument_type: type,
+    group: Group | None,
+    sync_op: Any,
+    use_calc_stream: Any,
+) -> Any:
+    """all_reduce or broadcast (``name``, ``eager`` its locked eager form) as traced: the custom op
+    of that name on ``tensor`` and ``argument`` (the reduction or the source, traced when of
+    ``argument_type``), copied back into ``tensor``; else eagerly behind one graph break."""
+    args = (tensor, argument, group, sync_op, use_calc_stream)
     if sync_op is False:
-        return _as_task(locked.broadcast, *args)
+        return _as_task(eager, *args)
     number = _number(group)
-    traced = _traced(number) and type(src) is int and _flags(sync_op, use_calc_stream)
+    traced = _traced(number) and type(argument) is argument_type and _flags(sync_op, use_calc_stream)
     if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(locked.broadcast, *args)
+        return _untraced(eager, *args)
     state = _autograd_state(tensor)
-    return _copied_back(tensor, torch.ops.unicoll.broadcast(tensor, src, number, use_calc_stream, state), state)
+    result = getattr(torch.ops.unicoll, name)(tensor, argument, number, use_calc_stream, state)
+    return _copied_back(tensor, result, state)
 
 
 def reduce_scatter(
