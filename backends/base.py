@@ -22,7 +22,9 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from unicoll.backends import float_keys
+from unicoll.backends.host import row_bytes, rows_over
 from unicoll.forking import keep_forever
+from unicoll.workspace import FROM_BYTES, Workspace
 
 if TYPE_CHECKING:
     from unicoll.backends.layout import MoePlan
@@ -98,6 +100,9 @@ class Backend(ABC):
     capabilities: Capabilities
     rank: int
     world_size: int
+    workspace: Workspace | None = None
+    """The host buffers this backend lends its calls' intermediate rows (:mod:`unicoll.workspace`);
+    None where new memory costs nothing more (a device allocator keeps its own)."""
 
     # -- primitives ------------------------------------------------------------------------
 
@@ -187,32 +192,91 @@ class Backend(ABC):
         xp = array_namespace(like)
         return xp.empty((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
 
-    def take_rows(self, x: Any, index: np.ndarray) -> Any:
-        """A new native array holding the rows ``x[index]`` (``index``: host int64)."""
+    def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
+        """The rows ``x[index]`` (``index``: host int64), into ``out`` when given, else new."""
         xp = array_namespace(x)
-        return xp.take(x, xp.asarray(index, device=device(x)), axis=0)
+        taken = xp.take(x, xp.asarray(index, device=device(x)), axis=0)
+        if out is None:
+            return taken
+        out[...] = taken
+        return out
+
+    def scratch_rows(self, like: Any, rows: int) -> tuple[Any, np.ndarray | None]:
+        """Native rows like ``like``'s for a call's own use, never its result: over a buffer the
+        workspace lends, returned beside them for :meth:`give_back` once the call is done with
+        them; or new rows and None (no workspace, or fewer than
+        :data:`~unicoll.workspace.FROM_BYTES`)."""
+        lent = self._lend(like, rows)
+        return (self.empty_rows(like, rows), None) if lent is None else (rows_over(lent, like, rows), lent)
+
+    def gather_rows(self, x: Any, index: np.ndarray) -> tuple[Any, np.ndarray | None]:
+        """The rows ``x[index]`` for a call's own use, as :meth:`scratch_rows` lends them."""
+        lent = self._lend(x, len(index))
+        if lent is None:
+            return self.take_rows(x, index), None
+        return self.take_rows(x, index, rows_over(lent, x, len(index))), lent
+
+    def _lend(self, like: Any, rows: int) -> np.ndarray | None:
+        """A buffer the workspace lends for ``rows`` rows like ``like``'s, or None (see :meth:`scratch_rows`)."""
+        nbytes = rows * row_bytes(like)
+        return None if self.workspace is None or nbytes < FROM_BYTES else self.workspace.lend(nbytes)
+
+    def give_back(self, *buffers: np.ndarray | None) -> None:
+        """Return the buffers :meth:`scratch_rows` lent (None: nothing was lent)."""
+        for buffer in buffers:
+            if buffer is not None:
+                self.workspace.give_back(buffer)
 
     # -- operators, composed from the primitives --------------------------------------------
 
-    def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+    def global_scatter(
+        self,
+        x: Any,
+        plan: MoePlan,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        rows: np.ndarray | None = None,
+    ) -> Pending:
         """MoE dispatch; see docs/semantics.md. ``plan``: what the front end derived from the
         validated counts (:class:`~unicoll.backends.layout.MoePlan`: the rows per rank, the
-        counts received, the reorder). ``calc_stream`` on every operator: see :meth:`alltoallv`."""
-        buffer = self.empty_rows(x, sum(plan.recv))
+        counts received, the reorder). ``calc_stream`` on every operator: see :meth:`alltoallv`.
+        ``rows`` (host int64, or None for all of x in order): the rows sent are ``x[rows]``, the
+        gather of a top-k dispatch, done here so that it lands in a lent buffer (or is fused
+        with the transfer)."""
+        sent, sent_lent = (x, None) if rows is None else self.gather_rows(x, rows)
         order = plan.to_expert_major
-        work = self.alltoallv(buffer, x, plan.recv, plan.send, group, async_op, calc_stream)
         if order is None:
-            return issued(work, lambda: buffer)
-        return issued(work, lambda: self.take_rows(buffer, order))
+            out = self.empty_rows(x, sum(plan.recv))
+            work = self.alltoallv(out, sent, plan.recv, plan.send, group, async_op, calc_stream)
+            return issued(work, lambda: self._returned(out, sent_lent))
+        received, received_lent = self.scratch_rows(x, sum(plan.recv))
+        work = self.alltoallv(received, sent, plan.recv, plan.send, group, async_op, calc_stream)
+        return issued(work, lambda: self._returned(self.take_rows(received, order), sent_lent, received_lent))
 
-    def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        """MoE combine, the inverse of :meth:`global_scatter` with the same plan."""
-        order = plan.to_rank_major
+    def global_gather(
+        self,
+        x: Any,
+        plan: MoePlan,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        out: Any | None = None,
+    ) -> Pending:
+        """MoE combine, the inverse of :meth:`global_scatter` with the same plan, into ``out``
+        (native rows, ``sum(plan.send)`` of them) when given."""
+        order, staged = plan.to_rank_major, None
         if order is not None:
-            x = self.take_rows(x, order)
-        out = self.empty_rows(x, sum(plan.send))
+            x, staged = self.gather_rows(x, order)
+        if out is None:
+            out = self.empty_rows(x, sum(plan.send))
         work = self.alltoallv(out, x, plan.send, plan.recv, group, async_op, calc_stream)
-        return issued(work, lambda: out)
+        return issued(work, lambda: self._returned(out, staged))
+
+    def _returned(self, result: Any, *lent: np.ndarray | None) -> Any:
+        """``result``, once the buffers ``lent`` to its call are given back."""
+        self.give_back(*lent)
+        return result
 
     def alltoall_single(
         self,

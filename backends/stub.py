@@ -35,6 +35,7 @@ class StubTransport(Backend):
         self.capabilities = inner.capabilities
         self.rank = inner.rank
         self.world_size = inner.world_size
+        self.workspace = inner.workspace
 
     def alltoallv(
         self,
@@ -71,8 +72,8 @@ class StubTransport(Backend):
     def empty_rows(self, like: Any, rows: int) -> Any:
         return self.inner.empty_rows(like, rows)
 
-    def take_rows(self, x: Any, index: np.ndarray) -> Any:
-        return self.inner.take_rows(x, index)
+    def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
+        return self.inner.take_rows(x, index, out)
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         return self.inner.new_group(ranks)

@@ -236,9 +236,13 @@ class CupyNcclBackend(Backend):
     def empty_rows(self, like: cupy.ndarray, rows: int) -> cupy.ndarray:
         return cupy.empty((rows, *like.shape[1:]), dtype=like.dtype)
 
-    def take_rows(self, x: cupy.ndarray, index: np.ndarray) -> cupy.ndarray:
-        """The gather of :mod:`~unicoll.backends.cupy.rows`."""
-        return row_gather.take_rows(x, index)
+    def take_rows(self, x: cupy.ndarray, index: np.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
+        """The gather of :mod:`~unicoll.backends.cupy.rows` (copied into ``out`` when given)."""
+        taken = row_gather.take_rows(x, index)
+        if out is None:
+            return taken
+        out[...] = taken
+        return out
 
     # -- transfers -------------------------------------------------------------------------
 

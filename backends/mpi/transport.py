@@ -50,9 +50,11 @@ import numpy as np
 from mpi4py import MPI
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
+from unicoll.backends.host import host_rows, host_view, row_bytes, rows_as
 from unicoll.backends.mpi import inflight
 from unicoll.backends.mpi.bfloat16 import reduce_words
 from unicoll.errors import TransportError, TransportTimeoutError
+from unicoll.workspace import Workspace
 
 if TYPE_CHECKING:
     from unicoll.backends.layout import MoePlan
@@ -187,43 +189,6 @@ class _MpiWork:
             self._adopt(self._request, self._keep)
 
 
-def _host_view(a: Any) -> np.ndarray:
-    """A numpy array over ``a``'s memory (a contiguous numpy array or torch CPU tensor)."""
-    if isinstance(a, np.ndarray):
-        return a
-    import torch
-
-    return (a.view(torch.int16) if a.dtype == torch.bfloat16 else a).numpy()
-
-
-_HOST_DTYPES: dict[Any, np.dtype] = {}
-"""The numpy dtype of each torch dtype's :func:`_host_view` (a dozen at most)."""
-
-
-def _host_rows(like: Any, rows: int) -> np.ndarray:
-    """An uninitialized numpy array of ``rows`` rows like ``like``'s (a numpy array or torch CPU
-    tensor, whose rows it holds as :func:`_host_view` would): 0.15 us, where a tensor's
-    ``new_empty`` takes 1 us and its numpy view 0.6 us more."""
-    if isinstance(like, np.ndarray):
-        return np.empty((rows, *like.shape[1:]), dtype=like.dtype)
-    dtype = _HOST_DTYPES.get(like.dtype)
-    if dtype is None:
-        import torch
-
-        dtype = _HOST_DTYPES[like.dtype] = _host_view(torch.empty(0, dtype=like.dtype)).dtype
-    return np.empty((rows, *like.shape[1:]), dtype=dtype)
-
-
-def _rows_as(rows: np.ndarray, like: Any) -> Any:
-    """Host ``rows`` (as :func:`_host_rows` makes them) as an array of ``like``'s kind, sharing memory."""
-    if isinstance(like, np.ndarray):
-        return rows
-    import torch
-
-    tensor = torch.from_numpy(rows)
-    return tensor if tensor.dtype == like.dtype else tensor.view(like.dtype)
-
-
 def _buffer(a: Any) -> Any:
     """What MPI moves of ``a`` (a contiguous numpy array or torch CPU tensor): a buffer over its
     memory. A tensor's buffer is made from its address, for a third of what a numpy view of it
@@ -237,11 +202,6 @@ def _buffer(a: Any) -> Any:
     return MPI.buffer.fromaddress(address, a.nbytes) if address else np.empty(0, np.uint8)
 
 
-def _row_bytes(a: Any) -> int:
-    """The bytes of one row of ``a`` (a numpy array or torch tensor)."""
-    return a.itemsize * math.prod(a.shape[1:])
-
-
 class MpiBackend(Backend):
     """mpi4py on a duplicate of ``COMM_WORLD`` (so unicoll's traffic never matches the
     application's own), and one communicator per group."""
@@ -252,6 +212,7 @@ class MpiBackend(Backend):
         self.capabilities = capabilities
         self._timeout = timeout
         self._row_types: dict[int, MPI.Datatype] = {}
+        self.workspace = Workspace()
         self._bfloat16_ops: dict[str, MPI.Op] = {}  # at most one per reduction
         try:
             self._world, request = MPI.COMM_WORLD.Idup()
@@ -276,14 +237,14 @@ class MpiBackend(Backend):
         _settle(request, self._timeout, what, self._spin, keep)
         return None
 
-    def _row_type(self, row_bytes: int) -> MPI.Datatype:
-        """The committed contiguous datatype of one row of ``row_bytes`` bytes, cached per row
+    def _row_type(self, nbytes: int) -> MPI.Datatype:
+        """The committed contiguous datatype of one row of ``nbytes`` bytes, cached per row
         size (at most :data:`_ROW_TYPES_KEPT` sizes; the oldest is freed first)."""
-        row_type = self._row_types.get(row_bytes)
+        row_type = self._row_types.get(nbytes)
         if row_type is None:
             if len(self._row_types) >= _ROW_TYPES_KEPT:  # MPI keeps a freed type until its transfers complete
                 self._row_types.pop(next(iter(self._row_types))).Free()
-            row_type = self._row_types[row_bytes] = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+            row_type = self._row_types[nbytes] = MPI.BYTE.Create_contiguous(nbytes).Commit()
         return row_type
 
     def to_native(self, x: Any) -> Any:
@@ -298,10 +259,15 @@ class MpiBackend(Backend):
         shape = (rows, *like.shape[1:])
         return np.empty(shape, dtype=like.dtype) if isinstance(like, np.ndarray) else like.new_empty(shape)
 
-    def take_rows(self, x: Any, index: np.ndarray) -> Any:
+    def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
         """numpy's ``take``, a tensor's on its numpy view (bfloat16 as 16-bit words): 0.7 µs less
-        than ``index_select`` on 1 KB, the same on megabytes (one thread, as the ranks run)."""
-        return _rows_as(_host_view(x).take(index, axis=0), x)
+        than ``index_select`` on 1 KB, the same on megabytes (one thread, as the ranks run).
+        Into ``out`` with ``mode="clip"`` (the index is valid): numpy buffers the default mode's
+        output, a copy more."""
+        if out is None:
+            return rows_as(host_view(x).take(index, axis=0), x)
+        np.take(host_view(x), index, axis=0, out=host_view(out), mode="clip")
+        return out
 
     def new_group(self, ranks: Sequence[int]) -> MPI.Intracomm | None:
         """A communicator of ``ranks`` (None on the other ranks), split from the world once
@@ -337,7 +303,7 @@ class MpiBackend(Backend):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Work | None:
-        row = self._row_type(_row_bytes(x))
+        row = self._row_type(row_bytes(x))
         try:  # displacements None: mpi4py places the blocks one after another (in C)
             request = self._comm(group).Ialltoallv(
                 [_buffer(x), in_splits, None, row], [_buffer(out), out_splits, None, row]
@@ -347,7 +313,7 @@ class MpiBackend(Backend):
         return self._done(request, "alltoallv", async_op, (x, out))
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        row, rows = self._row_type(_row_bytes(x)), x.shape[0]
+        row, rows = self._row_type(row_bytes(x)), x.shape[0]
         try:
             request = self._comm(group).Iallgather([_buffer(x), rows, row], [_buffer(out), rows, row])
         except MPI.Exception as exc:
@@ -366,7 +332,7 @@ class MpiBackend(Backend):
         return self._bfloat16_ops[op]
 
     def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        view = _host_view(x).reshape(-1)
+        view = host_view(x).reshape(-1)
         try:
             request = self._comm(group).Iallreduce(MPI.IN_PLACE, view, op=self._reduction(op, x))
         except MPI.Exception as exc:
@@ -392,7 +358,7 @@ class MpiBackend(Backend):
         return issued(self._reduce_scatter(out, x, op, list(rows), group, async_op), lambda: out)
 
     def _reduce_scatter(self, out: Any, x: Any, op: str, rows: list[int], group: Group, async_op: bool) -> Work | None:
-        send, recv = _host_view(x), _host_view(out)
+        send, recv = host_view(x), host_view(out)
         per_row = math.prod(send.shape[1:])
         try:
             request = self._comm(group).Ireduce_scatter(
@@ -403,36 +369,54 @@ class MpiBackend(Backend):
         return self._done(request, "reduce_scatter", async_op, (send, recv))
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
-        view = _host_view(x)
+        view = host_view(x)
         try:
-            request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(_row_bytes(view))], root=src)
+            request = self._comm(group).Ibcast([view, view.shape[0], self._row_type(row_bytes(view))], root=src)
         except MPI.Exception as exc:
             raise _failure(exc, "broadcast") from exc
         return self._done(request, "broadcast", async_op, (view,))
 
-    def global_scatter(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+    def global_scatter(
+        self,
+        x: Any,
+        plan: MoePlan,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        rows: np.ndarray | None = None,
+    ) -> Pending:
         """One ``Ialltoallw`` whose receive side places each rank's rows in expert-major order
         (fused), or below :data:`_FUSED_FROM_BYTES` receives them rank-major for a
-        reorder after (see the module)."""
+        reorder after (see the module). ``rows``: gathered first, into a lent buffer (an
+        indexed datatype of one row per block packs several times slower than ``take``)."""
         if not plan.reordered:
-            return super().global_scatter(x, plan, group, async_op, calc_stream)
-        received = _host_rows(x, sum(plan.recv))  # numpy's: 1 us less than a tensor's new_empty
-        if _fused(x):
-            work = self._moe_alltoallw(x, received, plan, True, True, group, async_op)
-            return issued(work, lambda: _rows_as(received, x))
-        work = self._moe_alltoallw(x, received, plan, True, False, group, async_op)
-        return issued(work, lambda: _rows_as(received.take(plan.to_expert_major, axis=0), x))
+            return super().global_scatter(x, plan, group, async_op, calc_stream, rows)
+        sent, lent = (x, None) if rows is None else self.gather_rows(x, rows)
+        received = host_rows(x, sum(plan.recv))  # numpy's: 1 us less than a tensor's new_empty
+        if _fused(sent):
+            work = self._moe_alltoallw(sent, received, plan, True, True, group, async_op)
+            return issued(work, lambda: self._returned(rows_as(received, x), lent))
+        work = self._moe_alltoallw(sent, received, plan, True, False, group, async_op)
+        return issued(work, lambda: self._returned(rows_as(received.take(plan.to_expert_major, axis=0), x), lent))
 
-    def global_gather(self, x: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+    def global_gather(
+        self,
+        x: Any,
+        plan: MoePlan,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        out: Any | None = None,
+    ) -> Pending:
         """The mirror image of :meth:`global_scatter`: each rank's rows sent from their
         expert-major places (fused), or below :data:`_FUSED_FROM_BYTES` reordered to
         rank-major first."""
         if not plan.reordered:
-            return super().global_gather(x, plan, group, async_op, calc_stream)
-        out, fused = _host_rows(x, sum(plan.send)), _fused(x)
-        rows = x if fused else _host_view(x).take(plan.to_rank_major, axis=0)
-        work = self._moe_alltoallw(out, rows, plan, False, fused, group, async_op)
-        return issued(work, lambda: _rows_as(out, x))
+            return super().global_gather(x, plan, group, async_op, calc_stream, out)
+        back, fused = host_rows(x, sum(plan.send)) if out is None else out, _fused(x)
+        rows = x if fused else host_view(x).take(plan.to_rank_major, axis=0)
+        work = self._moe_alltoallw(back, rows, plan, False, fused, group, async_op)
+        return issued(work, lambda: back if out is not None else rows_as(back, x))
 
     def _moe_alltoallw(
         self, ours: Any, theirs: Any, plan: MoePlan, scatter: bool, placed: bool, group: Group, async_op: bool
@@ -444,7 +428,7 @@ class MpiBackend(Backend):
         ``plan.expert_major_chunks``, made per call), else rank-major (``plan.recv[c]`` for rank
         c). Both ways are the same collective, so ranks may take different ways in one call
         (each decides by its own bytes); the type signatures match: rows of one size."""
-        row = self._row_type(_row_bytes(ours))
+        row = self._row_type(row_bytes(ours))
         ours_side, datatypes = _contiguous_side(_buffer(ours), plan.send, row), []
         if placed:
             datatypes = [row.Create_indexed(counts, starts).Commit() for counts, starts in plan.expert_major_chunks]
@@ -490,6 +474,7 @@ class MpiBackend(Backend):
         Waits for nothing: transfers still in flight (tasks not waited for, which the session's
         end has just let go of, and internal waits that timed out) stay adopted
         (:mod:`inflight`), with their arrays, and keep all of these until they complete."""
+        self.workspace.clear()
         if MPI.Is_finalized():
             return
         made = (*self._comms, *self._row_types.values(), *self._bfloat16_ops.values())

@@ -19,11 +19,11 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "foundations",
         ("unicoll.errors", "unicoll.arrays", "unicoll.session", "unicoll.group", "unicoll.forking",
-         "unicoll.cache", "unicoll.memory", "unicoll.counts", "unicoll.reference"),
+         "unicoll.cache", "unicoll.memory", "unicoll.workspace", "unicoll.counts", "unicoll.reference"),
     ),
     (
         "transports",
-        ("unicoll.backends.base", "unicoll.backends.layout", "unicoll.backends.float_keys",
+        ("unicoll.backends.base", "unicoll.backends.host", "unicoll.backends.layout", "unicoll.backends.float_keys",
          "unicoll.backends.rendezvous", "unicoll.backends.stub", "unicoll.backends.torch",
          "unicoll.backends.torch.compat", "unicoll.backends.torch.errors", "unicoll.backends.torch.gloo_world",
          "unicoll.backends.torch.liveness",

@@ -341,17 +341,12 @@ def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_o
     of a traced handle's layout: for the calls that run eagerly (``sync_op=False``)."""
     send_tokens, slot_rows = handle.send_tokens.cpu().numpy(), handle.slot_rows.cpu().numpy()
     dropped = bool((slot_rows == send_tokens.size).any())
-    routing = Routing(handle.local_count.numpy(), send_tokens, slot_rows, dropped)
+    routing = Routing(handle.local_count.numpy(), send_tokens, slot_rows, dropped, handle.topk)
     group = group_of(handle.group)
     if group is None:
         group = runtime.state(f"moe.{op.__name__}").world
-    kept = None
-    if dropped and handle.weights is not None:
-        kept = (handle.slot_rows < send_tokens.size).reshape(handle.tokens, handle.topk)
-    shape = (handle.tokens, handle.topk)
     plan = moe_plan(routing.local_count, handle.global_count.numpy(), group.world_size)
-    eager = Handle(routing, plan, group, shape, handle.weights, handle.send_tokens, handle.slot_rows, kept,
-                   like=handle.send_tokens)  # fmt: skip
+    eager = Handle(routing, plan, group, (handle.tokens, handle.topk), handle.weights, like=handle.send_tokens)
     return op(rows, eager, sync_op=sync_op)
 
 

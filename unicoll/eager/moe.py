@@ -2,14 +2,18 @@
 
 dispatch routes the tokens (:func:`unicoll.routing.route`: the send order, the counts, each
 slot's row, the capacity), exchanges the counts and moves the rows with the backend's
-``global_scatter``; combine moves them back with ``global_gather`` and sums each token's slots,
-weighted, in the caller's library (so autograd follows). The public operators and their
-documentation are :mod:`unicoll.moe`'s; the semantics are in docs/semantics.md.
+``global_scatter``, which gathers them from x itself; combine moves them back with
+``global_gather`` into rows the backend's workspace lends and sums each token's slots into
+its result one slot at a time (:func:`sum_slots`). Where torch records a gradient, combine sums
+with torch's differentiable operations instead, and dispatch's backward is a combine without
+weights. The public operators and their documentation are :mod:`unicoll.moe`'s; the
+semantics are in docs/semantics.md.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -18,16 +22,16 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from ..arrays import describe, library_of
-from ..backends.base import Pending
-from ..backends.layout import moe_plan
+from ..backends.base import Backend, Pending
+from ..backends.layout import MoePlan, moe_plan
 from ..check import call_number, verify
 from ..errors import bad_input, translated
 from ..group import Group
-from ..routing import Handle, route
+from ..routing import Handle, Routing, route
 from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from ..task import Task
 from ..validate import prepare
-from .ops import _functional, _run, global_gather_backward, global_scatter_backward
+from .ops import _functional, _run, global_gather_backward
 
 
 def dispatch(
@@ -137,12 +141,6 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
     local_count, shape = routing.local_count, call.topk_idx.shape
-    slot_rows = _like(routing.slot_rows, x)
-    kept = None
-    if routing.dropped and weights is not None:
-        kept = _like((routing.slot_rows < routing.send_tokens.size).reshape(shape), x)
-    send_tokens = _like(routing.send_tokens, x)
-    sent = _take(x, send_tokens)  # in x's library: autograd sums each token's slots
     plan, number = None, -1
 
     def issue() -> Pending:
@@ -151,86 +149,231 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             verify(MOE_DISPATCH, call)
             number = call_number(grp)
         plan = moe_plan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
-        native = backend.to_native(sent)
-        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
+        native = backend.to_native(x)
+        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op, routing.send_tokens)
 
     def backward(grad: Any) -> Any:  # the plan is made when the call is issued
-        return global_scatter_backward(backend, grp, grad, plan)
+        return dispatch_backward(backend, grp, grad, plan, routing)
 
-    received = _functional(MOE_DISPATCH.name, call, sent, backward)
+    received = _functional(MOE_DISPATCH.name, call, x, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, plan, grp, shape, weights, send_tokens, slot_rows, kept, x, dispatch_number=number)
+        handle = Handle(routing, plan, grp, shape, weights, x, dispatch_number=number)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
 
 
 def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
-    backend, grp, handle = call.backend, call.group, arguments["handle"]
-    plan = handle.plan
-    sent = _take(arguments["x"], handle.send_tokens)
+    backend, grp, handle, x = call.backend, call.group, arguments["handle"], arguments["x"]
+    plan, routing = handle.plan, handle.routing
 
     def issue() -> Pending:
         if call.check:
             verify(MOE_REDISPATCH, call)
-        native = backend.to_native(sent)
-        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op)
+        native = backend.to_native(x)
+        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op, routing.send_tokens)
 
-    backward = functools.partial(global_scatter_backward, backend, grp, plan=plan)
-    return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, sent, backward))
+    backward = functools.partial(dispatch_backward, backend, grp, plan=plan, routing=routing)
+    return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, x, backward))
+
+
+def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, routing: Routing) -> Any:
+    """The rows' gradients sent back (global_gather with the handle's counts) and each token's
+    slots summed: a combine without weights."""
+    pending = _sent_back(backend, grad, plan, group, False, False, routing)
+    back, lent = pending.finish()
+    try:
+        return sum_slots(backend, back, routing, None, None)
+    finally:
+        backend.give_back(lent)
 
 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, y, handle = call.backend, call.group, arguments["y"], arguments["handle"]
-    plan = handle.plan
+    plan, weights = handle.plan, handle.weights
+    if _differentiable(y, weights):
+        return _combine_with_autograd(call, y, handle)
+    library = library_of(y)
 
     def issue() -> Pending:
         if call.check:
             verify(MOE_COMBINE, call)
-        native = backend.to_native(y)
-        return backend.global_gather(native, plan, grp, not call.sync_op, call.sync_op)
+        return _sent_back(backend, backend.to_native(y), plan, grp, not call.sync_op, call.sync_op, handle.routing)
 
-    backward = functools.partial(global_gather_backward, backend, grp, plan=plan)
-    returned = _functional(MOE_COMBINE.name, call, y, backward)
-    weights, slot_rows, kept = handle.weights, handle.slot_rows, handle.kept
-
-    def finish(result: Any) -> Any:
-        return _sum_slots(returned(result), handle, weights, slot_rows, kept)
+    def finish(result: tuple[Any, np.ndarray | None]) -> Any:
+        back, lent = result
+        native_weights = kept = None
+        if weights is not None:
+            native_weights = backend.to_native(weights)
+            kept = _like(handle.routing.kept, native_weights) if handle.dropped else None
+        try:
+            out = sum_slots(backend, back, handle.routing, native_weights, kept)
+        finally:
+            backend.give_back(lent)
+        return backend.from_native(out, library)
 
     return _run(MOE_COMBINE.name, call, issue, finish)
 
 
-def _sum_slots(back: Any, handle: Handle, weights: Any, slot_rows: Any, kept: Any) -> Any:
-    """Each token's rows (``back``, in send order) weighted and summed over its k slots, in
-    back's library (so torch's autograd follows), as back's dtype. Weighted: one batched
-    ``(1, k) @ (k, row)`` product per token, in the promoted dtype of rows and weights."""
+def _sent_back(
+    backend: Backend, native: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool, routing: Routing
+) -> Pending:
+    """global_gather of the expert rows ``native`` into rows in send order that the workspace
+    lends, followed by one zero row (read by dropped slots) where a slot is dropped; its finish
+    returns those rows and the buffer to give back (or None)."""
+    sent = routing.send_tokens.size
+    back, lent = backend.scratch_rows(native, sent + routing.dropped)
+    if routing.dropped:
+        back[sent:] = 0
+    pending = backend.global_gather(native, plan, group, async_op, calc_stream, back[:sent])
+
+    def finish() -> tuple[Any, np.ndarray | None]:
+        pending.finish()
+        return back, lent
+
+    return Pending(pending.works, finish)
+
+
+def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept: Any) -> Any:
+    """``out[t] = sum_j w[t, j] * back[row of slot (t, j)]`` on the backend's native arrays,
+    summed in slot order (w = 1 without ``weights``; a dropped slot reads back's final zero
+    row and weighs zero where ``kept`` says so): one slot at a time, each slot's rows taken into
+    one buffer of a row per token, so no array of k rows per token is made. Sums run in the
+    promoted dtype of the rows and the weights, 2-byte floats in float32 (one rounding at the
+    end, as a matrix product rounds), and the result has back's dtype."""
+    slots, tokens = routing.slots_by_column, routing.slots_by_column.shape[1]
+    if weights is None and slots.shape[0] == 1:
+        return backend.take_rows(back, slots[0])
+    library = library_of(back)
+    dtype = _sum_dtype(library, back, weights)
+    apart = dtype != back.dtype  # summed in a wider dtype, then rounded into the result
+    out, out_lent = _scratch_as(backend, back, tokens, dtype) if apart else (backend.empty_rows(back, tokens), None)
+    rows, rows_lent = backend.scratch_rows(back, tokens)
+    try:
+        for j, slot in enumerate(slots):
+            if j == 0 and weights is None:  # unweighted: the sum's dtype is back's
+                backend.take_rows(back, slot, out)
+                continue
+            backend.take_rows(back, slot, rows)
+            column = None if weights is None else _column(weights, kept, j, back.ndim)
+            _accumulate(library, out, rows, column, first=j == 0)
+    finally:
+        backend.give_back(rows_lent)
+    if not apart:
+        return out
+    result = backend.empty_rows(back, tokens)
+    result[...] = out
+    backend.give_back(out_lent)
+    return result
+
+
+def _sum_dtype(library: str, back: Any, weights: Any) -> Any:
+    """The dtype :func:`sum_slots` sums in (see there)."""
+    xp = array_namespace(back)
+    dtype = back.dtype if weights is None else xp.result_type(back, weights)
+    if weights is not None and xp.isdtype(dtype, "real floating") and _itemsize(library, dtype) == 2:
+        return xp.float32
+    return dtype
+
+
+def _itemsize(library: str, dtype: Any) -> int:
+    return dtype.itemsize if library == "torch" else np.dtype(dtype).itemsize
+
+
+def _scratch_as(backend: Backend, like: Any, rows: int, dtype: Any) -> tuple[Any, np.ndarray | None]:
+    """Scratch rows like ``like``'s but of ``dtype`` (:meth:`~unicoll.backends.base.Backend.scratch_rows`)."""
+    xp = array_namespace(like)
+    return backend.scratch_rows(xp.empty((0, *like.shape[1:]), dtype=dtype, device=device(like)), rows)
+
+
+def _column(weights: Any, kept: Any, j: int, ndim: int) -> Any:
+    """Slot j's weights as a column that broadcasts over a row of ``ndim - 1`` dimensions, zero
+    where the slot is dropped (whatever the weight: inf, nan)."""
+    column = weights[:, j]
+    if kept is not None:
+        xp = array_namespace(weights)
+        column = xp.where(kept[:, j], column, xp.zeros_like(column))
+    return column.reshape(column.shape[0], *([1] * (ndim - 1)))
+
+
+def _accumulate(library: str, out: Any, rows: Any, column: Any, first: bool) -> None:
+    """``out = rows * column`` (``first``) or ``out += rows * column`` in place; column None is 1.
+    ``rows`` may be overwritten."""
+    if library == "torch":
+        import torch  # loaded already: the rows are tensors
+
+        if first:
+            torch.mul(rows, column, out=out)
+        elif column is None:
+            out.add_(rows)
+        else:
+            out.addcmul_(rows, column)
+        return
+    ufuncs = np if library == "numpy" else importlib.import_module("cupy")
+    if first:
+        ufuncs.multiply(rows, column, out=out)
+        return
+    if column is not None:
+        if rows.dtype == out.dtype:
+            ufuncs.multiply(rows, column, out=rows)
+        else:
+            rows = rows * column
+    ufuncs.add(out, rows, out=out)
+
+
+def _differentiable(y: Any, weights: Any) -> bool:
+    """Whether combine's result joins torch's autograd graph (y or the weights need a gradient)."""
+    for array in (y, weights):
+        if array is not None and library_of(array) == "torch" and array.requires_grad:
+            from .autograd import needs_grad
+
+            if needs_grad(array):
+                return True
+    return False
+
+
+def _combine_with_autograd(call: Call, y: Any, handle: Handle) -> Any:
+    """combine where torch records a gradient: the rows sent back by global_gather (whose
+    backward is global_scatter), then each token's slots weighted and summed by torch's own
+    differentiable operations, which keep the rows the weights' gradient needs."""
+    backend, grp, plan = call.backend, call.group, handle.plan
+
+    def issue() -> Pending:
+        if call.check:
+            verify(MOE_COMBINE, call)
+        return backend.global_gather(backend.to_native(y), plan, grp, not call.sync_op, call.sync_op)
+
+    backward = functools.partial(global_gather_backward, backend, grp, plan=plan)
+    returned = _functional(MOE_COMBINE.name, call, y, backward)
+
+    def finish(result: Any) -> Any:
+        return _sum_slots_differentiably(returned(result), handle)
+
+    return _run(MOE_COMBINE.name, call, issue, finish)
+
+
+def _sum_slots_differentiably(back: Any, handle: Handle) -> Any:
+    """Each token's rows (``back``, in send order) weighted and summed over its k slots by
+    torch's differentiable operations, as back's dtype: one batched ``(1, k) @ (k, row)``
+    product per token, in the promoted dtype of rows and weights."""
+    import torch  # loaded already: back is a tensor
+
     tokens, k, trailing = handle.tokens, handle.topk, tuple(back.shape[1:])
     if handle.dropped:  # dropped slots read a zero row
-        xp = array_namespace(back)
-        back = xp.concat([back, xp.zeros((1, *trailing), dtype=back.dtype, device=device(back))], axis=0)
-    rows = _take(back, slot_rows).reshape(tokens, k, *trailing)
+        back = torch.cat([back, back.new_zeros((1, *trailing))])
+    slot_rows = torch.from_numpy(handle.routing.slot_rows).to(back.device)
+    rows = back.index_select(0, slot_rows).reshape(tokens, k, *trailing)
+    weights = handle.weights
     if weights is None:
         out = rows.reshape(tokens, *trailing) if k == 1 else rows.sum(1)
     else:
-        if kept is not None:  # a dropped slot contributes zero whatever its weight (inf, nan)
-            xp = array_namespace(weights)
-            weights = xp.where(kept, weights, xp.zeros_like(weights))
-        flat = rows.reshape(tokens, k, math.prod(trailing))
-        out = _matmul(weights.reshape(tokens, 1, k), flat).reshape(tokens, *trailing)
-    if out.dtype == back.dtype:
-        return out
-    return out.to(back.dtype) if library_of(out) == "torch" else out.astype(back.dtype)
-
-
-def _matmul(a: Any, b: Any) -> Any:
-    """Batched ``a @ b`` in the promoted dtype of the two (torch does not promote by itself)."""
-    if library_of(a) != "torch":
-        return a @ b
-    import torch  # loaded already: a is a tensor
-
-    common = torch.promote_types(a.dtype, b.dtype)
-    return torch.bmm(a.to(common), b.to(common))
+        if handle.dropped:  # a dropped slot contributes zero whatever its weight (inf, nan)
+            weights = torch.where(_like(handle.routing.kept, weights), weights, torch.zeros_like(weights))
+        common = torch.promote_types(weights.dtype, rows.dtype)
+        flat = rows.reshape(tokens, k, math.prod(trailing)).to(common)
+        out = torch.bmm(weights.reshape(tokens, 1, k).to(common), flat).reshape(tokens, *trailing)
+    return out if out.dtype == back.dtype else out.to(back.dtype)
 
 
 def _like(host: np.ndarray, x: Any) -> Any:
@@ -246,8 +389,3 @@ def _like(host: np.ndarray, x: Any) -> Any:
 
     with x.device:
         return cupy.asarray(host)
-
-
-def _take(x: Any, index: Any) -> Any:
-    """The rows ``x[index]`` as a new array (``index`` from :func:`_like`)."""
-    return x.index_select(0, index) if library_of(x) == "torch" else x.take(index, axis=0)
