@@ -3,8 +3,8 @@
 New rows are made by numpy, also for a torch caller (handed over by ``torch.from_numpy``,
 zero-copy): numpy asks the kernel for huge pages for large arrays, so 64 MiB of new rows fault
 in several times faster than a tensor of torch's allocator (4 ms against 24 ms here,
-docs/performance.md). :func:`rows_over` lays rows over a buffer lent by a
-:class:`~unicoll.workspace.Workspace`.
+docs/performance.md); large ones come from the backend's :class:`~unicoll.workspace.Workspace`,
+whose memory faults in once, not every step. :func:`rows_over` lays rows over a buffer it lends.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 import numpy as np
+
+from unicoll.workspace import FROM_BYTES, Workspace
 
 _HOST_DTYPES: dict[Any, np.dtype] = {}
 """The numpy dtype of each torch dtype's :func:`host_view` (a dozen at most)."""
@@ -40,11 +42,18 @@ def host_dtype(like: Any) -> np.dtype:
     return dtype
 
 
-def host_rows(like: Any, rows: int) -> np.ndarray:
+def host_rows(like: Any, rows: int, workspace: Workspace | None = None) -> np.ndarray:
     """An uninitialized numpy array of ``rows`` rows like ``like``'s (a numpy array or torch CPU
     tensor, whose rows it holds as :func:`host_view` would): 0.15 us, where a tensor's
-    ``new_empty`` takes 1 us and its numpy view 0.6 us more."""
-    return np.empty((rows, *like.shape[1:]), dtype=host_dtype(like))
+    ``new_empty`` takes 1 us and its numpy view 0.6 us more. From
+    :data:`~unicoll.workspace.FROM_BYTES` up, memory that ``workspace`` lends until the rows
+    are garbage, where one is given (:meth:`~unicoll.workspace.Workspace.lend_until_freed`)."""
+    dtype = host_dtype(like)
+    shape = (rows, *like.shape[1:])
+    nbytes = math.prod(shape) * dtype.itemsize
+    if workspace is None or nbytes < FROM_BYTES:
+        return np.empty(shape, dtype=dtype)
+    return workspace.lend_until_freed(nbytes).view(dtype).reshape(shape)
 
 
 def rows_as(rows: np.ndarray, like: Any) -> Any:

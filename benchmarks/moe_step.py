@@ -10,8 +10,9 @@ tokens routed to random distinct experts (4 per rank) with random weights, a new
 step (a few are cycled). Each step is timed beside the raw transfer of its bytes, interleaved
 (barrier, unicoll, barrier, raw): two even ``all_to_all_single`` (gloo) or ``Alltoall`` (mpi)
 into buffers made once. Printed per case: the median step of the slowest rank, the raw pair,
-their ratio, and the peak resident memory the step loop adds on a rank (``VmHWM`` after the
-loop less ``VmRSS`` before it, the peak reset through ``/proc/self/clear_refs``).
+their ratio, and the peak resident memory the step loop adds on a rank, warm-up included
+(``VmHWM`` after the loop less ``VmRSS`` before it, the peak reset through
+``/proc/self/clear_refs``), so memory a backend keeps between steps counts.
 
 ``--old PATH`` runs the same cases on another checkout first (a git worktree of an older
 commit, with ``unicoll/backends`` linked to its ``backends/``), in the same run, so the two
@@ -51,110 +52,126 @@ def _reset_peak() -> int:
     return _read_status("VmRSS")
 
 
-def _worker(config: dict) -> None:
+def _raw_pair(backend: str):
+    """Two even all-to-alls of ``a``'s rows, there and back: ``Alltoall`` on mpi, else
+    ``all_to_all_single``."""
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD.Dup()
+
+        def pair(a, b) -> None:
+            an, bn = a.numpy(), b.numpy()
+            comm.Alltoall(an, bn)
+            comm.Alltoall(bn, an)
+
+        return pair
+    import torch.distributed as dist
+
+    def pair(a, b) -> None:
+        dist.all_to_all_single(b, a)
+        dist.all_to_all_single(a, b)
+
+    return pair
+
+
+def _timed(step, raw, iters: int, warmup: int) -> tuple[float, float, int]:
+    """Median seconds of ``step`` and ``raw`` (interleaved, each after a barrier) and the peak
+    resident memory from the first warm-up call on (less what was resident before), each the
+    slowest rank's."""
     import numpy as np
+
+    import unicoll as uc
+
+    base = _reset_peak()
+    for _ in range(warmup):
+        step(), raw()
+    mine, theirs = [], []
+    for _ in range(iters):
+        uc.barrier()
+        start = time.perf_counter()
+        step()
+        mine.append(time.perf_counter() - start)
+        uc.barrier()
+        start = time.perf_counter()
+        raw()
+        theirs.append(time.perf_counter() - start)
+    figures = [statistics.median(mine), statistics.median(theirs), _read_status("VmHWM") - base]
+    slowest = uc.all_gather(None, np.array(figures, dtype=np.float64).reshape(1, 3)).max(0)
+    return float(slowest[0]), float(slowest[1]), int(slowest[2])
+
+
+def _case(config: dict, size: int, k: int, raw_pair) -> dict | None:
+    """One (size, top-k) case on this rank: checked, then timed (or profiled)."""
+    import numpy as np
+    import torch
+
+    import unicoll as uc
+
+    rank, world, hidden = uc.get_rank(), uc.get_world_size(), config["hidden"]
+    experts = world * EXPERTS_PER_RANK
+    tokens = max(1, size // (4 * hidden * k))
+    rng = np.random.default_rng([rank, size, k])
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32))
+    routings = []
+    for _ in range(3):
+        ids = torch.from_numpy(rng.random((tokens, experts)).argsort(axis=1)[:, :k].copy())
+        weights = torch.from_numpy(rng.random((tokens, k), dtype=np.float32))
+        local = torch.bincount(ids.reshape(-1), minlength=experts)
+        routings.append((ids, weights, local, uc.exchange_counts(local)))
+    sent = x.repeat_interleave(k, 0)  # global_scatter's input: as many rows as dispatch sends
+    a = torch.zeros(tokens * k - tokens * k % world, hidden)
+    b = torch.empty_like(a)
+    turn = [0]
+
+    def dispatch_combine():
+        ids, weights, _, _ = routings[turn[0] % 3]
+        turn[0] += 1
+        rows, _, handle = uc.moe.dispatch(x, ids, weights, experts_per_rank=EXPERTS_PER_RANK)
+        return uc.moe.combine(rows, handle)
+
+    def scatter_gather():
+        _, _, local, glob = routings[turn[0] % 3]
+        turn[0] += 1
+        return uc.global_gather(uc.global_scatter(sent, local, glob), local, glob)
+
+    out = dispatch_combine()  # identity experts: each token comes back weighted by its weights' sum
+    turn[0] = 0
+    correct = bool(torch.allclose(out, x * routings[0][1].sum(1, keepdim=True), rtol=1e-5, atol=1e-5))
+    correct &= bool(torch.equal(scatter_gather(), sent))
+    turn[0] = 0
+    if config["profile"]:
+        import cProfile
+        import io
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(config["iters"]):
+            dispatch_combine()
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+        print(f"--- rank {rank}: {config['iters']} x dispatch+combine, {size} B, top-{k}\n{text.getvalue()}")
+        return None
+    iters, warmup = (config["iters"], 2) if size >= 1 << 23 else (3 * config["iters"], 5)
+    step_s, raw_s, step_peak = _timed(dispatch_combine, lambda: raw_pair(a, b), iters, warmup)
+    gsgg_s, raw2_s, gsgg_peak = _timed(scatter_gather, lambda: raw_pair(a, b), iters, warmup)
+    return dict(size=size, k=k, tokens=tokens, step_ms=step_s * 1e3, raw_ms=raw_s * 1e3, step_peak=step_peak,
+                gsgg_ms=gsgg_s * 1e3, raw2_ms=raw2_s * 1e3, gsgg_peak=gsgg_peak, correct=correct)  # fmt: skip
+
+
+def _worker(config: dict) -> None:
     import torch
 
     import unicoll as uc
 
     torch.set_num_threads(1)
     uc.init(config["backend"])
-    rank, world, hidden = uc.get_rank(), uc.get_world_size(), config["hidden"]
-    experts = world * EXPERTS_PER_RANK
-    if config["backend"] == "mpi":
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD.Dup()
-
-        def raw_pair(a: torch.Tensor, b: torch.Tensor) -> None:
-            an, bn = a.numpy(), b.numpy()
-            comm.Alltoall(an, bn)
-            comm.Alltoall(bn, an)
-    else:
-        import torch.distributed as dist
-
-        def raw_pair(a: torch.Tensor, b: torch.Tensor) -> None:
-            dist.all_to_all_single(b, a)
-            dist.all_to_all_single(a, b)
-
-    def slowest(value: float) -> float:
-        return float(uc.all_gather(None, np.array([value])).max())
-
-    def timed(step, raw, iters: int, warmup: int) -> tuple[float, float, int]:
-        for _ in range(warmup):
-            step(), raw()
-        base = _reset_peak()
-        mine, theirs = [], []
-        for _ in range(iters):
-            uc.barrier()
-            start = time.perf_counter()
-            step()
-            mine.append(time.perf_counter() - start)
-            uc.barrier()
-            start = time.perf_counter()
-            raw()
-            theirs.append(time.perf_counter() - start)
-        peak = _read_status("VmHWM") - base
-        return slowest(statistics.median(mine)), slowest(statistics.median(theirs)), int(slowest(peak))
-
-    results = []
+    raw_pair = _raw_pair(config["backend"])
     cases = [(size, k) for k in config["topk"] for size in config["sizes"]]
-    if config["profile"]:
-        cases = cases[-1:]
-    for size, k in cases:
-        tokens = max(1, size // (4 * hidden * k))
-        rng = np.random.default_rng([rank, size, k])
-        x = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32))
-        routings = []
-        for _ in range(3):
-            ids = torch.from_numpy(rng.random((tokens, experts)).argsort(axis=1)[:, :k].copy())
-            weights = torch.from_numpy(rng.random((tokens, k), dtype=np.float32))
-            local = torch.bincount(ids.reshape(-1), minlength=experts)
-            routings.append((ids, weights, local, uc.exchange_counts(local)))
-        sent = x.repeat_interleave(k, 0)  # global_scatter's input: as many rows as dispatch sends
-        a = torch.zeros(tokens * k - tokens * k % world, hidden)
-        b = torch.empty_like(a)
-        turn = [0]
-
-        def dispatch_combine():
-            ids, weights, _, _ = routings[turn[0] % 3]
-            turn[0] += 1
-            rows, _, handle = uc.moe.dispatch(x, ids, weights, experts_per_rank=EXPERTS_PER_RANK)
-            return uc.moe.combine(rows, handle)
-
-        def scatter_gather():
-            _, _, local, glob = routings[turn[0] % 3]
-            turn[0] += 1
-            return uc.global_gather(uc.global_scatter(sent, local, glob), local, glob)
-
-        out = dispatch_combine()  # identity experts: each token comes back weighted by its weights' sum
-        turn[0] = 0
-        want = x * routings[0][1].sum(1, keepdim=True)
-        correct = bool(torch.allclose(out, want, rtol=1e-5, atol=1e-5))
-        correct &= bool(torch.equal(scatter_gather(), sent))
-        turn[0] = 0
-        if config["profile"]:
-            import cProfile
-            import io
-            import pstats
-
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(config["iters"]):
-                dispatch_combine()
-            profile.disable()
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
-            print(f"--- rank {rank}: {config['iters']} x dispatch+combine, {size} B, top-{k}\n{text.getvalue()}")
-            continue
-        iters, warmup = (config["iters"], 2) if size >= 1 << 23 else (3 * config["iters"], 5)
-        step_s, raw_s, step_peak = timed(dispatch_combine, lambda: raw_pair(a, b), iters, warmup)
-        gsgg_s, raw2_s, gsgg_peak = timed(scatter_gather, lambda: raw_pair(a, b), iters, warmup)
-        results.append(
-            dict(size=size, k=k, tokens=tokens, step_ms=step_s * 1e3, raw_ms=raw_s * 1e3, step_peak=step_peak,
-                 gsgg_ms=gsgg_s * 1e3, raw2_ms=raw2_s * 1e3, gsgg_peak=gsgg_peak, correct=correct)
-        )  # fmt: skip
-    if rank == 0 and not config["profile"]:
+    results = [_case(config, size, k, raw_pair) for size, k in (cases[-1:] if config["profile"] else cases)]
+    if uc.get_rank() == 0 and not config["profile"]:
         Path(config["out"]).write_text(json.dumps(results))
     uc.finalize()
 
@@ -196,8 +213,8 @@ def main() -> None:
     codes = ([("old", args.old)] if args.old else []) + [("new", new)]
     print("# 2 ranks x 1 thread; dispatched rows per rank = tokens x k x hidden float32; median step, slowest rank;")
     print("# raw = two even all-to-alls of the same bytes, interleaved; peak = resident memory the loop adds (MiB)")
-    print(f"# {'backend':<5} {'code':<4} {'size':>6} {'k':>2} {'tokens':>6} | {'dispatch+combine':>16} "
-          f"{'raw':>7} {'ratio':>5} {'peak':>5} | {'scatter+gather':>14} {'raw':>7} {'ratio':>5} {'peak':>5} ok")  # fmt: skip
+    print(f"# {'backend':<5} {'code':<4} {'size':>6} {'k':>2} {'tokens':>6} | {'dispatch+combine':>16} {'raw':>7} "
+          f"{'ratio':>5} {'peak':>5} | {'scatter+gather':>14} {'raw':>7} {'ratio':>5} {'peak':>5} ok")  # fmt: skip
     for backend in args.backend or ["gloo", "mpi"]:
         for label, code in codes:
             for r in _run_world(backend, code, config):

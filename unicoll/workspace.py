@@ -11,15 +11,25 @@ A buffer is *lent*: :meth:`Workspace.lend` takes one out of the workspace, and o
 :meth:`Workspace.give_back` puts it back, once nothing will read or write it again (a transfer
 completed, a sum done). A buffer never comes back while lent, so two calls in flight at once,
 a Task not waited for yet or another thread, each hold their own; a buffer that is never given
-back (a Task dropped) is simply freed with its last reference. A result handed to the caller is
-never lent memory. The workspace keeps at most :data:`MAX_BYTES` of buffers that are not lent;
-buffers are numpy ``uint8`` arrays, made by numpy, which asks the kernel for huge pages for
-arrays this large, so even a first use faults in a fraction of the pages.
+back (a Task dropped) is simply freed with its last reference.
+
+A result handed to the caller is memory lent too, through :meth:`Workspace.lend_until_freed`:
+an array that gives its buffer back by itself once it, and every array and tensor made from
+it, is garbage (a ``weakref.finalize``; numpy keeps such an array as the base of every view of
+it, and a tensor made by ``torch.from_numpy`` keeps the array). The caller holds its result as
+long as it likes; the step after, its memory serves the next result without faulting in again.
+
+The workspace keeps at most :data:`MAX_BYTES` of buffers that are not lent, the oldest
+dropped first, and never one of the caller's arrays. Buffers are numpy ``uint8`` arrays, made by
+numpy, which asks the kernel for huge pages for arrays this large, so even a first use faults
+in a fraction of the pages.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import deque
 
 import numpy as np
 
@@ -60,32 +70,70 @@ class Workspace:
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._free: list[np.ndarray] = []  # oldest first
+        self._freed: deque[np.ndarray] = deque()  # given back by results that became garbage
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
     def kept_bytes(self) -> int:
         """The bytes of the buffers kept, not lent."""
-        return sum(buffer.nbytes for buffer in self._free)
+        return sum(buffer.nbytes for buffer in (*self._free, *self._freed))
 
     def lend(self, nbytes: int) -> np.ndarray:
         """A 1-D ``uint8`` buffer of at least ``nbytes`` bytes (contents undefined), the caller's
         alone until it gives it back: the smallest kept one that is large enough, else a new one."""
         with self._lock:
+            self._keep_freed()
             fitting = [i for i, buffer in enumerate(self._free) if buffer.nbytes >= nbytes]
             if fitting:
                 return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
         return np.empty(_rounded(nbytes), dtype=np.uint8)
+
+    def lend_until_freed(self, nbytes: int) -> np.ndarray:
+        """A 1-D ``uint8`` array of ``nbytes`` bytes (contents undefined) for a result: its
+        buffer comes back to the workspace once the array, and everything made from it, is
+        garbage. Its base is a memoryview, not the buffer, so that numpy makes every view of it
+        a view of the array itself.
+
+        >>> ws = Workspace(max_bytes=2**20)
+        >>> result = ws.lend_until_freed(1000)
+        >>> part = result[:10]; del result; ws.kept_bytes   # a view still uses the memory
+        0
+        >>> del part; ws.lend(1000).nbytes, ws.kept_bytes   # gone: the next call gets the buffer
+        (65536, 0)
+        """
+        buffer = self.lend(nbytes)
+        array = np.frombuffer(memoryview(buffer)[:nbytes], dtype=np.uint8)
+        weakref.finalize(array, self._freed_by_result, buffer).atexit = False
+        return array
+
+    def _freed_by_result(self, buffer: np.ndarray) -> None:
+        """Take back a result's buffer, unless the workspace was cleared for good."""
+        if not self._closed:
+            self._freed.append(buffer)
 
     def give_back(self, buffer: np.ndarray) -> None:
         """Keep ``buffer`` (from :meth:`lend`, no longer read or written) for a later call;
         the oldest kept buffers go first when the workspace would hold more than its bound."""
         with self._lock:
             self._free.append(buffer)
-            kept = self.kept_bytes
-            while kept > self.max_bytes:
-                kept -= self._free.pop(0).nbytes
+            self._keep_freed()
+
+    def _keep_freed(self) -> None:
+        """Keep the buffers that results gave back, then drop the oldest kept buffers while
+        the workspace holds more than its bound. The results' finalizers only append to a
+        deque: they may run in any thread, at any allocation, this one's included."""
+        while self._freed:
+            self._free.append(self._freed.popleft())
+        kept = sum(buffer.nbytes for buffer in self._free)
+        while kept > self.max_bytes:
+            kept -= self._free.pop(0).nbytes
 
     def clear(self) -> None:
-        """Let go of every kept buffer (lent ones are their borrowers')."""
+        """Let go of every kept buffer, for good: buffers given back later are dropped (lent
+        ones are their borrowers' until then). The backend's ``finalize`` calls this."""
         with self._lock:
+            self._closed = True
+            self.max_bytes = 0
             self._free.clear()
+            self._freed.clear()

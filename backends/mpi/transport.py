@@ -256,8 +256,7 @@ class MpiBackend(Backend):
         return t  # natives are the caller's own kind of array
 
     def empty_rows(self, like: Any, rows: int) -> Any:
-        shape = (rows, *like.shape[1:])
-        return np.empty(shape, dtype=like.dtype) if isinstance(like, np.ndarray) else like.new_empty(shape)
+        return rows_as(host_rows(like, rows, self.workspace), like)
 
     def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
         """numpy's ``take``, a tensor's on its numpy view (bfloat16 as 16-bit words): 0.7 µs less
@@ -265,7 +264,7 @@ class MpiBackend(Backend):
         Into ``out`` with ``mode="clip"`` (the index is valid): numpy buffers the default mode's
         output, a copy more."""
         if out is None:
-            return rows_as(host_view(x).take(index, axis=0), x)
+            out = self.empty_rows(x, len(index))
         np.take(host_view(x), index, axis=0, out=host_view(out), mode="clip")
         return out
 
@@ -392,7 +391,7 @@ class MpiBackend(Backend):
         if not plan.reordered:
             return super().global_scatter(x, plan, group, async_op, calc_stream, rows)
         sent, lent = (x, None) if rows is None else self.gather_rows(x, rows)
-        received = host_rows(x, sum(plan.recv))  # numpy's: 1 us less than a tensor's new_empty
+        received = host_rows(x, sum(plan.recv), self.workspace)
         if _fused(sent):
             work = self._moe_alltoallw(sent, received, plan, True, True, group, async_op)
             return issued(work, lambda: self._returned(rows_as(received, x), lent))
@@ -413,7 +412,7 @@ class MpiBackend(Backend):
         rank-major first."""
         if not plan.reordered:
             return super().global_gather(x, plan, group, async_op, calc_stream, out)
-        back, fused = host_rows(x, sum(plan.send)) if out is None else out, _fused(x)
+        back, fused = host_rows(x, sum(plan.send), self.workspace) if out is None else out, _fused(x)
         rows = x if fused else host_view(x).take(plan.to_rank_major, axis=0)
         work = self._moe_alltoallw(back, rows, plan, False, fused, group, async_op)
         return issued(work, lambda: back if out is not None else rows_as(back, x))

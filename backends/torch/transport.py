@@ -302,10 +302,10 @@ class TorchDistBackend(Backend):
         return self._new_pg(ranks, self._pg_backend)
 
     def empty_rows(self, like: torch.Tensor, rows: int) -> torch.Tensor:
-        """New rows; on the CPU, from :data:`~unicoll.workspace.FROM_BYTES` up, made by numpy
-        (:mod:`~unicoll.backends.host`), whose memory faults in several times faster."""
+        """New rows; on the CPU, from :data:`~unicoll.workspace.FROM_BYTES` up, lent by the
+        workspace until they are garbage (:func:`~unicoll.backends.host.host_rows`)."""
         if like.device.type == "cpu" and rows * row_bytes(like) >= FROM_BYTES:
-            return rows_as(host_rows(like, rows), like)
+            return rows_as(host_rows(like, rows, self.workspace), like)
         return like.new_empty((rows, *like.shape[1:]))
 
     def take_rows(self, x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -270,6 +270,9 @@ class _Case:
     an MoE operator); None when it is ``expected``."""
     reset: Callable[[], None] | None = None
     """Restores the input of an in-place operator before each call of the correctness check."""
+    transfer: Callable[[], Any] | None = None
+    """The MoE operators: the bare transfers of the bytes they move (even all-to-alls of the
+    rows sent, one per all-to-all the operator makes), timed beside them; None for the others."""
 
 
 class _World:
@@ -519,8 +522,26 @@ def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
     count = rows * hidden
     raw = raw_scatter if scatter else raw_gather
     return _Case(
-        op, count * w.itemsize, count, lambda: call(x, lc, gc), raw, expected, None, None if reorder else transferred
-    )
+        op, count * w.itemsize, count, lambda: call(x, lc, gc), raw, expected, None, None if reorder else transferred,
+        transfer=_even_transfers(w, rows, hidden, 1),
+    )  # fmt: skip
+
+
+def _even_transfers(w: _World, rows: int, hidden: int, times: int) -> Callable[[], None]:
+    """``times`` raw even all-to-alls of ``rows`` rows of ``hidden`` elements (less the rows
+    that do not divide evenly among the ranks), on buffers made once: the transport's own
+    cost for the bytes of a MoE operator."""
+    even = rows - rows % w.world
+    a = w.tensor(w.bits(w.rank, "alltoall_single", even * hidden * w.itemsize, even, hidden))
+    b = a.new_empty(a.shape)
+    splits = [even // w.world] * w.world
+    there, back = w.baseline.alltoallv(b, a, splits, splits), w.baseline.alltoallv(a, b, splits, splits)
+
+    def transfers() -> None:
+        for i in range(times):
+            (there if i % 2 == 0 else back)()
+
+    return transfers
 
 
 _TOPK = 2
@@ -574,7 +595,8 @@ def _moe_topk(w: _World, nbytes: int, reorder: bool) -> _Case:
         combined = uc.reference.moe_combine(received, [i for _, i, _ in every], experts, weighted)[w.rank]
         return torch.from_numpy(combined).to(w.dtype).contiguous().view(torch.uint8).numpy()
 
-    return _Case("moe_topk", x.numel() * w.itemsize, x.numel(), unicoll, by_hand, expected)
+    transfer = _even_transfers(w, rows * k, hidden, 2)  # dispatch's rows there, combine's back
+    return _Case("moe_topk", x.numel() * w.itemsize, x.numel(), unicoll, by_hand, expected, transfer=transfer)
 
 
 _CASES: dict[str, Callable[[_World, int, bool], _Case]] = {  # (world, nbytes, reorder) -> case
@@ -651,8 +673,9 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         case = _CASES[op](w, size, w.baseline.moe_reorder)
         correct = _check(w, case)
         block = min(_MAX_BLOCK, max(1, _BLOCK_BYTES // size))
-        uc_us, raw_us = _time(w, [case.unicoll, case.raw], config.iters, config.warmup, block, w.baseline.barrier)
-        uc_us, raw_us, wrong = w.baseline.slowest([uc_us, raw_us, 0.0 if correct else 1.0])
+        calls = [case.unicoll, case.raw] + ([] if case.transfer is None else [case.transfer])
+        uc_us, raw_us, *transfer_us = _time(w, calls, config.iters, config.warmup, block, w.baseline.barrier)
+        uc_us, raw_us, wrong, *transfer_us = w.baseline.slowest([uc_us, raw_us, 0.0 if correct else 1.0, *transfer_us])
         algbw, busbw = _bandwidths(op, case.nbytes, uc_us, w.world)
         raw_algbw, raw_busbw = _bandwidths(op, case.nbytes, raw_us, w.world)
         rows.append(
@@ -669,6 +692,8 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
                 "raw_algbw_gbps": raw_algbw,
                 "raw_busbw_gbps": raw_busbw,
                 "ratio": uc_us / raw_us,
+                "transfer_time_us": transfer_us[0] if transfer_us else None,
+                "transfer_ratio": uc_us / transfer_us[0] if transfer_us else None,
                 "calls_per_sample": block,
             }
         )

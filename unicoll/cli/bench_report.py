@@ -23,6 +23,7 @@ _COLUMNS = (
     ("raw time", "(us)", 10, "raw_time_us", ".1f"),
     ("raw busbw", "(GB/s)", 9, "raw_busbw_gbps", ".3f"),
     ("ratio", "uc/raw", 6, "ratio", ".3f"),
+    ("transfer", "uc/xfer", 8, "transfer_ratio", ".3f"),
 )
 
 
@@ -36,6 +37,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"# {config['iters']} timed iterations after {config['warmup']} warm-up, unicoll and raw interleaved; "
         f"time = median, slowest rank; experts per rank (MoE operators): {config['experts']}",
         f"# raw = {_raw_description(result['baseline'])}",
+        "# transfer (MoE operators) = unicoll's time over that of the bare even all-to-alls of the rows they move "
+        "(moe_topk: two, of tokens x 2 rows), timed in the same run: how close to the transport the step runs",
         "#",
         "#" + "  ".join(f"{name:>{width}}" for name, _, width, _, _ in _COLUMNS)[1:],
         "#" + "  ".join(f"{unit:>{width}}" for _, unit, width, _, _ in _COLUMNS)[1:],
@@ -43,8 +46,11 @@ def format_table(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         cells = []
         for _, _, width, key, spec in _COLUMNS:
-            value = row[key]
-            text = ("yes" if value else "NO") if isinstance(value, bool) else format(value, spec)
+            value = row.get(key)
+            if value is None:
+                text = "-"
+            else:
+                text = ("yes" if value else "NO") if isinstance(value, bool) else format(value, spec)
             cells.append(f"{text:>{width}}")
         lines.append("  ".join(cells))
     return "\n".join(lines)

@@ -31,7 +31,7 @@ from ..routing import Handle, Routing, route
 from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from ..task import Task
 from ..validate import prepare
-from .ops import _functional, _run, global_gather_backward
+from .ops import _functional, _run, global_gather_backward, global_scatter_backward
 
 
 def dispatch(
@@ -179,11 +179,11 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
 
 def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, routing: Routing) -> Any:
-    """The rows' gradients sent back (global_gather with the handle's counts) and each token's
-    slots summed: a combine without weights."""
-    pending = _sent_back(backend, grad, plan, group, False, False, routing)
-    back, lent = pending.finish()
+    """The rows' gradients sent back (global_scatter's backward, with the handle's counts) and
+    each token's slots summed: a combine without weights."""
+    back, lent = _rows_back(backend, grad, routing)
     try:
+        global_scatter_backward(backend, group, grad, plan, back[: routing.send_tokens.size])
         return sum_slots(backend, back, routing, None, None)
     finally:
         backend.give_back(lent)
@@ -219,20 +219,27 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
 def _sent_back(
     backend: Backend, native: Any, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool, routing: Routing
 ) -> Pending:
-    """global_gather of the expert rows ``native`` into rows in send order that the workspace
-    lends, followed by one zero row (read by dropped slots) where a slot is dropped; its finish
+    """global_gather of the expert rows ``native`` into :func:`_rows_back`'s rows; its finish
     returns those rows and the buffer to give back (or None)."""
-    sent = routing.send_tokens.size
-    back, lent = backend.scratch_rows(native, sent + routing.dropped)
-    if routing.dropped:
-        back[sent:] = 0
-    pending = backend.global_gather(native, plan, group, async_op, calc_stream, back[:sent])
+    back, lent = _rows_back(backend, native, routing)
+    pending = backend.global_gather(native, plan, group, async_op, calc_stream, back[: routing.send_tokens.size])
 
     def finish() -> tuple[Any, np.ndarray | None]:
         pending.finish()
         return back, lent
 
     return Pending(pending.works, finish)
+
+
+def _rows_back(backend: Backend, like: Any, routing: Routing) -> tuple[Any, np.ndarray | None]:
+    """Rows like ``like``'s for the rows a dispatch sent, in send order, that the workspace
+    lends, followed by one zero row (read by dropped slots) where a slot is dropped; and the
+    buffer to give back (or None)."""
+    sent = routing.send_tokens.size
+    back, lent = backend.scratch_rows(like, sent + routing.dropped)
+    if routing.dropped:
+        back[sent:] = 0
+    return back, lent
 
 
 def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept: Any) -> Any:

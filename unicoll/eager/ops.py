@@ -112,9 +112,11 @@ def guarded(
 # -- each differentiable operator's backward, on native arrays: the one place it is written --
 
 
-def global_scatter_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
-    """global_gather of the output gradient with the same counts (the same plan)."""
-    return backend.global_gather(grad, plan, group, False).finish()
+def global_scatter_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, out: Any | None = None) -> Any:
+    """global_gather of the output gradient with the same counts (the same plan).
+
+    ``out``: native rows to fill instead of new ones (moe.dispatch's backward sums them per token)."""
+    return backend.global_gather(grad, plan, group, False, out=out).finish()
 
 
 def global_gather_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan) -> Any:
