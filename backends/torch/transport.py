@@ -309,10 +309,13 @@ class TorchDistBackend(Backend):
         return like.new_empty((rows, *like.shape[1:]))
 
     def take_rows(self, x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None and x.device.type == "cpu":
+        """``index_select``, into rows of :meth:`empty_rows` where those come from numpy."""
+        rows = torch.from_numpy(index).to(x.device, non_blocking=True)
+        if out is None:
+            if x.device.type != "cpu" or len(index) * row_bytes(x) < FROM_BYTES:
+                return x.index_select(0, rows)
             out = self.empty_rows(x, len(index))
-        index = torch.from_numpy(index).to(x.device, non_blocking=True)
-        return x.index_select(0, index) if out is None else torch.index_select(x, 0, index, out=out)
+        return torch.index_select(x, 0, rows, out=out)
 
     def barrier(self, group: Group) -> None:
         pg = self._pg(group)

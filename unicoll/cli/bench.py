@@ -31,6 +31,11 @@ count, ``exchange_counts``, ``global_scatter``, read the counts to split per exp
 ``global_gather``, unsort, weigh and sum over the k slots. Its data are small integers (and
 weights 0.5, 1 or 2), so both results are exact and compared bit for bit too.
 
+For the MoE operators a third call is timed in the same rotation: the bare even all-to-alls of
+the rows they move (``global_scatter``/``global_gather``: one of the size; ``moe_topk``: two,
+of tokens x 2 rows, there and back), and the table's ``uc/xfer`` column is unicoll's time over
+theirs: how close to the transport the step runs on this machine.
+
 The backends on torch.distributed (``gloo``, ``torch-nccl``) are compared with
 torch.distributed itself, ``mpi`` with bare mpi4py. Nothing heavy is imported until a rank
 starts.

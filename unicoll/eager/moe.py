@@ -23,6 +23,7 @@ from array_api_compat import array_namespace, device
 
 from ..arrays import describe, library_of
 from ..backends.base import Backend, Pending
+from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, moe_plan
 from ..check import call_number, verify
 from ..errors import bad_input, translated
@@ -31,6 +32,7 @@ from ..routing import Handle, Routing, route
 from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from ..task import Task
 from ..validate import prepare
+from ..workspace import FROM_BYTES
 from .ops import _functional, _run, global_gather_backward, global_scatter_backward
 
 
@@ -248,11 +250,14 @@ def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept:
     row and weighs zero where ``kept`` says so): one slot at a time, each slot's rows taken into
     one buffer of a row per token, so no array of k rows per token is made. Sums run in the
     promoted dtype of the rows and the weights, 2-byte floats in float32 (one rounding at the
-    end, as a matrix product rounds), and the result has back's dtype."""
-    slots, tokens = routing.slots_by_column, routing.slots_by_column.shape[1]
-    if weights is None and slots.shape[0] == 1:
-        return backend.take_rows(back, slots[0])
-    library = library_of(back)
+    end, as a matrix product rounds), and the result has back's dtype. Below
+    :data:`~unicoll.workspace.FROM_BYTES` of rows, :func:`_sum_at_once` (fewer calls)."""
+    k, tokens = routing.topk, routing.slot_rows.size // routing.topk
+    if weights is None and k == 1:
+        return backend.take_rows(back, routing.slot_rows)
+    if routing.slot_rows.size * row_bytes(back) < FROM_BYTES:  # small: one gather costs less than k
+        return _sum_at_once(back, _like(routing.slot_rows, back), tokens, k, weights, kept)
+    slots, library = routing.slots_by_column, library_of(back)
     dtype = _sum_dtype(library, back, weights)
     apart = dtype != back.dtype  # summed in a wider dtype, then rounded into the result
     out, out_lent = _scratch_as(backend, back, tokens, dtype) if apart else (backend.empty_rows(back, tokens), None)
@@ -362,25 +367,48 @@ def _combine_with_autograd(call: Call, y: Any, handle: Handle) -> Any:
 
 def _sum_slots_differentiably(back: Any, handle: Handle) -> Any:
     """Each token's rows (``back``, in send order) weighted and summed over its k slots by
-    torch's differentiable operations, as back's dtype: one batched ``(1, k) @ (k, row)``
-    product per token, in the promoted dtype of rows and weights."""
+    torch's differentiable operations (:func:`_sum_at_once`), as back's dtype."""
     import torch  # loaded already: back is a tensor
 
-    tokens, k, trailing = handle.tokens, handle.topk, tuple(back.shape[1:])
+    weights, kept = handle.weights, None
     if handle.dropped:  # dropped slots read a zero row
-        back = torch.cat([back, back.new_zeros((1, *trailing))])
-    slot_rows = torch.from_numpy(handle.routing.slot_rows).to(back.device)
-    rows = back.index_select(0, slot_rows).reshape(tokens, k, *trailing)
-    weights = handle.weights
+        back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])
+        kept = None if weights is None else _like(handle.routing.kept, weights)
+    slot_rows = _like(handle.routing.slot_rows, back)
+    return _sum_at_once(back, slot_rows, handle.tokens, handle.topk, weights, kept)
+
+
+def _sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, kept: Any) -> Any:
+    """:func:`sum_slots` with all k rows of every token taken at once (``slot_rows``: each
+    slot's row of ``back``, in back's library and on its device) and summed by one batched
+    ``(1, k) @ (k, row)`` product per token, in the promoted dtype of rows and weights (which
+    torch's autograd follows); the result has back's dtype."""
+    trailing = tuple(back.shape[1:])
+    library = library_of(back)
+    rows = (back.index_select(0, slot_rows) if library == "torch" else back.take(slot_rows, axis=0)).reshape(
+        tokens, k, *trailing
+    )
     if weights is None:
         out = rows.reshape(tokens, *trailing) if k == 1 else rows.sum(1)
     else:
-        if handle.dropped:  # a dropped slot contributes zero whatever its weight (inf, nan)
-            weights = torch.where(_like(handle.routing.kept, weights), weights, torch.zeros_like(weights))
-        common = torch.promote_types(weights.dtype, rows.dtype)
-        flat = rows.reshape(tokens, k, math.prod(trailing)).to(common)
-        out = torch.bmm(weights.reshape(tokens, 1, k).to(common), flat).reshape(tokens, *trailing)
-    return out if out.dtype == back.dtype else out.to(back.dtype)
+        if kept is not None:  # a dropped slot contributes zero whatever its weight (inf, nan)
+            xp = array_namespace(weights)
+            weights = xp.where(kept, weights, xp.zeros_like(weights))
+        flat = rows.reshape(tokens, k, math.prod(trailing))
+        out = _matmul(weights.reshape(tokens, 1, k), flat).reshape(tokens, *trailing)
+    if out.dtype == back.dtype:
+        return out
+    return out.to(back.dtype) if library == "torch" else out.astype(back.dtype)
+
+
+def _matmul(a: Any, b: Any) -> Any:
+    """Batched ``a @ b`` in the promoted dtype of the two (torch does not promote by itself)."""
+    if library_of(a) != "torch":
+        return a @ b
+    import torch  # loaded already: a is a tensor
+
+    common = torch.promote_types(a.dtype, b.dtype)
+    return torch.bmm(a.to(common), b.to(common))
 
 
 def _like(host: np.ndarray, x: Any) -> Any:
