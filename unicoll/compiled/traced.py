@@ -14,7 +14,6 @@ calls trace as its layout in tensors (``unicoll::moe_layout``, a :class:`TracedH
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,6 +21,7 @@ import torch
 
 from .. import runtime
 from ..backends.layout import moe_plan
+from ..eager.moe import sum_at_once
 from ..group import Group
 from ..routing import Handle, Routing
 from . import locked
@@ -423,15 +423,9 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")
     back = torch.ops.unicoll.global_gather(y, handle.local_count, handle.global_count, handle.group, True, sent)
-    tokens, k, trailing = handle.tokens, handle.topk, tuple(y.shape[1:])
-    back = torch.cat([back, back.new_zeros((1, *trailing))])
-    rows = back.index_select(0, handle.slot_rows).reshape(tokens, k, *trailing)
-    if handle.weights is None:
-        out = rows.reshape(tokens, *trailing) if k == 1 else rows.sum(1)
-    else:
-        kept = handle.slot_rows.reshape(tokens, k) < sent
-        weights = torch.where(kept, handle.weights, torch.zeros_like(handle.weights))
-        common = torch.promote_types(weights.dtype, rows.dtype)
-        flat = rows.reshape(tokens, k, math.prod(trailing)).to(common)
-        out = torch.bmm(weights.reshape(tokens, 1, k).to(common), flat).reshape(tokens, *trailing)
-    return out if out.dtype == back.dtype else out.to(back.dtype)
+    back = torch.cat([back, back.new_zeros((1, *y.shape[1:]))])
+    weights = handle.weights
+    if weights is not None:  # a dropped slot weighs zero: torch.where here, not array-api-compat's in the graph
+        kept = handle.slot_rows.reshape(handle.tokens, handle.topk) < sent
+        weights = torch.where(kept, weights, torch.zeros_like(weights))
+    return sum_at_once(back, handle.slot_rows, handle.tokens, handle.topk, weights, None)

@@ -251,12 +251,12 @@ def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept:
     one buffer of a row per token, so no array of k rows per token is made. Sums run in the
     promoted dtype of the rows and the weights, 2-byte floats in float32 (one rounding at the
     end, as a matrix product rounds), and the result has back's dtype. Below
-    :data:`~unicoll.workspace.FROM_BYTES` of rows, :func:`_sum_at_once` (fewer calls)."""
+    :data:`~unicoll.workspace.FROM_BYTES` of rows, :func:`sum_at_once` (fewer calls)."""
     k, tokens = routing.topk, routing.slot_rows.size // routing.topk
     if weights is None and k == 1:
         return backend.take_rows(back, routing.slot_rows)
     if routing.slot_rows.size * row_bytes(back) < FROM_BYTES:  # small: one gather costs less than k
-        return _sum_at_once(back, _like(routing.slot_rows, back), tokens, k, weights, kept)
+        return sum_at_once(back, _like(routing.slot_rows, back), tokens, k, weights, kept)
     slots, library = routing.slots_by_column, library_of(back)
     dtype = _sum_dtype(library, back, weights)
     apart = dtype != back.dtype  # summed in a wider dtype, then rounded into the result
@@ -367,7 +367,7 @@ def _combine_with_autograd(call: Call, y: Any, handle: Handle) -> Any:
 
 def _sum_slots_differentiably(back: Any, handle: Handle) -> Any:
     """Each token's rows (``back``, in send order) weighted and summed over its k slots by
-    torch's differentiable operations (:func:`_sum_at_once`), as back's dtype."""
+    torch's differentiable operations (:func:`sum_at_once`), as back's dtype."""
     import torch  # loaded already: back is a tensor
 
     weights, kept = handle.weights, None
@@ -375,14 +375,15 @@ def _sum_slots_differentiably(back: Any, handle: Handle) -> Any:
         back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])
         kept = None if weights is None else _like(handle.routing.kept, weights)
     slot_rows = _like(handle.routing.slot_rows, back)
-    return _sum_at_once(back, slot_rows, handle.tokens, handle.topk, weights, kept)
+    return sum_at_once(back, slot_rows, handle.tokens, handle.topk, weights, kept)
 
 
-def _sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, kept: Any) -> Any:
+def sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, kept: Any) -> Any:
     """:func:`sum_slots` with all k rows of every token taken at once (``slot_rows``: each
     slot's row of ``back``, in back's library and on its device) and summed by one batched
     ``(1, k) @ (k, row)`` product per token, in the promoted dtype of rows and weights (which
-    torch's autograd follows); the result has back's dtype."""
+    torch's autograd follows, and torch.compile traces: the compiled moe.combine sums with it);
+    the result has back's dtype."""
     trailing = tuple(back.shape[1:])
     library = library_of(back)
     rows = (back.index_select(0, slot_rows) if library == "torch" else back.take(slot_rows, axis=0)).reshape(
