@@ -249,7 +249,7 @@ class Backend(ABC):
         if order is None:
             out = self.empty_rows(x, sum(plan.recv))
             work = self.alltoallv(out, sent, plan.recv, plan.send, group, async_op, calc_stream)
-            return issued(work, lambda: self._returned(out, sent_lent))
+            return issued(work, (lambda: out) if sent_lent is None else lambda: self._returned(out, sent_lent))
         received, received_lent = self.scratch_rows(x, sum(plan.recv))
         work = self.alltoallv(received, sent, plan.recv, plan.send, group, async_op, calc_stream)
         return issued(work, lambda: self._returned(self.take_rows(received, order), sent_lent, received_lent))
@@ -271,7 +271,7 @@ class Backend(ABC):
         if out is None:
             out = self.empty_rows(x, sum(plan.send))
         work = self.alltoallv(out, x, plan.send, plan.recv, group, async_op, calc_stream)
-        return issued(work, lambda: self._returned(out, staged))
+        return issued(work, (lambda: out) if staged is None else lambda: self._returned(out, staged))
 
     def _returned(self, result: Any, *lent: np.ndarray | None) -> Any:
         """``result``, once the buffers ``lent`` to its call are given back."""

@@ -310,9 +310,11 @@ class TorchDistBackend(Backend):
 
     def take_rows(self, x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """``index_select``, into rows of :meth:`empty_rows` where those come from numpy."""
-        rows = torch.from_numpy(index).to(x.device, non_blocking=True)
+        rows = torch.from_numpy(index)
+        if x.device.type != "cpu":
+            return torch.index_select(x, 0, rows.to(x.device, non_blocking=True), out=out)
         if out is None:
-            if x.device.type != "cpu" or len(index) * row_bytes(x) < FROM_BYTES:
+            if len(index) * row_bytes(x) < FROM_BYTES:
                 return x.index_select(0, rows)
             out = self.empty_rows(x, len(index))
         return torch.index_select(x, 0, rows, out=out)

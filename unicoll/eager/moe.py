@@ -185,8 +185,8 @@ def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, 
     each token's slots summed: a combine without weights."""
     back, lent = _rows_back(backend, grad, routing)
     try:
-        global_scatter_backward(backend, group, grad, plan, back[: routing.send_tokens.size])
-        return sum_slots(backend, back, routing, None, None)
+        sent = global_scatter_backward(backend, group, grad, plan, _head(back, routing))
+        return sum_slots(backend, sent if back is None else back, routing, None, None)
     finally:
         backend.give_back(lent)
 
@@ -224,11 +224,11 @@ def _sent_back(
     """global_gather of the expert rows ``native`` into :func:`_rows_back`'s rows; its finish
     returns those rows and the buffer to give back (or None)."""
     back, lent = _rows_back(backend, native, routing)
-    pending = backend.global_gather(native, plan, group, async_op, calc_stream, back[: routing.send_tokens.size])
+    pending = backend.global_gather(native, plan, group, async_op, calc_stream, _head(back, routing))
 
     def finish() -> tuple[Any, np.ndarray | None]:
-        pending.finish()
-        return back, lent
+        sent = pending.finish()
+        return sent if back is None else back, lent
 
     return Pending(pending.works, finish)
 
@@ -236,12 +236,20 @@ def _sent_back(
 def _rows_back(backend: Backend, like: Any, routing: Routing) -> tuple[Any, np.ndarray | None]:
     """Rows like ``like``'s for the rows a dispatch sent, in send order, that the workspace
     lends, followed by one zero row (read by dropped slots) where a slot is dropped; and the
-    buffer to give back (or None)."""
+    buffer to give back (or None). (None, None) where no slot is dropped and the rows are
+    fewer than :data:`~unicoll.workspace.FROM_BYTES`: the transfer makes its own rows then."""
     sent = routing.send_tokens.size
+    if not routing.dropped and sent * row_bytes(like) < FROM_BYTES:
+        return None, None
     back, lent = backend.scratch_rows(like, sent + routing.dropped)
     if routing.dropped:
         back[sent:] = 0
     return back, lent
+
+
+def _head(back: Any, routing: Routing) -> Any:
+    """The rows of :func:`_rows_back`'s ``back`` that the transfer fills (None for none)."""
+    return None if back is None else back[: routing.send_tokens.size]
 
 
 def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept: Any) -> Any:
