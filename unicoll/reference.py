@@ -38,6 +38,8 @@ __all__ = [
     "all_gather_backward",
     "moe_dispatch",
     "moe_combine",
+    "moe_dispatch_static",
+    "moe_combine_static",
     "all_reduce",
     "reduce_scatter",
     "broadcast",
@@ -397,6 +399,87 @@ def moe_combine(
         for row, (c, t, j) in zip(arrays[r], order):
             weight = 1 if topk_weights is None else np.float64(np.asarray(topk_weights[c])[t, j])
             outs[c][t] += row.astype(wide) * weight
+    return [out.astype(arrays[0].dtype) for out in outs]
+
+
+def _static_blocks(
+    topk_idxs: Sequence[ArrayLike], experts_per_rank: int, capacity: int
+) -> list[list[list[tuple[int, int, int]]]]:
+    """``blocks[r][e * W + c]``: the kept ``(token, slot, expert)`` that rank c sends rank r's
+    expert e, in slot order (at most ``capacity``)."""
+    ids = [np.asarray(i, dtype=np.int64) for i in topk_idxs]
+    world = len(ids)
+    kept = [_kept_slots(np.where((a >= 0) & (a < world * experts_per_rank), a, -1), capacity) for a in ids]
+    return [
+        [[s for s in kept[c] if s[2] == r * experts_per_rank + e] for e in range(experts_per_rank) for c in range(world)]
+        for r in range(world)
+    ]
+
+
+def moe_dispatch_static(
+    xs: Sequence[np.ndarray], topk_idxs: Sequence[ArrayLike], experts_per_rank: int, capacity: int
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Static-shape top-k dispatch over the whole world: every rank's ``(E, W * C, ...)`` rows,
+    its ``(E, W)`` counts of valid rows and its ``(E, W)`` counts before the capacity dropped any.
+
+    Block ``[e, c * C:(c + 1) * C]`` of rank r holds the rows rank c sent r's expert e, its
+    kept slots in slot order, then zeros; rank c sends each expert at most C slots, the lowest
+    ``t * k + j`` first (:func:`moe_dispatch`'s capacity). Ids outside ``-1 .. W * E - 1`` are
+    dropped slots.
+
+    Example (W=2, E=1, top-2, C=2)::
+
+        >>> xs = [np.array([1, 2, 3]), np.array([10, 20])]
+        >>> rows, counts, demand = moe_dispatch_static(xs, [[[0, 1], [1, -1], [0, 0]], [[1, 0], [-1, -1]]], 1, 2)
+        >>> [r.tolist() for r in rows], [c.tolist() for c in counts], [d.tolist() for d in demand]
+        ([[[1, 3, 10, 0]], [[1, 2, 10, 0]]], [[[2, 1]], [[2, 1]]], [[[3, 1]], [[2, 1]]])
+    """
+    arrays = _as_arrays(xs, "xs")
+    world, trailing = len(arrays), arrays[0].shape[1:]
+    blocks = _static_blocks(topk_idxs, experts_per_rank, capacity)
+    unlimited = _static_blocks(topk_idxs, experts_per_rank, sum(len(np.asarray(i).reshape(-1)) for i in topk_idxs))
+    rows, counts, demand = [], [], []
+    for r in range(world):
+        out = np.zeros((experts_per_rank, world * capacity, *trailing), dtype=arrays[0].dtype)
+        for b, block in enumerate(blocks[r]):
+            e, c = divmod(b, world)
+            for n, (t, _, _) in enumerate(block):
+                out[e, c * capacity + n] = arrays[c][t]
+        rows.append(out)
+        counts.append(np.array([len(b) for b in blocks[r]], dtype=np.int64).reshape(experts_per_rank, world))
+        demand.append(np.array([len(b) for b in unlimited[r]], dtype=np.int64).reshape(experts_per_rank, world))
+    return rows, counts, demand
+
+
+def moe_combine_static(
+    ys: Sequence[np.ndarray],
+    topk_idxs: Sequence[ArrayLike],
+    experts_per_rank: int,
+    capacity: int,
+    topk_weights: Sequence[ArrayLike] | None = None,
+) -> list[np.ndarray]:
+    """Static-shape top-k combine over the whole world: ``ys[r]`` is laid out like rank r's
+    :func:`moe_dispatch_static` rows (padding rows are never read); ``out_c[t]`` is the sum of
+    ``w_c[t, j]`` times the output for each kept slot (t, j), summed in int64 or float64, as
+    ``ys``'s dtype.
+
+    Example (the dispatch example, each expert output doubled, unweighted)::
+
+        >>> ids = [[[0, 1], [1, -1], [0, 0]], [[1, 0], [-1, -1]]]
+        >>> ys = [np.array([[2, 6, 20, 99]]), np.array([[2, 4, 20, 99]])]
+        >>> [o.tolist() for o in moe_combine_static(ys, ids, 1, 2)]
+        [[4, 4, 6], [40, 0]]
+    """
+    arrays = _as_arrays(ys, "ys")
+    world, trailing = len(arrays), arrays[0].shape[2:]
+    wide = np.int64 if np.issubdtype(arrays[0].dtype, np.integer) else np.float64
+    outs = [np.zeros((len(np.asarray(i)), *trailing), dtype=wide) for i in topk_idxs]
+    for r, blocks in enumerate(_static_blocks(topk_idxs, experts_per_rank, capacity)):
+        for b, block in enumerate(blocks):
+            e, c = divmod(b, world)
+            for n, (t, j, _) in enumerate(block):
+                weight = 1 if topk_weights is None else np.float64(np.asarray(topk_weights[c])[t, j])
+                outs[c][t] += arrays[r][e, c * capacity + n].astype(wide) * weight
     return [out.astype(arrays[0].dtype) for out in outs]
 
 

@@ -1,0 +1,133 @@
+"""The layout of a static-shape top-k dispatch, computed where the router's ids are (host or
+device) with array-API operations only, so numpy, torch and cupy, eager or traced by
+torch.compile, share this one code path and nothing is read to the host.
+
+With ``capacity`` C, rank r's send buffer has ``W * E * C`` rows: block ``g = c * E + e`` (C
+rows) holds what r sends to local expert e of rank c, its kept slots first in slot order
+``s = t * k + j``, then padding (zeros). A slot whose expert already has C earlier slots is
+dropped, as is a slot whose id is -1 (or outside ``0 .. W * E - 1``). The even all-to-all of
+that buffer hands each rank a ``(W, E, C)`` grid of blocks by source rank, which
+:func:`expert_major` turns into the ``(E, W * C)`` rows the experts see.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from array_api_compat import device
+
+
+class StaticLayout(NamedTuple):
+    """Where each slot's row goes in the send buffer, as arrays of topk_idx's library and device.
+
+    ``slot_rows[s]``: slot s's row in the send buffer (0 where the slot is dropped);
+    ``kept[s]``: whether slot s is sent; ``row_tokens[r]``: the token whose row fills send row r
+    (0 for padding); ``filled[r]``: whether send row r holds a token; ``sent[g]``: the rows
+    sent to global expert g (at most C); ``demand[g]``: the slots routed to g before C dropped
+    any (the true counts).
+    """
+
+    slot_rows: Any
+    kept: Any
+    row_tokens: Any
+    filled: Any
+    sent: Any
+    demand: Any
+
+
+def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> StaticLayout:
+    """The :class:`StaticLayout` of ``topk_idx`` (a ``(T, k)`` int array) for ``experts``
+    global experts and ``capacity`` rows per (rank, expert) block. ``xp``: topk_idx's array
+    namespace (array-api-compat's).
+
+    >>> import array_api_compat.numpy as xp, numpy as np
+    >>> layout = static_layout(xp, np.array([[1, 0], [1, -1], [0, 1]]), 2, 2)
+    >>> layout.slot_rows.tolist(), layout.kept.tolist(), layout.row_tokens.tolist(), layout.sent.tolist()
+    ([2, 0, 3, 0, 1, 0], [[True, True], [True, False], [True, False]], [0, 2, 0, 1], [2, 2])
+    >>> layout.demand.tolist()   # expert 1 was picked by three slots; capacity 2 kept the first two
+    [2, 3]
+    """
+    tokens, k = topk_idx.shape
+    slots, place = tokens * k, device(topk_idx)
+    ids = xp.astype(xp.reshape(topk_idx, (slots,)), xp.int64)
+    routed = (ids >= 0) & (ids < experts)
+    key = xp.where(routed, ids, xp.full_like(ids, experts))  # dropped ids sort last, in a bucket of their own
+    order = xp.argsort(key, stable=True)  # by expert, then by slot
+    sorted_key = xp.take(key, order)
+    starts = xp.searchsorted(sorted_key, xp.arange(experts + 1, dtype=xp.int64, device=place))
+    demand = starts[1:] - starts[:-1]
+    sent = xp.clip(demand, max=capacity)
+    rank_in_sorted = xp.arange(slots, dtype=xp.int64, device=place) - xp.take(starts, sorted_key)
+    rank_in_expert = xp.take(rank_in_sorted, xp.argsort(order))  # back to slot order
+    kept = routed & (rank_in_expert < capacity)
+    zeros = xp.zeros_like(ids)
+    slot_rows = xp.where(kept, ids * capacity + rank_in_expert, zeros)
+    rows = xp.arange(experts * capacity, dtype=xp.int64, device=place)
+    block, within = rows // capacity if capacity else rows, rows % capacity if capacity else rows
+    filled = within < xp.take(sent, block) if slots else xp.zeros(rows.shape, dtype=xp.bool, device=place)
+    if slots:
+        source = xp.take(starts, block) + within
+        source = xp.where(filled, source, xp.zeros_like(source))
+        row_tokens = xp.where(filled, xp.take(order, source) // k, xp.zeros_like(source))
+    else:
+        row_tokens = xp.zeros_like(rows)
+    return StaticLayout(slot_rows, xp.reshape(kept, (tokens, k)), row_tokens, filled, sent, demand)
+
+
+def send_rows(xp: Any, x: Any, layout: StaticLayout) -> Any:
+    """The send buffer: row r is x's row ``row_tokens[r]`` where ``filled[r]``, else zeros
+    (whatever x holds: inf and nan stay out of the padding)."""
+    if x.shape[0] == 0:  # no tokens: nothing to take, every row is padding
+        return xp.zeros((layout.row_tokens.shape[0], *x.shape[1:]), dtype=x.dtype, device=device(x))
+    rows = xp.take(x, layout.row_tokens, axis=0)
+    return xp.where(_column(xp, layout.filled, x.ndim), rows, xp.zeros_like(rows))
+
+
+def expert_major(xp: Any, received: Any, world: int, experts_per_rank: int) -> Any:
+    """The rows an even all-to-all delivered (``W`` blocks of ``E * C`` rows by source rank)
+    as ``(E, W * C, *trailing)``: expert-major, then source rank."""
+    trailing, capacity = tuple(received.shape[1:]), received.shape[0] // (world * experts_per_rank)
+    grid = xp.reshape(received, (world, experts_per_rank, capacity, *trailing))
+    swapped = xp.permute_dims(grid, (1, 0, 2, *range(3, grid.ndim)))
+    return xp.reshape(swapped, (experts_per_rank, world * capacity, *trailing))
+
+
+def source_major(xp: Any, rows: Any, world: int, experts_per_rank: int) -> Any:
+    """The inverse of :func:`expert_major`: ``(E, W * C, ...)`` rows as ``W * E * C`` rows by
+    destination rank, ready for the even all-to-all back."""
+    trailing, capacity = tuple(rows.shape[2:]), rows.shape[1] // world
+    grid = xp.reshape(rows, (experts_per_rank, world, capacity, *trailing))
+    swapped = xp.permute_dims(grid, (1, 0, 2, *range(3, grid.ndim)))
+    return xp.reshape(swapped, (world * experts_per_rank * capacity, *trailing))
+
+
+def counts_grid(xp: Any, received: Any, world: int, experts_per_rank: int) -> Any:
+    """The per-block counts an even all-to-all of ``(W * E,)`` counts delivered, as ``(E, W)``:
+    ``[e, c]`` is what rank c sent this rank's expert e."""
+    return xp.permute_dims(xp.reshape(received, (world, experts_per_rank)), (1, 0))
+
+
+def sum_slots(xp: Any, back: Any, layout: StaticLayout, weights: Any) -> Any:
+    """``out[t] = sum_j w[t, j] * back[slot_rows[t, j]]`` over kept slots (w = 1 without
+    ``weights``), in the promoted dtype of back and the weights, as back's dtype. A dropped
+    slot contributes exactly zero (its row is not read: inf or nan there stay out)."""
+    tokens, k = layout.kept.shape
+    trailing = tuple(back.shape[1:])
+    if back.shape[0] == 0:  # capacity 0: every slot dropped
+        return xp.zeros((tokens, *trailing), dtype=back.dtype, device=device(back))
+    rows = xp.take(back, layout.slot_rows, axis=0)
+    rows = xp.where(_column(xp, xp.reshape(layout.kept, (-1,)), back.ndim), rows, xp.zeros_like(rows))
+    rows = xp.reshape(rows, (tokens, k, math.prod(trailing)))
+    if weights is None:
+        out = xp.sum(rows, axis=1)
+    else:
+        common = xp.result_type(back.dtype, weights.dtype)
+        w = xp.where(layout.kept, weights, xp.zeros_like(weights))
+        out = xp.matmul(xp.astype(xp.reshape(w, (tokens, 1, k)), common), xp.astype(rows, common))
+    return xp.astype(xp.reshape(out, (tokens, *trailing)), back.dtype)
+
+
+def _column(xp: Any, mask: Any, ndim: int) -> Any:
+    """A 1-D mask shaped to broadcast over rows of ``ndim - 1`` trailing dimensions."""
+    return xp.reshape(mask, (mask.shape[0], *([1] * (ndim - 1))))
