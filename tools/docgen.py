@@ -15,7 +15,7 @@ from unicoll import registry
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import REDUCE_OPS
 from unicoll.eager import ops as eager_ops
-from unicoll.spec import OPS, REQUIRED, SPECS, OpSpec, Param
+from unicoll.spec import MOE_MODES, OPS, REQUIRED, SPECS, OpSpec, Param
 
 
 def _default(param: Param) -> str:
@@ -84,6 +84,40 @@ def render_capabilities() -> list[str]:
     return [*lines, ""]
 
 
+def _yes(flag: bool, why_not: str = "no") -> str:
+    return "yes" if flag else why_not
+
+
+def render_moe_modes() -> list[str]:
+    """Per backend, what each mode of ``unicoll.moe`` offers, from the specs' ``reads_host``,
+    ``static_shapes`` and ``backward`` and the backend's libraries and devices."""
+    lines = ["## The modes of `unicoll.moe` on each backend", ""]
+    lines += [
+        "A mode is its dispatch, redispatch and combine. *No host sync*: no call reads an array's values on the "
+        "host (with a GPU, no synchronization). *Backward*: torch autograd through every call. *torch.compile*: "
+        "traced with `fullgraph=True` and no dynamic shapes or `capture_scalar_outputs` (every output shape follows "
+        "from the arguments' shapes). *CUDA graph*: capturable, which needs all three and a CUDA device.",
+        "",
+        "| backend | mode | operators | no host sync | backward | torch.compile, static shapes | CUDA graph |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, factory in registry.registered().items():
+        caps = factory.capabilities
+        torch = "torch" in caps.libraries
+        for mode, specs in MOE_MODES.items():
+            no_sync = not any(op.reads_host for op in specs)
+            static = all(op.static_shapes for op in specs)
+            backward = torch and all(op.backward for op in specs)
+            compiled = torch and static
+            graph = _yes(compiled and no_sync and backward and "cuda" in caps.devices, "no" if "cuda" in caps.devices
+                         else "n/a (no CUDA device)")  # fmt: skip
+            names = ", ".join(f"`{op.name}`" for op in specs)
+            lines.append(
+                f"| `{name}` | {mode} | {names} | {_yes(no_sync)} | {_yes(backward)} | {_yes(compiled)} | {graph} |"
+            )
+    return [*lines, ""]
+
+
 def render() -> str:
     """The whole API page."""
     lines = [
@@ -97,6 +131,7 @@ def render() -> str:
     for op in SPECS.values():
         lines += render_op(op)
     lines += render_capabilities()
+    lines += render_moe_modes()
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -37,8 +37,11 @@ from .spec import (
     GLOBAL_GATHER,
     GLOBAL_SCATTER,
     MOE_COMBINE,
+    MOE_COMBINE_STATIC,
     MOE_DISPATCH,
+    MOE_DISPATCH_STATIC,
     MOE_REDISPATCH,
+    MOE_REDISPATCH_STATIC,
     REDUCE_SCATTER,
     SPECS,
     Call,
@@ -279,6 +282,46 @@ def _moe_combine(op: str, call: Call) -> None:
     _moe(op, call, _gather_mismatch, call.y, call.handle)
 
 
+def _exchanged(call: Call, rows: object, op: str, payload: np.ndarray) -> np.ndarray:
+    """:func:`_gather` of a small payload, inline where it fits in the first exchange."""
+    return _gather(call.backend, call.group, rows, op, payload, inline=payload.size <= 2 * call.W)
+
+
+def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
+    """Every rank passes the same experts_per_rank, capacity and k, and expert ids from -1 to
+    W * experts_per_rank - 1 (outside check mode, other ids are dropped slots: finding them
+    reads the ids on the host, which only check mode does). ``topk_idx``: the caller's ids."""
+    ids = np.asarray(_on_host(topk_idx), dtype=np.int64)
+    experts = call.W * call.experts_per_rank
+    bad = np.flatnonzero((ids < -1) | (ids >= experts))
+    where = [-1, -1, -1] if bad.size == 0 else [int(ids.flat[bad[0]]), *divmod(int(bad[0]), ids.shape[1])]
+    payload = np.array([call.experts_per_rank, call.capacity, ids.shape[1], *where], np.int64)
+    given = _exchanged(call, call.x, op, payload)
+    for c in range(1, call.W):
+        for i, name in enumerate(("experts_per_rank", "capacity", "k (topk_idx's columns)")):
+            if given[c, i] != given[0, i]:
+                raise _fail(op, f"rank 0 passes {name}={given[0, i]} but rank {c} passes {given[c, i]}")
+    for c in range(call.W):
+        if given[c, 4] != -1:
+            raise _fail(op, f"rank {c} passes expert id {given[c, 3]} at topk_idx[{given[c, 4]}, {given[c, 5]}], "
+                        f"outside -1 .. {experts - 1} (W * experts_per_rank - 1)")  # fmt: skip
+
+
+def _on_host(ids: object) -> object:
+    """An int array of any library on the host."""
+    if hasattr(ids, "detach"):
+        return ids.detach().cpu().numpy()
+    return ids.get() if hasattr(ids, "get") else ids
+
+
+def _moe_static_handle(op: str, call: Call, rows: object) -> None:
+    """Every rank passes the handle of the same static dispatch."""
+    h = call.handle
+    given = _exchanged(call, rows, op, np.array([h.dispatch_number, h.experts_per_rank, h.capacity], np.int64))
+    _agree(op, given, lambda row: f"passes the handle of the dispatch that was collective number {row[0]} on this "
+           f"group (experts_per_rank={row[1]}, capacity={row[2]})")  # fmt: skip
+
+
 #: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``.
 CHECKS: dict[OpSpec, Callable[..., None]] = {
     GLOBAL_SCATTER: _global_scatter,
@@ -292,6 +335,9 @@ CHECKS: dict[OpSpec, Callable[..., None]] = {
     MOE_DISPATCH: _moe_dispatch,
     MOE_REDISPATCH: _moe_redispatch,
     MOE_COMBINE: _moe_combine,
+    MOE_DISPATCH_STATIC: _moe_dispatch_static,
+    MOE_REDISPATCH_STATIC: lambda op, call: _moe_static_handle(op, call, call.x),
+    MOE_COMBINE_STATIC: lambda op, call: _moe_static_handle(op, call, call.y),
 }
 
 

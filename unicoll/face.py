@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .eager import moe, ops
+from .eager import moe, ops, static_moe
 from .entry import enter, exclusive_as, leave
 
 F = TypeVar("F", bound=Callable)
@@ -49,6 +49,9 @@ TRACED_FORMS: dict[str, str | None] = {
     "moe.dispatch": "moe_dispatch",
     "moe.redispatch": "moe_redispatch",
     "moe.combine": "moe_combine",
+    "moe.dispatch_static": "moe_dispatch_static",
+    "moe.redispatch_static": "moe_redispatch_static",
+    "moe.combine_static": "moe_combine_static",
 }
 """Each public operator's traced form: the function of :mod:`unicoll.compiled.traced` that
 records its call while torch.compile traces the caller; None for one that runs eagerly behind
@@ -104,3 +107,6 @@ broadcast = _public("broadcast", ops.broadcast, "unicoll")
 moe_dispatch = _public("moe.dispatch", moe.dispatch, "unicoll.moe")
 moe_redispatch = _public("moe.redispatch", moe.redispatch, "unicoll.moe")
 moe_combine = _public("moe.combine", moe.combine, "unicoll.moe")
+moe_dispatch_static = _public("moe.dispatch_static", static_moe.dispatch_static, "unicoll.moe")
+moe_redispatch_static = _public("moe.redispatch_static", static_moe.redispatch_static, "unicoll.moe")
+moe_combine_static = _public("moe.combine_static", static_moe.combine_static, "unicoll.moe")

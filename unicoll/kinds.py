@@ -33,6 +33,7 @@ from .backends.base import REDUCE_OPS
 from .counts import as_counts, as_expert_ids
 from .errors import bad_input
 from .routing import Handle
+from .static_layout import StaticHandle
 
 if TYPE_CHECKING:
     from .backends.base import Capabilities
@@ -111,6 +112,14 @@ def _read_expert_ids(op: str, param: str, value: Any, caps: Capabilities, backen
     return as_expert_ids(value, op, param)
 
 
+def _read_router_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if library_of(value) not in caps.libraries or kind_of(value).dtype not in ("int32", "int64"):
+        raise bad_input(op, param, "an integer array (int32 or int64) of x's library", describe(value), TypeError)
+    if value.ndim != 2 or value.shape[1] < 1:
+        raise bad_input(op, param, "a 2-D array (tokens, k) with k >= 1", describe(value))
+    return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -131,6 +140,20 @@ def _read_optional_size(op: str, param: str, value: Any, caps: Capabilities, bac
     if value < 0:
         raise bad_input(op, param, "a non-negative int or None", int(value))
     return int(value)
+
+
+def _read_size(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if not _is_int(value):
+        raise bad_input(op, param, "an int", describe(value), TypeError)
+    if value < 0:
+        raise bad_input(op, param, "a non-negative int", int(value))
+    return int(value)
+
+
+def _read_overflow(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
+    if type(value) is not str or value not in OVERFLOWS:
+        raise bad_input(op, param, f"one of {', '.join(map(repr, OVERFLOWS))}", describe(value), TypeError)
+    return value
 
 
 def _read_handle(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
@@ -228,6 +251,15 @@ def _sign_handle(handle: Any) -> Any:
     return (handle.tokens, handle.received, handle.library, handle.device, handle.weighted)
 
 
+def _sign_static_handle(handle: Any) -> Any:
+    """What the rules of moe.redispatch_static and moe.combine_static read of a handle: its
+    tokens, its block shape, its arrays' place, its weights."""
+    if not isinstance(handle, StaticHandle):
+        return None
+    return (handle.tokens, handle.experts_per_rank, handle.world, handle.capacity, handle.library, handle.device,
+            handle.weighted)  # fmt: skip
+
+
 def _sign_value(value: Any) -> Any:
     """A string or an int, remembered with its type (``1`` and ``True`` differ)."""
     return (type(value), value) if type(value) in (str, int) else None
@@ -320,6 +352,31 @@ EXPERT_IDS = Kind(
     sign=_unremembered,
 )
 """The router's global expert ids, ``(tokens, k)``, read into a host int64 array."""
+
+ROUTER_IDS = Kind(
+    doc="TypeError unless an int32/int64 array of a library the backend moves; ValueError unless 2-D "
+    "(tokens, k) with k >= 1. Never read on the host.",
+    read=_read_router_ids,
+    sign=_sign_array,
+)
+"""The router's global expert ids, ``(tokens, k)``, left where they are (the static-shape MoE operators)."""
+
+SIZE = Kind(doc="TypeError unless an int; ValueError if negative.", read=_read_size, sign=_sign_int)
+"""A non-negative int."""
+
+OVERFLOWS = ("drop", "error")
+"""What the static-shape dispatch does with slots beyond the capacity."""
+
+OVERFLOW = Kind(doc="TypeError unless 'drop' or 'error'.", read=_read_overflow, sign=_sign_value)
+"""``'drop'`` or ``'error'``."""
+
+STATIC_HANDLE = Kind(
+    doc="TypeError unless a handle returned by moe.dispatch_static; ValueError once its session ended (finalize()).",
+    read=_read_handle,
+    sign=_sign_static_handle,
+    passed_through=True,
+)
+"""A :class:`~unicoll.static_layout.StaticHandle`."""
 
 POSITIVE_INT = Kind(
     doc="TypeError unless an int; ValueError unless at least 1.", read=_read_positive_int, sign=_sign_int

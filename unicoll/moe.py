@@ -7,6 +7,11 @@ token's slots, weighted by ``topk_weights``. Built on the backends' ``global_sca
 ``global_gather``, so every backend and array library runs it; the layout, capacity and the
 handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 
+``dispatch_static``, ``redispatch_static`` and ``combine_static`` are the static-shape mode:
+blocks of a fixed capacity per (expert, source rank), the valid counts as an array on x's
+device, no value read to the host, so a step needs no synchronization and torch.compile (or a
+CUDA graph) captures it without dynamic shapes (docs/semantics.md, "The static-shape mode").
+
 >>> import unicoll as uc
 >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, topk_weights, experts_per_rank=2)  # doctest: +SKIP
 >>> outputs = [expert(part) for expert, part in zip(experts, split(rows, rows_per_expert))]       # doctest: +SKIP
@@ -16,8 +21,21 @@ handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 from __future__ import annotations
 
 from .face import moe_combine as combine
+from .face import moe_combine_static as combine_static
 from .face import moe_dispatch as dispatch
+from .face import moe_dispatch_static as dispatch_static
 from .face import moe_redispatch as redispatch
+from .face import moe_redispatch_static as redispatch_static
 from .routing import Handle
+from .static_layout import StaticHandle
 
-__all__ = ["Handle", "combine", "dispatch", "redispatch"]
+__all__ = [
+    "Handle",
+    "StaticHandle",
+    "combine",
+    "combine_static",
+    "dispatch",
+    "dispatch_static",
+    "redispatch",
+    "redispatch_static",
+]

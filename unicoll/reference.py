@@ -409,9 +409,14 @@ def _static_blocks(
     expert e, in slot order (at most ``capacity``)."""
     ids = [np.asarray(i, dtype=np.int64) for i in topk_idxs]
     world = len(ids)
-    kept = [_kept_slots(np.where((a >= 0) & (a < world * experts_per_rank), a, -1), capacity) for a in ids]
+    experts = world * experts_per_rank
+    kept = [_kept_slots(np.where((a >= 0) & (a < experts), a, -1), capacity) for a in ids]
     return [
-        [[s for s in kept[c] if s[2] == r * experts_per_rank + e] for e in range(experts_per_rank) for c in range(world)]
+        [
+            [s for s in kept[c] if s[2] == r * experts_per_rank + e]
+            for e in range(experts_per_rank)
+            for c in range(world)
+        ]
         for r in range(world)
     ]
 

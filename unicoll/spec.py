@@ -36,9 +36,13 @@ from .kinds import (
     OPTIONAL_COUNTS,
     OPTIONAL_OUTPUT,
     OPTIONAL_SIZE,
+    OVERFLOW,
     POSITIVE_INT,
     RANK,
     REDUCE_OP,
+    ROUTER_IDS,
+    SIZE,
+    STATIC_HANDLE,
     Kind,
 )
 
@@ -88,6 +92,7 @@ class Call:
     capacity: int | None = None
     y: Any = None
     handle: Handle | None = None
+    overflow: str | None = None
     plan: Any = None
 
     def copy(self) -> Call:
@@ -139,8 +144,12 @@ class OpSpec:
     comparison check mode runs for this one's calls (None: its own, in
     :data:`unicoll.check.CHECKS`), for an operator that moves what another one moves.
     ``backward``: its gradient in words, for an operator without a backward function of its own
-    (``<name>_backward`` in :mod:`unicoll.eager.ops`, whose docstring says it otherwise). Specs
-    compare by identity, as check mode keys its comparisons by them.
+    (``<name>_backward`` in :mod:`unicoll.eager.ops`, whose docstring says it otherwise).
+    ``reads_host``: whether a call reads array values on the host (a synchronization with a GPU);
+    ``static_shapes``: whether every output shape follows from the arguments' shapes (what
+    torch.compile needs to trace a call without dynamic shapes); the MoE modes' table on the API
+    page is made from these two (:data:`MOE_MODES`). Specs compare by identity, as check mode
+    keys its comparisons by them.
     """
 
     name: str
@@ -151,6 +160,8 @@ class OpSpec:
     in_capabilities: bool = True
     plan: Callable[[Call], Any] | None = None
     checked_as: OpSpec | None = None
+    reads_host: bool = False
+    static_shapes: bool = True
 
     @cached_property
     def signed(self) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
@@ -604,6 +615,8 @@ MOE_DISPATCH = OpSpec(
     backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "
     "each token's slots",
     in_capabilities=False,
+    reads_host=True,
+    static_shapes=False,
 )  # fmt: skip
 
 
@@ -642,6 +655,7 @@ MOE_REDISPATCH = OpSpec(
     backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "
     "each token's slots",
     in_capabilities=False,
+    static_shapes=False,
 )  # fmt: skip
 
 
@@ -671,6 +685,130 @@ MOE_COMBINE = OpSpec(
     ),
     backward="to y: the result's gradient times each slot's weight, sent to the experts (global_scatter with "
     "the handle's counts); to topk_weights: the gradient's dot product with each slot's expert output",
+    in_capabilities=False,
+)  # fmt: skip
+
+
+# -- the static-shape MoE operators: shapes known from (tokens, k, C, W, E, hidden) alone ----------
+
+
+def _same_place_as_x(param: str) -> Callable[[Call], str | None]:
+    """The library and device of parameter ``param`` against x's."""
+    return lambda c: None if getattr(c, param) is None else _same_place(getattr(c, param), c.x, "x")
+
+
+MOE_DISPATCH_STATIC = OpSpec(
+    name="moe.dispatch_static",
+    summary=(
+        "Static-shape top-k dispatch: every output shape depends only on (tokens, k, capacity, W, "
+        "experts_per_rank, x's trailing shape) and nothing is read to the host. Returns (rows, counts, "
+        "handle): rows of shape (experts_per_rank, W * capacity, *x.shape[1:]), block [e, c * capacity:(c + 1) "
+        "* capacity] holding what rank c sent expert e, its kept slots in slot order t * k + j, then zeros; "
+        "counts, the valid rows of each block as an (experts_per_rank, W) int64 array on x's device; and the "
+        "handle that moe.combine_static and moe.redispatch_static reuse. Each rank sends each expert at most "
+        "capacity rows, the lowest slots first; -1 (or an id outside 0 .. W * experts_per_rank - 1) drops a "
+        "slot; the handle reports the counts before the capacity dropped any."
+    ),
+    params=(
+        Param("x", ARRAY, "array", "The tokens, one per row (rows are dimension 0)."),
+        Param("topk_idx", ROUTER_IDS, "int array",
+              "(tokens, k) global expert ids, in x's library and on its device; -1 drops that slot."),
+        Param("topk_weights", OPTIONAL_ARRAY, "array | None",
+              "(tokens, k) weights that moe.combine_static applies to each slot; kept by the handle. None: "
+              "unweighted.", None),
+        Param("experts_per_rank", POSITIVE_INT, "int", "E, the experts each rank holds (the same on every rank).",
+              keyword_only=True),
+        Param("capacity", SIZE, "int",
+              "C, the rows each rank sends each expert at most, and each block's rows (the same on every rank).",
+              keyword_only=True),
+        replace(_GROUP, keyword_only=True),
+        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
+              True, keyword_only=True),
+        Param("overflow", OVERFLOW, "str",
+              "'drop': slots beyond the capacity are dropped; 'error': a ValueError on every rank when any rank "
+              "drops one (this reads the counts on the host: one synchronization).", "drop", keyword_only=True),
+    ),
+    rules=(
+        Rule("experts_per_rank", f"at most {MAX_EXPERTS} experts in all (W * experts_per_rank, W = {{W}})",
+             lambda c: None if c.W * c.experts_per_rank <= MAX_EXPERTS else str(c.experts_per_rank)),
+        Rule("topk_idx", "as many rows as x (one row of expert ids per token)",
+             lambda c: None if _rows(c.topk_idx) == _rows(c.x)
+             else f"shape {tuple(c.topk_idx.shape)} for x with {_rows(c.x)} rows"),
+        Rule("topk_idx", "the library and device of x", _same_place_as_x("topk_idx"), TypeError),
+        Rule("topk_weights", "a floating dtype (" + ", ".join(_FLOATING) + ")",
+             lambda c: None if c.topk_weights is None or kind_of(c.topk_weights).dtype in _FLOATING
+             else describe(c.topk_weights), TypeError),
+        Rule("topk_weights", "the library and device of x", _same_place_as_x("topk_weights"), TypeError),
+        Rule("topk_weights", "the shape of topk_idx (one weight per slot)",
+             lambda c: None if c.topk_weights is None or tuple(c.topk_weights.shape) == tuple(c.topk_idx.shape)
+             else f"shape {tuple(c.topk_weights.shape)} for topk_idx of shape {tuple(c.topk_idx.shape)}"),
+    ),
+    backward="to x: the rows' gradients sent back (the even all-to-all back, alltoall_single's backward) and "
+    "summed over each token's kept slots; padding rows and dropped slots get none",
+    in_capabilities=False,
+)  # fmt: skip
+
+_STATIC_HANDLE = Param("handle", STATIC_HANDLE, "moe.StaticHandle", "What moe.dispatch_static returned with the rows.")
+
+
+def _blocks(c: Call) -> str | None:
+    """y's leading shape against the handle's (experts_per_rank, W * capacity)."""
+    h = c.handle
+    wanted = (h.experts_per_rank, h.world * h.capacity)
+    return None if tuple(c.y.shape[:2]) == wanted else f"shape {tuple(c.y.shape)} for blocks of shape {wanted}"
+
+
+MOE_REDISPATCH_STATIC = OpSpec(
+    name="moe.redispatch_static",
+    summary=(
+        "Static-shape dispatch along a handle's routing, for a second layer with the same routing: row t of x "
+        "goes where moe.dispatch_static sent token t's slots, with no routing and no count exchange. Returns "
+        "the rows in moe.dispatch_static's layout, (experts_per_rank, W * capacity, *x.shape[1:])."
+    ),
+    params=(
+        Param("x", ARRAY, "array", "One row per token of the handle's dispatch (the trailing shape may differ)."),
+        _STATIC_HANDLE,
+        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
+              True, keyword_only=True),
+    ),
+    rules=(
+        Rule("x", "one row per token of the handle's dispatch",
+             lambda c: None if _rows(c.x) == c.handle.tokens else f"{_rows(c.x)} rows for {c.handle.tokens} tokens"),
+        Rule("x", "the library and device of the dispatched x", _handle_place("x"), TypeError),
+    ),
+    backward="to x: as moe.dispatch_static's",
+    in_capabilities=False,
+)  # fmt: skip
+
+MOE_COMBINE_STATIC = OpSpec(
+    name="moe.combine_static",
+    summary=(
+        "Static-shape top-k combine: y holds the expert outputs in moe.dispatch_static's layout; each block "
+        "goes back to the rank it came from (padding rows are sent but never read), and token t's result is "
+        "the sum over its kept slots j of the output for slot (t, j) times topk_weights[t, j] (unweighted "
+        "without weights); dropped slots contribute exactly zero. The result has tokens rows, y's dtype and "
+        "trailing shape."
+    ),
+    params=(
+        Param("y", ARRAY, "array",
+              "Expert outputs of shape (experts_per_rank, W * capacity, ...), in the handle's dispatch layout."),
+        _STATIC_HANDLE,
+        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
+              True, keyword_only=True),
+    ),
+    rules=(
+        Rule("y", "at least 2 dimensions, the first two those of the handle's blocks (experts_per_rank, "
+             "W * capacity)", lambda c: f"shape {tuple(c.y.shape)}" if c.y.ndim < 2 else _blocks(c)),
+        Rule("y", "the library and device of the dispatched x", _handle_place("y"), TypeError),
+        Rule("y", "a dtype that sums (not bool)",
+             lambda c: describe(c.y) if kind_of(c.y).dtype == "bool" else None, TypeError),
+        Rule("y", "a floating dtype (" + ", ".join(_FLOATING) + ") when dispatch was given topk_weights",
+             lambda c: describe(c.y) if c.handle.weighted and kind_of(c.y).dtype not in _FLOATING else None,
+             TypeError),
+    ),
+    backward="to y: the result's gradient times each kept slot's weight, sent to the experts (the even "
+    "all-to-all, alltoall_single's backward), zero on padding rows; to topk_weights: the gradient's dot "
+    "product with each kept slot's expert output, zero for dropped slots",
     in_capabilities=False,
 )  # fmt: skip
 
@@ -766,9 +904,17 @@ SPECS: dict[str, OpSpec] = {
     op.name: op
     for op in (
         GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALLTOALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
-        EXCHANGE_COUNTS, MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE,
+        EXCHANGE_COUNTS, MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC,
+        MOE_COMBINE_STATIC,
     )
 }  # fmt: skip
+
+#: The modes of unicoll.moe, each its dispatch, redispatch and combine, for the API page's table of
+#: what a mode offers on each backend.
+MOE_MODES: dict[str, tuple[OpSpec, OpSpec, OpSpec]] = {
+    "dynamic": (MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE),
+    "static": (MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, MOE_COMBINE_STATIC),
+}
 
 #: The data operators, which backends list in their capability tables, by name.
 OPS: dict[str, OpSpec] = {name: op for name, op in SPECS.items() if op.in_capabilities}

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from array_api_compat import device
+from .arrays import library_of
+from .session import join_session
 
 
 class StaticLayout(NamedTuple):
@@ -49,7 +50,7 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
     [2, 3]
     """
     tokens, k = topk_idx.shape
-    slots, place = tokens * k, device(topk_idx)
+    slots, place = tokens * k, _place(topk_idx)
     ids = xp.astype(xp.reshape(topk_idx, (slots,)), xp.int64)
     routed = (ids >= 0) & (ids < experts)
     key = xp.where(routed, ids, xp.full_like(ids, experts))  # dropped ids sort last, in a bucket of their own
@@ -78,9 +79,7 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
 def send_rows(xp: Any, x: Any, layout: StaticLayout) -> Any:
     """The send buffer: row r is x's row ``row_tokens[r]`` where ``filled[r]``, else zeros
     (whatever x holds: inf and nan stay out of the padding)."""
-    if x.shape[0] == 0:  # no tokens: nothing to take, every row is padding
-        return xp.zeros((layout.row_tokens.shape[0], *x.shape[1:]), dtype=x.dtype, device=device(x))
-    rows = xp.take(x, layout.row_tokens, axis=0)
+    rows = xp.take(_one_row_at_least(xp, x), layout.row_tokens, axis=0)
     return xp.where(_column(xp, layout.filled, x.ndim), rows, xp.zeros_like(rows))
 
 
@@ -108,15 +107,32 @@ def counts_grid(xp: Any, received: Any, world: int, experts_per_rank: int) -> An
     return xp.permute_dims(xp.reshape(received, (world, experts_per_rank)), (1, 0))
 
 
+def counts_out(xp: Any, layout: StaticLayout, world: int, experts_per_rank: int) -> Any:
+    """What this rank tells each rank c in the counts' even all-to-all: for each of c's experts,
+    the rows it sends and the slots it routed there before the capacity (block c of ``W * 2E``
+    int64)."""
+    sent = xp.reshape(layout.sent, (world, experts_per_rank))
+    wanted = xp.reshape(layout.demand, (world, experts_per_rank))
+    return xp.reshape(xp.concat([sent, wanted], axis=1), (-1,))
+
+
+def counts_in(xp: Any, received: Any, world: int, experts_per_rank: int) -> tuple[Any, Any]:
+    """The counts' even all-to-all as received (:func:`counts_out` of every rank), as two
+    ``(E, W)`` arrays: the valid rows of each block, and the slots routed there before the
+    capacity."""
+    got = xp.reshape(received, (world, 2 * experts_per_rank))
+    valid = xp.reshape(got[:, :experts_per_rank], (-1,))
+    before = xp.reshape(got[:, experts_per_rank:], (-1,))
+    return counts_grid(xp, valid, world, experts_per_rank), counts_grid(xp, before, world, experts_per_rank)
+
+
 def sum_slots(xp: Any, back: Any, layout: StaticLayout, weights: Any) -> Any:
     """``out[t] = sum_j w[t, j] * back[slot_rows[t, j]]`` over kept slots (w = 1 without
     ``weights``), in the promoted dtype of back and the weights, as back's dtype. A dropped
     slot contributes exactly zero (its row is not read: inf or nan there stay out)."""
     tokens, k = layout.kept.shape
     trailing = tuple(back.shape[1:])
-    if back.shape[0] == 0:  # capacity 0: every slot dropped
-        return xp.zeros((tokens, *trailing), dtype=back.dtype, device=device(back))
-    rows = xp.take(back, layout.slot_rows, axis=0)
+    rows = xp.take(_one_row_at_least(xp, back), layout.slot_rows, axis=0)
     rows = xp.where(_column(xp, xp.reshape(layout.kept, (-1,)), back.ndim), rows, xp.zeros_like(rows))
     rows = xp.reshape(rows, (tokens, k, math.prod(trailing)))
     if weights is None:
@@ -128,6 +144,87 @@ def sum_slots(xp: Any, back: Any, layout: StaticLayout, weights: Any) -> Any:
     return xp.astype(xp.reshape(out, (tokens, *trailing)), back.dtype)
 
 
+def _one_row_at_least(xp: Any, x: Any) -> Any:
+    """``x``, or for an array of no rows one row of zeros made from it: a take then reads a row
+    it masks out, and the result still comes from x, so autograd runs its backward on this rank
+    as on the others (a rank without tokens joins the transfer back)."""
+    if x.shape[0]:
+        return x
+    return xp.concat([x, xp.zeros((1, *x.shape[1:]), dtype=x.dtype, device=_place(x))], axis=0)
+
+
+def _place(a: Any) -> Any:
+    """An array's device, as the array API names it (numpy before 2.0 has no ``device``: the
+    host). Read directly, not through array-api-compat's ``device()``, whose cached type checks
+    torch.compile would warn about while tracing."""
+    return getattr(a, "device", "cpu")
+
+
 def _column(xp: Any, mask: Any, ndim: int) -> Any:
     """A 1-D mask shaped to broadcast over rows of ``ndim - 1`` trailing dimensions."""
     return xp.reshape(mask, (mask.shape[0], *([1] * (ndim - 1))))
+
+
+class StaticHandle:
+    """What :func:`unicoll.moe.dispatch_static` hands back for the matching
+    :func:`unicoll.moe.combine_static` and :func:`unicoll.moe.redispatch_static`: the layout of
+    one routing as arrays where the router's ids were (no host copy), the block shape, and the
+    counts.
+
+    ``counts`` and ``received_before_drop``: ``(E, W)`` int64 arrays on x's device, the rows each
+    (local expert, source rank) block holds and the slots its source routed there before the
+    capacity dropped any; ``sent_before_drop``: ``(W * E,)``, the slots this rank routed to each
+    global expert before the capacity. Like :class:`~unicoll.routing.Handle` it keeps the
+    caller's ``topk_weights`` (combine weighs by them when it runs) and nothing else of the
+    caller's, and refuses to be used once its session ends.
+    """
+
+    def __init__(
+        self,
+        layout: StaticLayout,
+        group: Any,
+        experts_per_rank: int,
+        capacity: int,
+        weights: Any,
+        like: Any,
+        counts: Any,
+        received_before_drop: Any,
+        dispatch_number: int = -1,
+    ) -> None:
+        """``like``: the dispatched x, whose library and device later rows must have (not kept).
+        ``dispatch_number``: in check mode, the dispatch's collective number on ``group``."""
+        self.layout = layout
+        self.group = group
+        self.world = group.world_size
+        self.experts_per_rank = experts_per_rank
+        self.capacity = capacity
+        self.tokens, self.topk = layout.kept.shape
+        self.weights = weights
+        """The caller's ``topk_weights`` (None without them), which combine weighs by."""
+        self.library = library_of(like)
+        self.device = getattr(like, "device", None)
+        self.counts = counts
+        self.received_before_drop = received_before_drop
+        self.sent_before_drop = layout.demand
+        self.dispatch_number = dispatch_number
+        self._ended: str | None = None
+        join_session(group.session, self)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether dispatch was given ``topk_weights``."""
+        return self.weights is not None
+
+    @property
+    def ended(self) -> str | None:
+        """Why the handle cannot be used any more (its session ended), or None while it can."""
+        return self._ended
+
+    def _end_session(self, reason: str, keep_handles: bool) -> None:
+        self._ended = reason
+        self.weights = None
+
+    def __repr__(self) -> str:
+        blocks = f"{self.experts_per_rank} x {self.world * self.capacity} rows"
+        state = f"ended: {self._ended}" if self._ended else blocks
+        return f"<unicoll.moe.StaticHandle {self.tokens} tokens x top-{self.topk}, capacity {self.capacity}, {state}>"

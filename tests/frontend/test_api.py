@@ -53,6 +53,10 @@ MOE = {
     "dispatch": "(x, topk_idx, topk_weights=None, *, experts_per_rank, group=None, sync_op=True, capacity=None)",
     "redispatch": "(x, handle, *, sync_op=True)",
     "combine": "(y, handle, *, sync_op=True)",
+    "dispatch_static": "(x, topk_idx, topk_weights=None, *, experts_per_rank, capacity, group=None, sync_op=True, "
+    "overflow='drop')",
+    "redispatch_static": "(x, handle, *, sync_op=True)",
+    "combine_static": "(y, handle, *, sync_op=True)",
 }
 
 
@@ -78,7 +82,7 @@ def test_public_signatures_are_pinned() -> None:
         assert bare(getattr(uc.Task, name)) == expected, name
     for name, expected in MOE.items():
         assert bare(getattr(uc.moe, name)) == expected, name
-    assert sorted(uc.moe.__all__) == ["Handle", *sorted(MOE)]
+    assert sorted(uc.moe.__all__) == ["Handle", "StaticHandle", *sorted(MOE)]
     group = uc.Group((0, 2), handle=None, world_rank=2, session=0)
     assert (group.ranks, group.rank, group.world_size) == ((0, 2), 1, 2)
 
@@ -105,6 +109,9 @@ def test_data_operators_are_the_specs_in_capability_tables() -> None:
         "moe.dispatch",
         "moe.redispatch",
         "moe.combine",
+        "moe.dispatch_static",
+        "moe.redispatch_static",
+        "moe.combine_static",
     ]
 
 

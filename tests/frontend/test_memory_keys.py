@@ -28,10 +28,16 @@ def _rows(n: int, dtype: Any = np.float32, width: int = 2) -> np.ndarray:
     return np.zeros((n, width), dtype)
 
 
-def _handles() -> dict[str, uc.moe.Handle]:
+def _blocks(rows: int, dtype: Any = np.float32) -> np.ndarray:
+    """Expert outputs of one expert per rank: (1, rows, 2)."""
+    return np.zeros((1, rows, 2), dtype)
+
+
+def _handles() -> dict[str, Any]:
     """Handles whose signatures once matched: every rank sends every slot to its own expert, so
     A (6 tokens, top-2) and B (4 tokens, top-3) each receive 12 rows; C receives 10 and W
-    (weighted) 12."""
+    (weighted) 12. Static ones: SA (6 tokens) and SB (4 tokens) have blocks of (1, 12) rows, SC
+    of (1, 10), SW is weighted."""
     rank = uc.get_rank()
 
     def dispatch(tokens: int, k: int, weighted: bool = False) -> uc.moe.Handle:
@@ -39,7 +45,21 @@ def _handles() -> dict[str, uc.moe.Handle]:
         weights = np.ones((tokens, k), np.float32) if weighted else None
         return uc.moe.dispatch(_rows(tokens), ids, weights, experts_per_rank=1)[2]
 
-    return {"A": dispatch(6, 2), "B": dispatch(4, 3), "C": dispatch(5, 2), "W": dispatch(6, 2, weighted=True)}
+    def static(tokens: int, k: int, capacity: int, weighted: bool = False) -> uc.moe.StaticHandle:
+        ids = np.full((tokens, k), rank, np.int64)
+        weights = np.ones((tokens, k), np.float32) if weighted else None
+        return uc.moe.dispatch_static(_rows(tokens), ids, weights, experts_per_rank=1, capacity=capacity)[2]
+
+    return {
+        "A": dispatch(6, 2),
+        "B": dispatch(4, 3),
+        "C": dispatch(5, 2),
+        "W": dispatch(6, 2, weighted=True),
+        "SA": static(6, 2, 6),
+        "SB": static(4, 3, 6),
+        "SC": static(6, 2, 5),
+        "SW": static(6, 2, 6, weighted=True),
+    }
 
 
 def _cases(h: dict[str, uc.moe.Handle]) -> list[tuple[str, int, dict[str, Any], list[dict[str, Any]]]]:
@@ -47,6 +67,7 @@ def _cases(h: dict[str, uc.moe.Handle]) -> list[tuple[str, int, dict[str, Any], 
     that touch only what that rule reads and make it fail) on rank 0 of 2."""
     ids, weights = np.zeros((3, 1), np.int64), np.ones((3, 1), np.float32)
     dispatch = dict(x=_rows(3), topk_idx=ids, topk_weights=weights, experts_per_rank=1)
+    static = {**dispatch, "capacity": 2}
     scatter = dict(x=_rows(3), local_count=[1, 2, 0, 0], global_count=[1, 2, 0, 0])
     gather = dict(x=_rows(3), local_count=[0, 0, 1, 2], global_count=[1, 2, 0, 0])
     splits = dict(out_tensor=None, in_tensor=_rows(4), in_split_sizes=[1, 3])
@@ -94,6 +115,18 @@ def _cases(h: dict[str, uc.moe.Handle]) -> list[tuple[str, int, dict[str, Any], 
         ("moe.combine", 1, dict(y=_rows(12), handle=h["A"]), [dict(y=torch.zeros(12, 2))]),
         ("moe.combine", 2, dict(y=_rows(12), handle=h["A"]), [dict(y=_rows(12, bool))]),
         ("moe.combine", 3, dict(y=_rows(12, np.int64), handle=h["A"]), [dict(handle=h["W"])]),
+        ("moe.dispatch_static", 0, static, [dict(experts_per_rank=2**40), dict(experts_per_rank=2**70)]),
+        ("moe.dispatch_static", 1, static, [dict(topk_idx=np.zeros((2, 1), np.int64))]),
+        ("moe.dispatch_static", 2, static, [dict(topk_idx=torch.zeros((3, 1), dtype=torch.int64))]),
+        ("moe.dispatch_static", 3, static, [dict(topk_weights=np.ones((3, 1), np.int64))]),
+        ("moe.dispatch_static", 4, static, [dict(topk_weights=torch.ones(3, 1))]),
+        ("moe.dispatch_static", 5, static, [dict(topk_weights=np.ones((3, 2), np.float32))]),
+        ("moe.redispatch_static", 0, dict(x=_rows(6), handle=h["SA"]), [dict(handle=h["SB"]), dict(x=_rows(4))]),
+        ("moe.redispatch_static", 1, dict(x=_rows(6), handle=h["SA"]), [dict(x=torch.zeros(6, 2))]),
+        ("moe.combine_static", 0, dict(y=_blocks(12), handle=h["SA"]), [dict(handle=h["SC"]), dict(y=_rows(12))]),
+        ("moe.combine_static", 1, dict(y=_blocks(12), handle=h["SA"]), [dict(y=torch.zeros(1, 12, 2))]),
+        ("moe.combine_static", 2, dict(y=_blocks(12), handle=h["SA"]), [dict(y=_blocks(12, bool))]),
+        ("moe.combine_static", 3, dict(y=_blocks(12, np.int64), handle=h["SA"]), [dict(handle=h["SW"])]),
         ("all_reduce", 0, dict(tensor=_rows(3), op="avg"), [dict(tensor=_rows(3, np.int64))]),
         ("all_reduce", 0, dict(tensor=_rows(3, np.int64), op="sum"), [dict(op="avg")]),
         ("all_reduce", 1, dict(tensor=_rows(3), use_calc_stream=True), [dict(sync_op=False)]),

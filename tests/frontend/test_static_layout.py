@@ -12,42 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.static_world import world_combine, world_dispatch
 from unicoll import reference, static_layout
-from unicoll.static_layout import counts_grid, expert_major, send_rows, source_major, static_layout as layout_of
-from unicoll.static_layout import sum_slots
+from unicoll.static_layout import expert_major, send_rows, source_major, sum_slots
+from unicoll.static_layout import static_layout as layout_of
 
 
 def test_doctests() -> None:
     assert doctest.testmod(static_layout).failed == 0
-
-
-def _world_dispatch(xp, xs, ids, experts_per_rank: int, capacity: int):
-    """Every rank's layout, send buffer and counts, and what each rank receives from the even
-    all-to-all (block r of every rank's buffer, in rank order)."""
-    world = len(xs)
-    layouts = [layout_of(xp, i, world * experts_per_rank, capacity) for i in ids]
-    sent = [send_rows(xp, x, lay) for x, lay in zip(xs, layouts)]
-    block = experts_per_rank * capacity
-    rows, counts, demand = [], [], []
-    for r in range(world):
-        received = xp.concat([s[r * block : (r + 1) * block] for s in sent], axis=0)
-        rows.append(expert_major(xp, received, world, experts_per_rank))
-        got = xp.concat([lay.sent[r * experts_per_rank : (r + 1) * experts_per_rank] for lay in layouts])
-        wanted = xp.concat([lay.demand[r * experts_per_rank : (r + 1) * experts_per_rank] for lay in layouts])
-        counts.append(counts_grid(xp, got, world, experts_per_rank))
-        demand.append(counts_grid(xp, wanted, world, experts_per_rank))
-    return layouts, rows, counts, demand
-
-
-def _world_combine(xp, ys, layouts, weights, experts_per_rank: int, capacity: int):
-    world = len(ys)
-    block = experts_per_rank * capacity
-    back_to = [source_major(xp, y, world, experts_per_rank) for y in ys]
-    outs = []
-    for c in range(world):
-        back = xp.concat([b[c * block : (c + 1) * block] for b in back_to], axis=0)
-        outs.append(sum_slots(xp, back, layouts[c], None if weights is None else weights[c]))
-    return outs
 
 
 CASES = [  # world, experts per rank, k, capacity, tokens per rank
@@ -71,7 +43,7 @@ def test_layout_matches_the_whole_world_reference(library: str) -> None:
         xs[0][:1] = np.inf  # a token's inf stays out of the padding
         weights = [rng.random((t, k)) for t in tokens]
         case = f"W={world} E={experts} k={k} C={capacity} tokens={tokens}"
-        layouts, rows, counts, demand = _world_dispatch(
+        layouts, rows, counts, demand = world_dispatch(
             xp, [convert(x) for x in xs], [convert(i) for i in ids], experts, capacity
         )
         want_rows, want_counts, want_demand = reference.moe_dispatch_static(xs, ids, experts, capacity)
@@ -82,7 +54,7 @@ def test_layout_matches_the_whole_world_reference(library: str) -> None:
         ys = [2 * np.asarray(r) + 1 for r in rows]  # padding rows become 1: never read
         for r in range(world):
             ys[r][np.asarray(rows[r]) == 0] = np.nan  # nor are nans where the padding is
-        outs = _world_combine(xp, [convert(y) for y in ys], layouts, [convert(w) for w in weights], experts, capacity)
+        outs = world_combine(xp, [convert(y) for y in ys], layouts, [convert(w) for w in weights], experts, capacity)
         want = reference.moe_combine_static(ys, ids, experts, capacity, weights)
         for c in range(world):
             np.testing.assert_allclose(np.asarray(outs[c]), want[c], rtol=1e-12, err_msg=f"combine of rank {c}, {case}")

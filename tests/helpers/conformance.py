@@ -10,7 +10,10 @@ shapes), runs on each rank of a spawned world, and is compared with ``unicoll.re
 Top-k dispatch and combine (``unicoll.moe``, on every backend) run as one case each: six
 settings of E, k, sync/async and world/sub-group (:data:`MOE_VARIANTS`) x every library and
 dtype; random expert ids with dropped slots, duplicates, tokenless ranks and now and then a
-capacity; ``moe.redispatch`` of the same rows in the E = 3, k = 2 setting.
+capacity; ``moe.redispatch`` of the same rows in the E = 3, k = 2 setting. The static-shape
+mode (``moe.dispatch_static``, ``redispatch_static``, ``combine_static``) runs the same settings
+with capacities that drop slots and capacities that do not, its padding rows filled with
+values that must never be read (nan for floating dtypes).
 """
 
 from __future__ import annotations
@@ -151,8 +154,9 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         if (reduction := _reduction(caps, op, variant, dtype, (library, sync, stream, subgroup))) != ""
     ]
     topk = [
-        Case("moe", f"E{experts}-k{k}", library, dtype, sync, subgroup, world_size)
+        Case(op, f"E{experts}-k{k}", library, dtype, sync, subgroup, world_size)
         for experts, k, sync, subgroup in MOE_VARIANTS
+        for op in ("moe", "moe_static")
         for library in sorted(caps.libraries)
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
     ]
@@ -240,12 +244,45 @@ def _moe_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[
     return dict(args=args, expected=expected)
 
 
+def _moe_static_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[int, ...]) -> dict[str, Any]:
+    """The static-shape mode on :func:`_moe_case`'s kind of routing, with a capacity from 0 to 3
+    (which drops slots) half the time and 8 (which does not) the other half; the outputs'
+    padding rows hold values nothing may read."""
+    experts, k = (int(part[1:]) for part in case.variant.split("-"))
+    wide = "float32" if case.dtype == "bfloat16" else case.dtype
+    tokens = [int(rng.integers(0, 6)) * (rng.random() > 0.15) for _ in range(world)]
+    ids = [np.where(rng.random((t, k)) < 0.2, -1, rng.integers(0, world * experts, (t, k))) for t in tokens]
+    capacity = int(rng.integers(0, 4)) if rng.random() < 0.5 else 8
+    high = 2 if case.dtype == "bool" else 8
+    xs = [rng.integers(0, high, (t, *trailing)).astype(wide) for t in tokens]
+    rows, counts, demand = reference.moe_dispatch_static(xs, ids, experts, capacity)
+    args = [dict(x=xs[r], topk_idx=ids[r], experts_per_rank=experts, capacity=capacity) for r in range(world)]
+    expected: list[Any] = [dict(rows=rows[r], counts=counts[r], demand=demand[r]) for r in range(world)]
+    if case.dtype != "bool":
+        unread = np.nan if case.dtype in FLOATING else 99
+        ys = []
+        for r in range(world):
+            y = (rows[r] + 1).astype(np.float64)
+            slot = np.arange(world * capacity) % max(capacity, 1)
+            padding = slot[None, :] >= np.repeat(counts[r], capacity, axis=1)
+            y[padding] = unread
+            ys.append(y.astype(wide))
+        weights = [rng.choice([0.5, 1.0, 2.0], (t, k)).astype(wide) for t in tokens] if case.dtype in FLOATING else None
+        combined = reference.moe_combine_static(ys, ids, experts, capacity, weights)
+        for r in range(world):
+            args[r].update(y=ys[r], topk_weights=None if weights is None else weights[r])
+            expected[r]["combined"] = combined[r]
+    return dict(args=args, expected=expected)
+
+
 def world_case(case: Case, world: int) -> dict[str, Any]:
     """Whole-world inputs (``args``: one dict per group position) and ``expected`` outputs."""
     rng = np.random.default_rng(case.seed)
     trailing = TRAILING[rng.integers(len(TRAILING))]
     if case.op == "moe":
         return _moe_case(case, world, rng, trailing)
+    if case.op == "moe_static":
+        return _moe_static_case(case, world, rng, trailing)
     if case.reduction is not None:
         return _reduction_case(case, world, rng, trailing)
     if case.op == "broadcast":
@@ -322,6 +359,8 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
     """Run the case's operator; returns (result, the in-place target or None)."""
     if case.op == "moe":
         return _moe_call(case, a, group, device), None
+    if case.op == "moe_static":
+        return _moe_static_call(case, a, group, device), None
     kw = dict(group=group) if case.sync else dict(group=group, sync_op=False, use_calc_stream=False)
     if case.stream is not None:
         kw["use_calc_stream"] = case.stream == "calc"
@@ -387,12 +426,45 @@ def _moe_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> di
     return result
 
 
+def _moe_static_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> dict[str, Any]:
+    """dispatch_static, redispatch_static of the same rows (E3-k2), then (but for bool)
+    combine_static; each waited for when asynchronous."""
+    x = to_library(a["x"], case.library, case.dtype, device)
+    ids = to_library(a["topk_idx"], case.library, "int64", device)
+    weights = a.get("topk_weights")
+    weights = None if weights is None else to_library(weights, case.library, case.dtype, device)
+    kw = dict(group=group, sync_op=case.sync, capacity=a["capacity"])
+    dispatched = uc.moe.dispatch_static(x, ids, weights, experts_per_rank=a["experts_per_rank"], **kw)
+    rows, counts, handle = dispatched if case.sync else _waited(dispatched)
+    result = dict(rows=rows, counts=counts, demand=handle.received_before_drop)
+    if case.variant == "E3-k2":
+        again = uc.moe.redispatch_static(x, handle, sync_op=case.sync)
+        result["again"] = again if case.sync else _waited(again)
+    if "y" in a:
+        y = to_library(a["y"], case.library, case.dtype, device)
+        combined = uc.moe.combine_static(y, handle, sync_op=case.sync)
+        result["combined"] = combined if case.sync else _waited(combined)
+    return result
+
+
 def _waited(task: Any) -> Any:
     assert isinstance(task, uc.Task), f"sync_op=False returned {type(task).__name__}"
     return task.wait()
 
 
 def _check(case: Case, a: dict[str, Any], result: Any, target: Any, expected: Any) -> None:
+    if case.op == "moe_static":
+        from unicoll.arrays import library_of
+
+        for name in ("counts", "demand"):
+            assert library_of(result[name]) == case.library, f"{name} in {library_of(result[name])}"
+            np.testing.assert_array_equal(to_numpy(result[name]), expected[name], err_msg=name)
+        _check_array(result["rows"], expected["rows"], case)
+        if "again" in result:
+            _check_array(result["again"], expected["rows"], case)
+        if "combined" in expected:
+            _check_array(result["combined"], expected["combined"], case)
+        return
     if case.op == "moe":
         assert result["rows_per_expert"] == expected["rows_per_expert"], (
             f"rows_per_expert {result['rows_per_expert']}, expected {expected['rows_per_expert']}"
@@ -444,7 +516,7 @@ def run_cases(rank: int, all_cases: list[Case], device: str = "cpu") -> dict[str
         a = inputs["args"][position]
         try:
             result, target = _call(case, a, group, device)
-            if not case.sync and case.op != "moe":
+            if not case.sync and case.op not in ("moe", "moe_static"):
                 assert isinstance(result, uc.Task), f"sync_op=False returned {type(result).__name__}"
                 result = result.wait()
             _check(case, a, result, target, inputs["expected"][position])

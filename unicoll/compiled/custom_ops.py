@@ -51,7 +51,7 @@ def group_of(number: int) -> Group | None:
     return group
 
 
-def _world_size(number: int, op: str) -> int:
+def world_size(number: int, op: str) -> int:
     """The size of the group a schema's ``number`` names (for the fake implementations)."""
     group = group_of(number)
     return runtime.state(op).world.world_size if group is None else group.world_size
@@ -71,7 +71,7 @@ def _new_rows(rows: int | None) -> Any:
 
 def _splits(number: int, op: str) -> torch.Tensor:
     """A fake host int64 tensor of one size per rank of the group."""
-    return torch.empty((_world_size(number, op),), dtype=torch.int64)
+    return torch.empty((world_size(number, op),), dtype=torch.int64)
 
 
 def _host_counts(t: torch.Tensor) -> np.ndarray:
@@ -189,7 +189,7 @@ def _moe_backward(
     op: str, grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int
 ) -> Any:
     """The eager backward of global_scatter or global_gather (``op``), with the forward's plan."""
-    world = _world_size(group, f"{op} (backward)")
+    world = world_size(group, f"{op} (backward)")
     plan = moe_plan(_host_counts(local_count), _host_counts(global_count), world)
     backward = ops.global_scatter_backward if op == "global_scatter" else ops.global_gather_backward
     return _run_backward(op, group, grad, backward, plan)
@@ -455,7 +455,7 @@ def _reduce_scatter_fake(
     tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
 ) -> torch.Tensor:
     """This rank's block: an even share of the rows without split sizes, else a new dynamic size."""
-    rows = tensor.shape[0] // _world_size(group, "reduce_scatter") if split_sizes is None else None
+    rows = tensor.shape[0] // world_size(group, "reduce_scatter") if split_sizes is None else None
     return tensor.new_empty((_new_rows(rows), *tensor.shape[1:]))
 
 
@@ -465,7 +465,7 @@ def _reduce_scatter_grad(
 ) -> torch.Tensor:
     """reduce_scatter's eager backward (:func:`unicoll.eager.ops.reduce_scatter_backward`); the
     forward's even split where it was given no sizes."""
-    world = _world_size(group, "reduce_scatter (backward)")
+    world = world_size(group, "reduce_scatter (backward)")
     blocks = even_split(rows, world) if split_sizes is None else _host_ints(split_sizes)
     return _run_backward("reduce_scatter", group, grad, ops.reduce_scatter_backward, op, blocks)
 
@@ -531,7 +531,7 @@ def _moe_layout_fake(
     capacity: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counts of one size per global expert; the rows sent (a new dynamic size); one row per slot."""
-    experts = _world_size(group, "moe.dispatch") * experts_per_rank
+    experts = world_size(group, "moe.dispatch") * experts_per_rank
     counts = torch.empty((experts,), dtype=torch.int64)
     send_tokens = x.new_empty((_new_rows(None),), dtype=torch.int64)
     return counts, torch.empty_like(counts), send_tokens, x.new_empty((topk_idx.numel(),), dtype=torch.int64)

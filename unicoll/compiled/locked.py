@@ -4,7 +4,7 @@ traced. Never the public face (:mod:`unicoll.face`), which would ask torch.compi
 
 from __future__ import annotations
 
-from ..eager import moe, ops
+from ..eager import moe, ops, static_moe
 from ..entry import exclusive_as
 
 exchange_counts = exclusive_as("exchange_counts")(ops.exchange_counts)
@@ -24,3 +24,6 @@ moe_dispatch = exclusive_as("moe.dispatch")(moe.dispatch)
 moe_layout = exclusive_as("moe.dispatch")(moe.layout)
 moe_redispatch = exclusive_as("moe.redispatch")(moe.redispatch)
 moe_combine = exclusive_as("moe.combine")(moe.combine)
+moe_dispatch_static = exclusive_as("moe.dispatch_static")(static_moe.dispatch_static)
+moe_redispatch_static = exclusive_as("moe.redispatch_static")(static_moe.redispatch_static)
+moe_combine_static = exclusive_as("moe.combine_static")(static_moe.combine_static)

@@ -17,15 +17,28 @@ import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import array_api_compat.torch as xpt
 import torch
 
 from .. import runtime
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
+from ..errors import bad_input
 from ..group import Group
 from ..routing import Handle, Routing
+from ..static_layout import (
+    StaticHandle,
+    StaticLayout,
+    counts_in,
+    counts_out,
+    expert_major,
+    send_rows,
+    source_major,
+    static_layout,
+    sum_slots,
+)
 from . import locked
-from .custom_ops import WORLD, group_of
+from .custom_ops import WORLD, group_of, world_size
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 
@@ -429,3 +442,130 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
         kept = handle.slot_rows.reshape(handle.tokens, handle.topk) < sent
         weights = torch.where(kept, weights, torch.zeros_like(weights))
     return sum_at_once(back, handle.slot_rows, handle.tokens, handle.topk, weights, None)
+
+
+# -- the static-shape MoE operators: the layout traced on the array API, even all-to-alls ------
+
+
+class TracedStaticHandle(NamedTuple):
+    """What :func:`unicoll.moe.dispatch_static` hands back in compiled code: the layout as
+    tensors and the block shape, for :func:`moe_redispatch_static` and
+    :func:`moe_combine_static` (which also take an eager :class:`~unicoll.moe.StaticHandle`)."""
+
+    layout: StaticLayout
+    group: int
+    """The group's number (:data:`WORLD` for the world)."""
+    world: int
+    experts_per_rank: int
+    capacity: int
+    weights: torch.Tensor | None
+    counts: torch.Tensor
+    """``(E, W)``: the valid rows of each block."""
+    received_before_drop: torch.Tensor
+    """``(E, W)``: the slots each block's source routed there before the capacity."""
+
+    @property
+    def sent_before_drop(self) -> torch.Tensor:
+        """``(W * E,)``: the slots this rank routed to each global expert before the capacity."""
+        return self.layout.demand
+
+    @property
+    def tokens(self) -> int:
+        return self.layout.kept.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.layout.kept.shape[1]
+
+    @property
+    def weighted(self) -> bool:
+        return self.weights is not None
+
+
+def _even(rows: torch.Tensor, number: int) -> torch.Tensor:
+    """``unicoll::alltoall_single`` of ``rows`` in W equal blocks: its output has rows' shape."""
+    result, _ = torch.ops.unicoll.alltoall_single(rows, None, None, number, True, None)
+    return result
+
+
+def _static_rules(op: str, x: Any, rows: int, weights: Any) -> None:
+    """The static-shape rules of ``op`` on what tracing knows (shapes, dtypes, devices), raised
+    while tracing as eager raises them."""
+    if x.shape[0] != rows:
+        raise bad_input(op, "x", f"{rows} rows (one per token)", f"{x.shape[0]} rows")
+    if weights is not None and (not weights.is_floating_point() or weights.device != x.device):
+        raise bad_input(op, "topk_weights", "a floating tensor on x's device", f"{weights.dtype} on {weights.device}",
+                        TypeError)  # fmt: skip
+
+
+def moe_dispatch_static(
+    x: Any,
+    topk_idx: Any,
+    topk_weights: Any | None = None,
+    *,
+    experts_per_rank: int,
+    capacity: int,
+    group: Group | None = None,
+    sync_op: bool = True,
+    overflow: str = "drop",
+) -> Any:
+    """:func:`unicoll.moe.dispatch_static` as traced: the layout in the graph (array-API
+    operations on torch), the rows and the counts sent by ``unicoll::alltoall_single`` in W equal
+    blocks; every shape static, no value read on the host; the handle is a
+    :class:`TracedStaticHandle`. ``overflow='error'`` (a host read) runs eagerly."""
+    eager = functools.partial(
+        locked.moe_dispatch_static, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank,
+        capacity=capacity, group=group, sync_op=sync_op, overflow=overflow,
+    )  # fmt: skip
+    if sync_op is False:
+        return _as_task(eager)
+    number = _number(group)
+    tensors = isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor) and topk_idx.ndim == 2
+    weights_ok = topk_weights is None or isinstance(topk_weights, torch.Tensor)
+    sizes_ok = type(experts_per_rank) is int and experts_per_rank > 0 and type(capacity) is int and capacity >= 0
+    if not tensors or not weights_ok or not sizes_ok or overflow != "drop" or not _traced(number):
+        return _untraced(eager)
+    _static_rules("moe.dispatch_static", x, topk_idx.shape[0], topk_weights)
+    world = world_size(number, "moe.dispatch_static")
+    layout = static_layout(xpt, topk_idx, world * experts_per_rank, capacity)
+    rows = expert_major(xpt, _even(send_rows(xpt, x, layout), number), world, experts_per_rank)
+    valid, before = counts_in(xpt, _even(counts_out(xpt, layout, world, experts_per_rank), number), world,
+                              experts_per_rank)  # fmt: skip
+    handle = TracedStaticHandle(layout, number, world, experts_per_rank, capacity, topk_weights, valid, before)
+    return rows, valid, handle
+
+
+def _static_handle(op: Callable[..., Any], rows: Any, handle: Any, sync_op: Any) -> tuple[int, bool]:
+    """The group number of a static handle, and whether ``op``'s call with it traces."""
+    if isinstance(handle, TracedStaticHandle):
+        number = handle.group
+    elif isinstance(handle, StaticHandle) and handle.ended is None:
+        number = _number(handle.group)
+    else:
+        return WORLD, False
+    return number, isinstance(rows, torch.Tensor) and _flags(sync_op) and _traced(number)
+
+
+def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
+    """:func:`unicoll.moe.redispatch_static` as traced: the rows gathered in the graph and sent
+    by ``unicoll::alltoall_single`` in W equal blocks."""
+    number, traced = _static_handle(locked.moe_redispatch_static, x, handle, sync_op)
+    if not traced:
+        return _untraced(locked.moe_redispatch_static, x, handle, sync_op=sync_op)
+    _static_rules("moe.redispatch_static", x, handle.layout.kept.shape[0], None)
+    sent = _even(send_rows(xpt, x, handle.layout), number)
+    return expert_major(xpt, sent, handle.world, handle.experts_per_rank)
+
+
+def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
+    """:func:`unicoll.moe.combine_static` as traced: the blocks sent back by
+    ``unicoll::alltoall_single`` in W equal blocks, each token's kept slots weighed and summed in
+    the graph."""
+    number, traced = _static_handle(locked.moe_combine_static, y, handle, sync_op)
+    if not traced:
+        return _untraced(locked.moe_combine_static, y, handle, sync_op=sync_op)
+    blocks = (handle.experts_per_rank, handle.world * handle.capacity)
+    if y.ndim < 2 or tuple(y.shape[:2]) != blocks:
+        raise bad_input("moe.combine_static", "y", f"blocks of shape {blocks}", f"shape {tuple(y.shape)}")
+    back = _even(source_major(xpt, y, handle.world, handle.experts_per_rank), number)
+    return sum_slots(xpt, back, handle.layout, handle.weights)

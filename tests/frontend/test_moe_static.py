@@ -1,0 +1,169 @@
+"""The static-shape MoE mode across ranks, beyond the conformance matrix's values: gradients
+against the whole world computed on one process, redispatch, a sub-group, Tasks, check mode,
+overflow='error', bad input, and a handle outliving its session."""
+
+from __future__ import annotations
+
+import array_api_compat.torch as xtorch
+import numpy as np
+import pytest
+import torch
+
+import unicoll as uc
+from helpers.static_world import world_combine, world_dispatch
+
+E, K, C, DIM = 2, 2, 2, 3
+TOKENS = (5, 0, 4)  # rank 1 has no tokens
+
+
+def _inputs(world: int, step: int) -> tuple[list, list, list]:
+    """Every rank's tokens, expert ids (dropped slots, and more slots per expert than C) and weights."""
+    rng = np.random.default_rng(step)
+    tokens = TOKENS[:world]
+    ids = [torch.from_numpy(rng.integers(-1, world * E, (t, K))) for t in tokens]
+    xs = [torch.from_numpy(rng.standard_normal((t, DIM))) for t in tokens]
+    weights = [torch.from_numpy(rng.random((t, K))) for t in tokens]
+    return xs, ids, weights
+
+
+def _expert(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the experts: row-wise, a different scale per expert."""
+    return rows * scale.reshape(-1, 1, 1) + 1
+
+
+def _grad(a: torch.Tensor) -> torch.Tensor:
+    """``a``'s gradient, zeros where autograd left it None (a rank without tokens)."""
+    return torch.zeros_like(a) if a.grad is None else a.grad
+
+
+def _gradients(rank: int) -> list[str]:
+    """Two routings: one dispatch_static, one redispatch_static of other rows of the same tokens,
+    combine_static of each; outputs and gradients (x, the experts' scale, the weights) against
+    the whole world on one process; a dropped slot's weight gets exactly zero."""
+    world, failures = uc.get_world_size(), []
+    for step in range(2):
+        xs, ids, weights = _inputs(world, step)
+        x, w = xs[rank].clone().requires_grad_(), weights[rank].clone().requires_grad_()
+        h2 = (2 * xs[rank]).requires_grad_()
+        scale = torch.arange(1.0, E + 1, dtype=torch.float64).requires_grad_()
+        rows, counts, handle = uc.moe.dispatch_static(x, ids[rank], w, experts_per_rank=E, capacity=C)
+        again = uc.moe.redispatch_static(h2, handle)
+        out = uc.moe.combine_static(_expert(rows, scale), handle) + uc.moe.combine_static(again, handle)
+        out.backward(torch.ones_like(out))
+        mine = [_grad(a) for a in (x, h2, w, scale)]
+
+        whole = [a.clone().requires_grad_() for a in xs]
+        twice = [(2 * a).requires_grad_() for a in xs]
+        ws = [a.clone().requires_grad_() for a in weights]
+        scales = [torch.arange(1.0, E + 1, dtype=torch.float64).requires_grad_() for _ in range(world)]
+        layouts, wrows, wcounts, _ = world_dispatch(xtorch, whole, ids, E, C)
+        _, wagain, _, _ = world_dispatch(xtorch, twice, ids, E, C)
+        outs = world_combine(xtorch, [_expert(r, s) for r, s in zip(wrows, scales)], layouts, ws, E, C)
+        outs2 = world_combine(xtorch, wagain, layouts, ws, E, C)
+        sum(o.sum() + o2.sum() for o, o2 in zip(outs, outs2)).backward()
+        theirs = [_grad(a) for a in (whole[rank], twice[rank], ws[rank], scales[rank])]
+        for name, a, b in zip(("x", "redispatched x", "weights", "expert"), mine, theirs):
+            if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
+                failures.append(f"step {step}, rank {rank}: gradient to {name} {a} != {b}")
+        if not torch.allclose(out, outs[rank] + outs2[rank], rtol=1e-12):
+            failures.append(f"step {step}, rank {rank}: output differs")
+        if not torch.equal(counts, wcounts[rank]):
+            failures.append(f"step {step}, rank {rank}: counts {counts} != {wcounts[rank]}")
+        if counts.device != x.device or counts.dtype != torch.int64 or rows.shape != (E, world * C, DIM):
+            failures.append(f"counts {counts.dtype} on {counts.device}, rows {tuple(rows.shape)}")
+        dropped = ~handle.layout.kept
+        if dropped.any() and not torch.equal(mine[2][dropped], torch.zeros_like(mine[2][dropped])):
+            failures.append(f"rank {rank}: a dropped slot's weight got gradient {mine[2][dropped]}")
+    return failures
+
+
+def _tasks_and_groups(rank: int) -> list[str]:
+    """sync_op=False on every operator, two dispatches in flight waited in reverse order, and a
+    sub-group of all ranks but rank 0 (positions differ from ranks), in numpy."""
+    world, failures = uc.get_world_size(), []
+    xs, ids, _ = _inputs(world, 5)
+    first = uc.moe.dispatch_static(xs[rank].numpy(), ids[rank].numpy(), experts_per_rank=E, capacity=C, sync_op=False)
+    second = uc.moe.dispatch_static(xs[rank].numpy(), ids[rank].numpy(), experts_per_rank=E, capacity=1, sync_op=False)
+    rows1, _, handle = second.wait()
+    rows0, counts0, handle0 = first.wait()
+    _, wrows, wcounts, _ = world_dispatch(xtorch, xs, ids, E, C)
+    _, wrows1, _, _ = world_dispatch(xtorch, xs, ids, E, 1)
+    if not (np.array_equal(rows0, wrows[rank].numpy()) and np.array_equal(rows1, wrows1[rank].numpy())):
+        failures.append(f"rank {rank}: rows of the Tasks differ")
+    if not isinstance(counts0, np.ndarray) or not np.array_equal(counts0, wcounts[rank].numpy()):
+        failures.append(f"rank {rank}: counts {counts0!r}")
+    back = uc.moe.combine_static(rows0, handle0, sync_op=False).wait()
+    again = uc.moe.redispatch_static(xs[rank].numpy(), handle0, sync_op=False).wait()
+    layouts, _, _, _ = world_dispatch(xtorch, xs, ids, E, C)
+    want = world_combine(xtorch, wrows, layouts, None, E, C)[rank].numpy()
+    if not np.allclose(back, want) or not np.array_equal(again, rows0):
+        failures.append(f"rank {rank}: combine or redispatch of a Task differ")
+    sub = uc.new_group(list(range(1, world)))
+    if sub.is_member:
+        size, position = sub.world_size, sub.rank
+        sxs, sids, _ = _inputs(size, 6)
+        got, counts, h = uc.moe.dispatch_static(sxs[position], sids[position], experts_per_rank=E, capacity=C, group=sub)
+        _, srows, scounts, _ = world_dispatch(xtorch, sxs, sids, E, C)
+        if not (torch.equal(got, srows[position]) and torch.equal(counts, scounts[position])):
+            failures.append(f"rank {rank}: the sub-group's rows differ")
+        if h.world != size or uc.moe.combine_static(got, h).shape != sxs[position].shape:
+            failures.append(f"rank {rank}: the sub-group's handle or combine")
+    return failures
+
+
+def _errors(rank: int) -> dict[str, str]:
+    """What check mode and overflow='error' raise, on every rank alike."""
+    world = uc.get_world_size()
+    xs, ids, _ = _inputs(world, 7)
+    seen = {}
+
+    def caught(name: str, call) -> None:
+        try:
+            call()
+            seen[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+            seen[name] = f"{type(exc).__name__}: {exc}"
+
+    x, i = xs[rank], ids[rank]
+    caught("capacity", lambda: uc.moe.dispatch_static(x, i, experts_per_rank=E, capacity=C + rank))
+    bad = i.clone()
+    if rank == world - 1 and bad.numel():
+        bad[0, 0] = world * E
+    caught("id", lambda: uc.moe.dispatch_static(x, bad, experts_per_rank=E, capacity=C))
+    caught("overflow", lambda: uc.moe.dispatch_static(x, i, experts_per_rank=E, capacity=1, overflow="error"))
+    caught("room", lambda: uc.moe.dispatch_static(x, i, experts_per_rank=E, capacity=2 * K * 5, overflow="error"))
+    _, _, handle = uc.moe.dispatch_static(x, i, experts_per_rank=E, capacity=C)
+    caught("combine shape", lambda: uc.moe.combine_static(torch.zeros(E, C, DIM, dtype=x.dtype), handle))
+    caught("ids dtype", lambda: uc.moe.dispatch_static(x, i.double(), experts_per_rank=E, capacity=C))
+    caught("ids place", lambda: uc.moe.dispatch_static(x, i.numpy(), experts_per_rank=E, capacity=C))
+    caught("handle", lambda: uc.moe.combine_static(x, "not a handle"))
+    uc.finalize()
+    caught("ended", lambda: uc.moe.combine_static(torch.zeros(E, world * C, DIM, dtype=x.dtype), handle))
+    uc.init()
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_gradients_redispatch_tasks_and_groups_match_the_whole_world(backend: str) -> None:
+    world = 3 if backend == "gloo" else 2
+    assert uc.testing.spawn(_gradients, world, backend=backend) == [[]] * world
+    assert uc.testing.spawn(_tasks_and_groups, world, backend=backend) == [[]] * world
+
+
+def test_check_mode_and_overflow_error_fail_on_every_rank_alike() -> None:
+    reports = uc.testing.spawn(_errors, 3, backend="gloo", env={"UNICOLL_CHECK": "1"})
+    for name in reports[0]:
+        assert len({r[name] for r in reports}) == 1 or name in ("ids place", "handle", "ended", "ids dtype"), name
+    first = reports[0]
+    assert "CrossRankMismatchError" in first["capacity"] and "capacity" in first["capacity"]
+    assert f"expert id {3 * E}" in first["id"] and "rank 2" in first["id"]
+    assert first["overflow"].startswith("ValueError: moe.dispatch_static: capacity")
+    assert "would be dropped" in first["overflow"]
+    assert first["room"] == "no error"
+    assert first["combine shape"].startswith("ValueError: moe.dispatch_static") is False
+    assert "moe.combine_static" in first["combine shape"] and "y" in first["combine shape"]
+    for report in reports:
+        assert report["ids dtype"].startswith("TypeError: moe.dispatch_static: topk_idx")
+        assert report["ids place"].startswith("TypeError: moe.dispatch_static: topk_idx")
+        assert report["handle"].startswith("TypeError: moe.combine_static: handle")
+        assert report["ended"].startswith("ValueError: moe.combine_static: handle")

@@ -1,0 +1,221 @@
+"""``unicoll.moe``'s static-shape operators, eagerly: ``dispatch_static``, ``redispatch_static``
+and ``combine_static``.
+
+The layout (:mod:`unicoll.static_layout`) is computed where the router's ids are, with
+array-API operations, so nothing is read to the host; the rows and the counts travel as even
+all-to-alls (``W`` blocks of ``E * C`` rows, and of ``2 * E`` counts), which every backend has
+and whose shapes the call's arguments fix. Gradients: the gathers, the padding and the weighted
+sum are the array library's own differentiable operations, and the transfer's backward is
+alltoall_single's (the even all-to-all back). The semantics are in docs/semantics.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from ..arrays import library_of
+from ..backends.base import Backend, Pending
+from ..check import call_number, verify
+from ..errors import bad_input
+from ..group import Group
+from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
+from ..static_layout import (
+    StaticHandle,
+    StaticLayout,
+    counts_in,
+    counts_out,
+    expert_major,
+    send_rows,
+    source_major,
+    static_layout,
+    sum_slots,
+)
+from ..task import Task
+from ..validate import prepare
+from .ops import _functional, _run, alltoall_single_backward
+
+
+def dispatch_static(
+    x: Any,
+    topk_idx: Any,
+    topk_weights: Any | None = None,
+    *,
+    experts_per_rank: int,
+    capacity: int,
+    group: Group | None = None,
+    sync_op: bool = True,
+    overflow: str = "drop",
+) -> tuple[Any, Any, StaticHandle] | Task:
+    """Send each token to its top-k experts in blocks of a fixed size; returns ``(rows, counts, handle)``.
+
+    ``rows`` has shape ``(experts_per_rank, W * capacity, *x.shape[1:])``: block
+    ``[e, c * capacity:(c + 1) * capacity]`` holds the rows rank c sent this rank's expert e, its
+    kept slots in slot order ``t * k + j``, then zeros. ``counts`` (``(experts_per_rank, W)``,
+    int64, on x's device) says how many rows of each block are valid. Every shape follows from
+    the arguments' shapes, and nothing is read to the host: no synchronization, and
+    torch.compile traces it without dynamic shapes. Each rank sends each expert at most
+    ``capacity`` rows, the lowest slots first; the handle's ``received_before_drop`` and
+    ``sent_before_drop`` count the slots before that. ``sync_op=False`` returns a
+    :class:`~unicoll.Task` whose ``wait()`` returns the same tuple.
+
+    >>> # W=1, E=2, capacity 2: tokens x = [1, 2, 3], top-2 experts [[1, 0], [1, -1], [0, 1]]
+    >>> rows, counts, handle = uc.moe.dispatch_static(x, topk_idx, experts_per_rank=2, capacity=2)  # doctest: +SKIP
+    >>> rows.tolist(), counts.tolist()                                                                # doctest: +SKIP
+    ([[1, 3], [1, 2]], [[2], [2]])
+    """
+    arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
+                     capacity=capacity, group=group, sync_op=sync_op, overflow=overflow)  # fmt: skip
+    return _dispatch(prepare(MOE_DISPATCH_STATIC, arguments), arguments)
+
+
+def redispatch_static(x: Any, handle: StaticHandle, *, sync_op: bool = True) -> Any | Task:
+    """Send other rows of the same tokens along a static handle's routing (a second layer):
+    no routing, no count exchange. Returns rows laid out as :func:`dispatch_static`'s.
+
+    >>> rows2 = uc.moe.redispatch_static(h2, handle)   # doctest: +SKIP
+    """
+    arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH_STATIC.name, handle))
+    return _redispatch(prepare(MOE_REDISPATCH_STATIC, arguments), arguments)
+
+
+def combine_static(y: Any, handle: StaticHandle, *, sync_op: bool = True) -> Any | Task:
+    """Send expert outputs back and sum each token's kept slots: ``out[t] = sum_j w[t, j] * y[row of (t, j)]``.
+
+    ``y`` has :func:`dispatch_static`'s layout, ``(experts_per_rank, W * capacity, ...)`` (its
+    trailing shape may differ from x's); padding rows travel but are never read, so whatever an
+    expert makes of them (a bias, nan) stays out. Dropped slots contribute exactly zero.
+
+    >>> out = uc.moe.combine_static(rows * 10, handle)   # doctest: +SKIP
+    """
+    arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE_STATIC.name, handle))
+    return _combine(prepare(MOE_COMBINE_STATIC, arguments), arguments)
+
+
+def _handle_group(op: str, handle: Any) -> Group:
+    """The group of a usable static handle (see :func:`unicoll.eager.moe._handle_group`)."""
+    if not isinstance(handle, StaticHandle):
+        raise bad_input(op, "handle", "a handle returned by moe.dispatch_static", repr(handle), TypeError)
+    if handle.ended is not None:
+        raise bad_input(
+            op, "handle", "a handle of the running session", f"one that can no longer be used: {handle.ended}"
+        )
+    return handle.group
+
+
+def _even(rows: int, world: int) -> list[int]:
+    return [rows // world] * world
+
+
+def _transfer(backend: Backend, native: Any, group: Group, async_op: bool, calc_stream: bool) -> Pending:
+    """The even all-to-all of ``native``'s rows (W equal blocks)."""
+    splits = _even(native.shape[0], group.world_size)
+    return backend.alltoall_single(None, native, splits, splits, group, async_op, calc_stream)
+
+
+def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
+    backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
+    world, experts, capacity = call.W, call.experts_per_rank, call.capacity
+    xp = array_namespace(x)
+    layout = static_layout(xp, arguments["topk_idx"], world * experts, capacity)
+    outgoing = send_rows(xp, x, layout)
+    counts = counts_out(xp, layout, world, experts)
+    number = -1
+
+    def issue() -> Pending:
+        nonlocal number
+        if call.check:
+            verify(MOE_DISPATCH_STATIC, call, topk_idx=arguments["topk_idx"])
+            number = call_number(grp)
+        if call.overflow == "error":
+            _refuse_drops(backend, grp, layout, capacity)
+        rows = _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
+        got = _transfer(backend, backend.to_native(counts), grp, not call.sync_op, call.sync_op)
+        return Pending(rows.works + got.works, lambda: (rows.finish(), got.finish()))
+
+    received = _functional(MOE_DISPATCH_STATIC.name, call, outgoing, _backward(call))
+
+    def finish(result: tuple[Any, Any]) -> tuple[Any, Any, StaticHandle]:
+        rows, got = result
+        rows = expert_major(xp, received(rows), world, experts)
+        valid, before = counts_in(xp, backend.from_native(got, library_of(x)), world, experts)
+        handle = StaticHandle(layout, grp, experts, capacity, weights, x, valid, before, dispatch_number=number)
+        return rows, valid, handle
+
+    return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
+
+
+def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
+    backend, grp, handle, x = call.backend, call.group, arguments["handle"], arguments["x"]
+    xp = array_namespace(x)
+    outgoing = send_rows(xp, x, handle.layout)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(MOE_REDISPATCH_STATIC, call)
+        return _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
+
+    received = _functional(MOE_REDISPATCH_STATIC.name, call, outgoing, _backward(call))
+    return _run(
+        MOE_REDISPATCH_STATIC.name,
+        call,
+        issue,
+        lambda rows: expert_major(xp, received(rows), handle.world, handle.experts_per_rank),
+    )
+
+
+def _combine(call: Call, arguments: dict[str, Any]) -> Any:
+    backend, grp, handle, y = call.backend, call.group, arguments["handle"], arguments["y"]
+    xp = array_namespace(y)
+    outgoing = source_major(xp, y, handle.world, handle.experts_per_rank)
+
+    def issue() -> Pending:
+        if call.check:
+            verify(MOE_COMBINE_STATIC, call)
+        return _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
+
+    returned = _functional(MOE_COMBINE_STATIC.name, call, outgoing, _backward(call))
+    return _run(
+        MOE_COMBINE_STATIC.name,
+        call,
+        issue,
+        lambda back: sum_slots(xp, returned(back), handle.layout, handle.weights),
+    )
+
+
+def _backward(call: Call) -> Any:
+    """The backward of a call's transfer: the even all-to-all back (alltoall_single's backward
+    with the same W equal blocks both ways)."""
+    backend, grp = call.backend, call.group
+
+    def backward(grad: Any) -> Any:
+        splits = _even(grad.shape[0], grp.world_size)
+        return alltoall_single_backward(backend, grp, grad, splits, splits)
+
+    return backward
+
+
+def _refuse_drops(backend: Backend, group: Group, layout: StaticLayout, capacity: int) -> None:
+    """overflow='error': every rank's dropped slots (beyond the capacity) on the host, then the
+    same ValueError on every rank if any rank dropped one."""
+    demand = np.asarray(_host(layout.demand), dtype=np.int64)
+    over = int(np.maximum(demand - capacity, 0).sum())
+    worst = int(demand.argmax()) if demand.size else 0
+    mine = np.array([over, worst, int(demand.max()) if demand.size else 0], np.int64)
+    every = backend.gather_ints(mine, group)
+    for c, (dropped, expert, wanted) in enumerate(every.tolist()):
+        if dropped:
+            raise bad_input(
+                MOE_DISPATCH_STATIC.name,
+                "capacity",
+                f"room for every slot (overflow='error'): at least {max(r[2] for r in every.tolist())}",
+                f"{capacity}: rank {c} routes {wanted} slots to expert {expert} ({dropped} of its slots would be dropped)",
+            )
+
+
+def _host(a: Any) -> Any:
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    return a.get() if hasattr(a, "get") else a
