@@ -23,6 +23,12 @@ DISPATCHED = [([1, 3, 10, 11, 2], [4, 1]), ([1, 11, 3, 10], [2, 2])]
 COMBINED = [[2.0, 4.0, 9.75], [25.0, 22.0]]
 DISPATCHED_CAPACITY_1 = [([1, 10, 2], [2, 1]), ([1, 11, 3, 10], [2, 2])]
 
+# docs/semantics.md, the static-shape mode on the same example: capacity 2, then 1
+STATIC = [([[1, 3, 10, 11], [2, 0, 0, 0]], [[2, 2], [1, 0]]), ([[1, 0, 11, 0], [3, 0, 10, 0]], [[1, 1], [1, 1]])]
+STATIC_CAPACITY_1 = [([[1, 10], [2, 0]], [[1, 1], [1, 0]]), ([[1, 11], [3, 10]], [[1, 1], [1, 1]])]
+BEFORE_DROP = [[[2, 2], [1, 0]], [[1, 1], [1, 1]]]
+COMBINED_CAPACITY_1 = [[2.0, 4.0, 9.0], [25.0, 16.5]]
+
 
 def worked_example(rank: int) -> dict[str, list]:
     x_np = np.array(X[rank], dtype=np.float32).reshape(-1, 1)
@@ -41,6 +47,16 @@ def worked_example(rank: int) -> dict[str, list]:
     capped, capped_per_expert, _ = uc.moe.dispatch(
         tokens.numpy(), np.array(TOPK_IDX[rank]), experts_per_rank=2, capacity=1
     )
+    static = {}
+    for capacity in (2, 1):
+        blocks, counts, h = uc.moe.dispatch_static(
+            tokens, torch.tensor(TOPK_IDX[rank]), torch.tensor(TOPK_WEIGHTS[rank]), experts_per_rank=2,
+            capacity=capacity,
+        )  # fmt: skip
+        scale = (torch.arange(2) + 2 * rank + 1.0).reshape(2, 1, 1)  # expert g multiplies by g + 1
+        out = uc.moe.combine_static(blocks * scale, h)
+        static[capacity] = ((blocks.squeeze(-1).tolist(), counts.tolist()), out.ravel().tolist(),
+                            h.received_before_drop.tolist())  # fmt: skip
     return dict(
         global_count=gc.tolist(),
         count_dtype=[str(gc.dtype)],
@@ -50,6 +66,7 @@ def worked_example(rank: int) -> dict[str, list]:
         dispatched=(rows.ravel().tolist(), per_expert),
         combined=combined.ravel().tolist(),
         capacity_1=(capped.ravel().tolist(), capped_per_expert),
+        static=static,
     )
 
 
@@ -63,6 +80,8 @@ def test_design_worked_example() -> None:
         assert got["dispatched"] == DISPATCHED[rank]
         assert got["combined"] == COMBINED[rank]
         assert got["capacity_1"] == DISPATCHED_CAPACITY_1[rank]
+        assert got["static"][2] == (STATIC[rank], COMBINED[rank], BEFORE_DROP[rank])
+        assert got["static"][1] == (STATIC_CAPACITY_1[rank], COMBINED_CAPACITY_1[rank], BEFORE_DROP[rank])
 
 
 def test_topk_worked_example_is_the_reference() -> None:
@@ -74,6 +93,14 @@ def test_topk_worked_example_is_the_reference() -> None:
     assert [c.tolist() for c in uc.reference.moe_combine(ys, TOPK_IDX, 2, TOPK_WEIGHTS)] == COMBINED
     capped = uc.reference.moe_dispatch(xs, TOPK_IDX, 2, capacity=1)
     assert [(r.tolist(), p) for r, p in zip(*capped)] == DISPATCHED_CAPACITY_1
+    for capacity, blocks, combined in ((2, STATIC, COMBINED), (1, STATIC_CAPACITY_1, COMBINED_CAPACITY_1)):
+        rows, counts, before = uc.reference.moe_dispatch_static(xs, TOPK_IDX, 2, capacity)
+        assert [(r.tolist(), c.tolist()) for r, c in zip(rows, counts)] == blocks
+        assert [b.tolist() for b in before] == BEFORE_DROP
+        ys = [r * (np.arange(2) + 2 * rank + 1.0).reshape(2, 1) for rank, r in enumerate(rows)]
+        assert [
+            c.tolist() for c in uc.reference.moe_combine_static(ys, TOPK_IDX, 2, capacity, TOPK_WEIGHTS)
+        ] == combined
 
 
 def small_cases(rank: int) -> dict[str, list]:
