@@ -98,16 +98,50 @@ def _tasks_and_groups(rank: int) -> list[str]:
     want = world_combine(xtorch, wrows, layouts, None, E, C)[rank].numpy()
     if not np.allclose(back, want) or not np.array_equal(again, rows0):
         failures.append(f"rank {rank}: combine or redispatch of a Task differ")
+    failures += _large_steps(rank, world)
     sub = uc.new_group(list(range(1, world)))
     if sub.is_member:
         size, position = sub.world_size, sub.rank
         sxs, sids, _ = _inputs(size, 6)
-        got, counts, h = uc.moe.dispatch_static(sxs[position], sids[position], experts_per_rank=E, capacity=C, group=sub)
+        got, counts, h = uc.moe.dispatch_static(
+            sxs[position], sids[position], experts_per_rank=E, capacity=C, group=sub
+        )
         _, srows, scounts, _ = world_dispatch(xtorch, sxs, sids, E, C)
         if not (torch.equal(got, srows[position]) and torch.equal(counts, scounts[position])):
             failures.append(f"rank {rank}: the sub-group's rows differ")
         if h.world != size or uc.moe.combine_static(got, h).shape != sxs[position].shape:
             failures.append(f"rank {rank}: the sub-group's handle or combine")
+    return failures
+
+
+def _draw(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tokens (600 x 256 float32: steps of more than a megabyte), ids and weights."""
+    rng = np.random.default_rng([step, rank])
+    ids = torch.from_numpy(rng.integers(-1, 3 * E, (600, K)))
+    return torch.from_numpy(rng.standard_normal((600, 256), np.float32)), ids, torch.from_numpy(rng.random((600, K)))
+
+
+def _large_steps(rank: int, world: int) -> list[str]:
+    """Steps through the backend's workspace, numpy and torch, a new routing and capacity each;
+    every result checked after the last step, so reused memory cannot corrupt a live one."""
+    kept, failures = [], []
+    for step, convert in enumerate((lambda a: a.numpy(), lambda a: a, lambda a: a.numpy())):
+        x, ids, w = _draw(step, rank)
+        ids = ids % (world * E)  # ids for this world (and no dropped slot but the capacity's)
+        capacity = 300 - 50 * step
+        rows, counts, handle = uc.moe.dispatch_static(
+            convert(x), convert(ids), convert(w), experts_per_rank=E, capacity=capacity
+        )
+        kept.append((step, capacity, rows, counts, uc.moe.combine_static(rows * 2, handle)))
+    for step, capacity, rows, counts, out in kept:
+        xs, ids, ws = zip(*(_draw(step, r) for r in range(world)))
+        layouts, wrows, wcounts, _ = world_dispatch(xtorch, xs, [i % (world * E) for i in ids], E, capacity)
+        want = world_combine(xtorch, [2 * r for r in wrows], layouts, ws, E, capacity)[rank]
+        same = np.array_equal(np.asarray(rows), wrows[rank].numpy())
+        if not same or not np.array_equal(np.asarray(counts), wcounts[rank].numpy()):
+            failures.append(f"rank {rank}: large step {step}: rows or counts differ")
+        if not np.allclose(np.asarray(out), want.numpy(), rtol=1e-5, atol=1e-5):
+            failures.append(f"rank {rank}: large step {step}: combine differs")
     return failures
 
 

@@ -142,16 +142,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("64M"), help="largest size (64M)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="element type (float32)")
     parser.add_argument("--experts", type=at_least(1), default=4, help="experts per rank, MoE operators (4)")
-    parser.add_argument("--hidden", type=at_least(1), default=256, help="elements per row, at most (256)")
+    parser.add_argument("--hidden", type=at_least(1), help="elements per row, at most (256; --moe-modes: 1024)")
     parser.add_argument("--iters", type=at_least(1), default=20, help="timed iterations per size (20)")
     parser.add_argument("--warmup", type=at_least(0), default=5, help="untimed iterations per size (5)")
     parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the data and the counts (0)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw busbw against size (needs matplotlib)")
+    parser.add_argument(
+        "--moe-modes", action="store_true",
+        help="instead of the sweep: one MoE step in the static and dynamic modes and by hand (unicoll.cli.bench_modes)",
+    )  # fmt: skip
+    parser.add_argument("--tokens", type=at_least(1), default=4096, help="tokens per rank, --moe-modes (4096)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``unicoll bench``: run the sweep and the front-end measurement, print, write, plot."""
+    """``unicoll bench``: run the sweep and the front-end measurement, print, write, plot (or,
+    with ``--moe-modes``, :func:`unicoll.cli.bench_modes.run`)."""
+    if args.moe_modes:
+        from . import bench_modes
+
+        return bench_modes.run(args)
     if args.min_bytes > args.max_bytes:
         print(f"unicoll bench: --min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}", file=sys.stderr)
         return 2
@@ -175,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes,
         dtype=args.dtype,
         experts=args.experts,
-        hidden=args.hidden,
+        hidden=args.hidden or 256,
         iters=args.iters,
         warmup=args.warmup,
         seed=args.seed,
