@@ -2,13 +2,17 @@
 ``moe.dispatch_static`` and ``moe.combine_static`` compiles with ``fullgraph=True``, static
 shapes and without ``capture_scalar_outputs``; its forward and backward graphs read nothing to
 the host (no ``aten._local_scalar_dense``, no data-dependent size), one compile serves every
-routing, and outputs and gradients equal eager's."""
+routing, and outputs and gradients equal eager's. On a GPU (``gpu`` marker): no host
+synchronization under ``torch.cuda.set_sync_debug_mode("error")``, and a CUDA graph captured
+once and replayed with a new routing every replay."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import unicoll as uc
+from helpers.gpu_backends import params
 from helpers.moe import TOP_K, parameters
 
 CAPACITY = 3
@@ -97,3 +101,55 @@ def test_static_moe_layer_compiles_without_dynamic_shapes_or_host_reads() -> Non
         forward, backward = report["ours"]  # the rows, the counts and combine's rows; their way back
         assert forward == ["unicoll.alltoall_single.default"] * 3
         assert backward == ["unicoll.alltoall_single_backward.default"] * 2
+
+
+# -- CUDA (where a GPU is lent) ---------------------------------------------------------------
+
+
+def static_on_cuda(rank: int) -> dict:
+    """On CUDA: the static layer's forward and backward, eagerly, under
+    ``torch.cuda.set_sync_debug_mode("error")`` (any host synchronization raises); then the
+    layer captured once in a CUDA graph and replayed with new tokens, so a new routing, at every
+    replay, each replay's output equal to eager's."""
+    world = uc.get_world_size()
+    params = [p.detach().cuda().requires_grad_() for p in parameters(rank, 4, 3, 2, world)]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return static_layer(x, *params, world=world)
+
+    seeds = [torch.Generator().manual_seed(10 * i + rank) for i in range(ROUTINGS)]
+    xs = [torch.randn(TOKENS, 4, generator=g, dtype=torch.float64).cuda() for g in seeds]
+    with torch.no_grad():
+        eager = [layer(x) for x in xs]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            tokens = x.clone().requires_grad_()
+            torch.autograd.grad(layer(tokens).sum(), [tokens, *params])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    replays = []
+    with torch.no_grad():
+        tokens = xs[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up on a side stream before capturing, as torch asks
+            for _ in range(2):
+                layer(tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(tokens)
+        for x, want in zip(xs, eager):
+            tokens.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append(torch.equal(captured, want))
+    return dict(replays=replays)
+
+
+@pytest.mark.parametrize("backend", [p for p in params() if p.values[0] == "torch-nccl"])
+def test_static_moe_layer_needs_no_sync_and_replays_in_a_cuda_graph(backend: str) -> None:
+    (report,) = uc.testing.spawn(static_on_cuda, 1, backend=backend, timeout=300)
+    assert report["replays"] == [True] * ROUTINGS
