@@ -95,7 +95,35 @@ def _stable_order(ids: np.ndarray, experts: int) -> np.ndarray:
     return np.argsort(ids, kind="stable")
 
 
-class Handle:
+class SessionHandle:
+    """What every MoE handle shares: its group, the caller's ``topk_weights`` (None without
+    them), which combine weighs by when it runs, the dispatch's number in check mode, and the
+    end of its session, after which it refuses to be used and lets go of the weights."""
+
+    def __init__(self, group: Group, weights: Any, dispatch_number: int) -> None:
+        self.group = group
+        self.weights = weights
+        """The caller's ``topk_weights`` (None without them), which combine weighs by."""
+        self.dispatch_number = dispatch_number
+        self._ended: str | None = None
+        join_session(group.session, self)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether dispatch was given ``topk_weights`` (combine then weighs each slot by its own)."""
+        return self.weights is not None
+
+    @property
+    def ended(self) -> str | None:
+        """Why the handle cannot be used any more (its session ended), or None while it can."""
+        return self._ended
+
+    def _end_session(self, reason: str, keep_handles: bool) -> None:
+        self._ended = reason
+        self.weights = None
+
+
+class Handle(SessionHandle):
     """What :func:`unicoll.moe.dispatch` hands back for the matching :func:`unicoll.moe.combine`:
     the layout of one routing (counts on both sides, the rows' order, each slot's row), so a
     combine, the backward passes and a second layer with the same routing
@@ -126,43 +154,24 @@ class Handle:
         must have (not kept). ``dispatch_number``: in check mode, the dispatch's collective
         number on ``group`` (:func:`unicoll.check.call_number`), which tells handles of two
         dispatches apart across the ranks; -1 where it was not numbered."""
-        self.dispatch_number = dispatch_number
         self.routing = routing
         """The layout on the host, which the backends' gathers and combine's sums read."""
         self.local_count = routing.local_count
         self.plan = plan
         """Shared by the calls and backward passes of this routing."""
         self.global_count = plan.received.reshape(-1)
-        self.group = group
         self.tokens, self.topk = topk_idx_shape
         self.dropped = routing.dropped
         self.library = library_of(like)
         self.device = getattr(like, "device", None)
         self.received = sum(plan.recv)
         self.rows_per_expert: list[int] = plan.received.sum(0).tolist()
-        self.weights = weights
-        """The caller's ``topk_weights`` (None without them), which combine weighs by."""
-        self._ended: str | None = None
-        join_session(group.session, self)
+        super().__init__(group, weights, dispatch_number)
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """The counts this rank sent to each global expert, and those it received from each
         (rank, local expert), as global_scatter's ``local_count`` and ``global_count``."""
         return self.local_count, self.global_count
-
-    @property
-    def weighted(self) -> bool:
-        """Whether dispatch was given ``topk_weights`` (combine then weighs each slot by its own)."""
-        return self.weights is not None
-
-    @property
-    def ended(self) -> str | None:
-        """Why the handle cannot be used any more (its session ended), or None while it can."""
-        return self._ended
-
-    def _end_session(self, reason: str, keep_handles: bool) -> None:
-        self._ended = reason
-        self.weights = None
 
     def __repr__(self) -> str:
         state = f"ended: {self._ended}" if self._ended else f"rows per expert {self.rows_per_expert}"

@@ -634,6 +634,18 @@ def _handle_place(rows: str) -> Callable[[Call], str | None]:
 
 _HANDLE = Param("handle", HANDLE, "moe.Handle", "What moe.dispatch returned with the rows.")
 
+_REDISPATCHED_X = Param("x", ARRAY, "array",
+                        "One row per token of the handle's dispatch (the trailing shape may differ).")  # fmt: skip
+_MOE_SYNC_OP = Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
+                     True, keyword_only=True)  # fmt: skip
+
+_REDISPATCH_RULES = (
+    Rule("x", "one row per token of the handle's dispatch",
+         lambda c: None if _rows(c.x) == c.handle.tokens else f"{_rows(c.x)} rows for {c.handle.tokens} tokens"),
+    Rule("x", "the library and device of the dispatched x", _handle_place("x"), TypeError),
+)  # fmt: skip
+"""moe.redispatch's and moe.redispatch_static's rules: x against the handle."""
+
 MOE_REDISPATCH = OpSpec(
     name="moe.redispatch",
     summary=(
@@ -642,16 +654,11 @@ MOE_REDISPATCH = OpSpec(
         "moe.dispatch's layout (handle.rows_per_expert rows per local expert)."
     ),
     params=(
-        Param("x", ARRAY, "array", "One row per token of the handle's dispatch (the trailing shape may differ)."),
+        _REDISPATCHED_X,
         _HANDLE,
-        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
-              True, keyword_only=True),
+        _MOE_SYNC_OP,
     ),
-    rules=(
-        Rule("x", "one row per token of the handle's dispatch",
-             lambda c: None if _rows(c.x) == c.handle.tokens else f"{_rows(c.x)} rows for {c.handle.tokens} tokens"),
-        Rule("x", "the library and device of the dispatched x", _handle_place("x"), TypeError),
-    ),
+    rules=_REDISPATCH_RULES,
     backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "
     "each token's slots",
     in_capabilities=False,
@@ -670,8 +677,7 @@ MOE_COMBINE = OpSpec(
     params=(
         Param("y", ARRAY, "array", "Expert outputs: as many rows as the handle's dispatch returned, in its order."),
         _HANDLE,
-        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
-              True, keyword_only=True),
+        _MOE_SYNC_OP,
     ),
     rules=(
         Rule("y", "as many rows as the handle's dispatch returned",
@@ -722,8 +728,7 @@ MOE_DISPATCH_STATIC = OpSpec(
               "C, the rows each rank sends each expert at most, and each block's rows (the same on every rank).",
               keyword_only=True),
         replace(_GROUP, keyword_only=True),
-        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
-              True, keyword_only=True),
+        _MOE_SYNC_OP,
         Param("overflow", OVERFLOW, "str",
               "'drop': slots beyond the capacity are dropped; 'error': a ValueError on every rank when any rank "
               "drops one (this reads the counts on the host: one synchronization).", "drop", keyword_only=True),
@@ -766,16 +771,11 @@ MOE_REDISPATCH_STATIC = OpSpec(
         "the rows in moe.dispatch_static's layout, (experts_per_rank, W * capacity, *x.shape[1:])."
     ),
     params=(
-        Param("x", ARRAY, "array", "One row per token of the handle's dispatch (the trailing shape may differ)."),
+        _REDISPATCHED_X,
         _STATIC_HANDLE,
-        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
-              True, keyword_only=True),
+        _MOE_SYNC_OP,
     ),
-    rules=(
-        Rule("x", "one row per token of the handle's dispatch",
-             lambda c: None if _rows(c.x) == c.handle.tokens else f"{_rows(c.x)} rows for {c.handle.tokens} tokens"),
-        Rule("x", "the library and device of the dispatched x", _handle_place("x"), TypeError),
-    ),
+    rules=_REDISPATCH_RULES,
     backward="to x: as moe.dispatch_static's",
     in_capabilities=False,
 )  # fmt: skip
@@ -793,8 +793,7 @@ MOE_COMBINE_STATIC = OpSpec(
         Param("y", ARRAY, "array",
               "Expert outputs of shape (experts_per_rank, W * capacity, ...), in the handle's dispatch layout."),
         _STATIC_HANDLE,
-        Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
-              True, keyword_only=True),
+        _MOE_SYNC_OP,
     ),
     rules=(
         Rule("y", "at least 2 dimensions, the first two those of the handle's blocks (experts_per_rank, "

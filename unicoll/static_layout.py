@@ -16,7 +16,7 @@ import math
 from typing import Any, NamedTuple
 
 from .arrays import library_of
-from .session import join_session
+from .routing import SessionHandle
 
 
 class StaticLayout(NamedTuple):
@@ -165,7 +165,7 @@ def _column(xp: Any, mask: Any, ndim: int) -> Any:
     return xp.reshape(mask, (mask.shape[0], *([1] * (ndim - 1))))
 
 
-class StaticHandle:
+class StaticHandle(SessionHandle):
     """What :func:`unicoll.moe.dispatch_static` hands back for the matching
     :func:`unicoll.moe.combine_static` and :func:`unicoll.moe.redispatch_static`: the layout of
     one routing as arrays where the router's ids were (no host copy), the block shape, and the
@@ -194,35 +194,16 @@ class StaticHandle:
         """``like``: the dispatched x, whose library and device later rows must have (not kept).
         ``dispatch_number``: in check mode, the dispatch's collective number on ``group``."""
         self.layout = layout
-        self.group = group
         self.world = group.world_size
         self.experts_per_rank = experts_per_rank
         self.capacity = capacity
         self.tokens, self.topk = layout.kept.shape
-        self.weights = weights
-        """The caller's ``topk_weights`` (None without them), which combine weighs by."""
         self.library = library_of(like)
         self.device = getattr(like, "device", None)
         self.counts = counts
         self.received_before_drop = received_before_drop
         self.sent_before_drop = layout.demand
-        self.dispatch_number = dispatch_number
-        self._ended: str | None = None
-        join_session(group.session, self)
-
-    @property
-    def weighted(self) -> bool:
-        """Whether dispatch was given ``topk_weights``."""
-        return self.weights is not None
-
-    @property
-    def ended(self) -> str | None:
-        """Why the handle cannot be used any more (its session ended), or None while it can."""
-        return self._ended
-
-    def _end_session(self, reason: str, keep_handles: bool) -> None:
-        self._ended = reason
-        self.weights = None
+        super().__init__(group, weights, dispatch_number)
 
     def __repr__(self) -> str:
         blocks = f"{self.experts_per_rank} x {self.world * self.capacity} rows"

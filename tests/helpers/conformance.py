@@ -406,13 +406,20 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
     return uc.all_gather(target, x, **kw), target
 
 
+def _moe_inputs(case: Case, a: dict[str, Any], device: str) -> tuple[Any, Any, Any]:
+    """A top-k case's tokens, expert ids and weights (or None) in the case's library."""
+    weights = a.get("topk_weights")
+    return (
+        to_library(a["x"], case.library, case.dtype, device),
+        to_library(a["topk_idx"], case.library, "int64", device),
+        None if weights is None else to_library(weights, case.library, case.dtype, device),
+    )
+
+
 def _moe_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> dict[str, Any]:
     """dispatch, redispatch of the same rows (E3-k2), then (but for bool) combine; each waited
     for when asynchronous."""
-    x = to_library(a["x"], case.library, case.dtype, device)
-    ids = to_library(a["topk_idx"], case.library, "int64", device)
-    weights = a.get("topk_weights")
-    weights = None if weights is None else to_library(weights, case.library, case.dtype, device)
+    x, ids, weights = _moe_inputs(case, a, device)
     kw = dict(group=group, sync_op=case.sync, capacity=a["capacity"])
     dispatched = uc.moe.dispatch(x, ids, weights, experts_per_rank=a["experts_per_rank"], **kw)
     rows, rows_per_expert, handle = dispatched if case.sync else _waited(dispatched)
@@ -429,10 +436,7 @@ def _moe_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> di
 def _moe_static_call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> dict[str, Any]:
     """dispatch_static, redispatch_static of the same rows (E3-k2), then (but for bool)
     combine_static; each waited for when asynchronous."""
-    x = to_library(a["x"], case.library, case.dtype, device)
-    ids = to_library(a["topk_idx"], case.library, "int64", device)
-    weights = a.get("topk_weights")
-    weights = None if weights is None else to_library(weights, case.library, case.dtype, device)
+    x, ids, weights = _moe_inputs(case, a, device)
     kw = dict(group=group, sync_op=case.sync, capacity=a["capacity"])
     dispatched = uc.moe.dispatch_static(x, ids, weights, experts_per_rank=a["experts_per_rank"], **kw)
     rows, counts, handle = dispatched if case.sync else _waited(dispatched)

@@ -75,7 +75,7 @@ def redispatch(x: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     >>> rows, rows_per_expert, handle = uc.moe.dispatch(h1, topk_idx, w, experts_per_rank=2)  # doctest: +SKIP
     >>> rows2 = uc.moe.redispatch(h2, handle)                                                  # doctest: +SKIP
     """
-    arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH.name, handle))
+    arguments = dict(x=x, handle=handle, sync_op=sync_op, group=handle_group(MOE_REDISPATCH.name, handle))
     return _redispatch(prepare(MOE_REDISPATCH, arguments), arguments)
 
 
@@ -90,7 +90,7 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
     >>> out.tolist()                                # doctest: +SKIP
     [0, 10, 40]
     """
-    arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE.name, handle))
+    arguments = dict(y=y, handle=handle, sync_op=sync_op, group=handle_group(MOE_COMBINE.name, handle))
     return _combine(prepare(MOE_COMBINE, arguments), arguments)
 
 
@@ -126,11 +126,12 @@ def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weight
             raise bad_input(spec.name, rule.param, rule.expected, given, rule.error)
 
 
-def _handle_group(op: str, handle: Any) -> Group:
-    """The group of a usable handle; TypeError for anything but a handle, ValueError once its
-    session ended (checked before the call is read: the handle's group is the call's)."""
-    if not isinstance(handle, Handle):
-        raise bad_input(op, "handle", "a handle returned by moe.dispatch", describe(handle), TypeError)
+def handle_group(op: str, handle: Any, kind: type = Handle, made_by: str = "moe.dispatch") -> Group:
+    """The group of a usable handle of ``kind`` (which ``made_by`` returns); TypeError for
+    anything else, ValueError once its session ended (checked before the call is read: the
+    handle's group is the call's)."""
+    if not isinstance(handle, kind):
+        raise bad_input(op, "handle", f"a handle returned by {made_by}", describe(handle), TypeError)
     if handle.ended is not None:
         raise bad_input(
             op, "handle", "a handle of the running session", f"one that can no longer be used: {handle.ended}"

@@ -38,6 +38,7 @@ from ..static_layout import (
 )
 from ..task import Task
 from ..validate import prepare
+from .moe import handle_group
 from .moe import sum_slots as moe_sum_slots
 from .ops import _functional, _run, alltoall_single_backward
 
@@ -81,7 +82,7 @@ def redispatch_static(x: Any, handle: StaticHandle, *, sync_op: bool = True) -> 
 
     >>> rows2 = uc.moe.redispatch_static(h2, handle)   # doctest: +SKIP
     """
-    arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_handle_group(MOE_REDISPATCH_STATIC.name, handle))
+    arguments = dict(x=x, handle=handle, sync_op=sync_op, group=_static_group(MOE_REDISPATCH_STATIC.name, handle))
     return _redispatch(prepare(MOE_REDISPATCH_STATIC, arguments), arguments)
 
 
@@ -94,19 +95,13 @@ def combine_static(y: Any, handle: StaticHandle, *, sync_op: bool = True) -> Any
 
     >>> out = uc.moe.combine_static(rows * 10, handle)   # doctest: +SKIP
     """
-    arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_handle_group(MOE_COMBINE_STATIC.name, handle))
+    arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_static_group(MOE_COMBINE_STATIC.name, handle))
     return _combine(prepare(MOE_COMBINE_STATIC, arguments), arguments)
 
 
-def _handle_group(op: str, handle: Any) -> Group:
-    """The group of a usable static handle (see :func:`unicoll.eager.moe._handle_group`)."""
-    if not isinstance(handle, StaticHandle):
-        raise bad_input(op, "handle", "a handle returned by moe.dispatch_static", repr(handle), TypeError)
-    if handle.ended is not None:
-        raise bad_input(
-            op, "handle", "a handle of the running session", f"one that can no longer be used: {handle.ended}"
-        )
-    return handle.group
+def _static_group(op: str, handle: Any) -> Group:
+    """The group of a usable static handle (:func:`unicoll.eager.moe.handle_group`)."""
+    return handle_group(op, handle, StaticHandle, "moe.dispatch_static")
 
 
 def _even(rows: int, world: int) -> list[int]:
