@@ -1,6 +1,9 @@
 """The ``mpi`` backend beyond the conformance matrix: worlds started by mpiexec, timeouts
 instead of hangs, gradients, check mode, groups, init again, ``unicoll run --mpi`` and
-``unicoll bench --backend mpi``. Skipped, with the reason, where mpi4py cannot run."""
+``unicoll bench --backend mpi``. Skipped, with the reason, where mpi4py cannot run.
+
+The cases that need no environment of their own (but check mode) run in the session's shared
+MPI jobs (helpers/several.py): each job costs more to start than its cases take."""
 
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+import helpers.cli
 import unicoll as uc
 from helpers.gradients import OPS as GRADIENT_OPS
 from helpers.gradients import gradients
+from helpers.several import SESSION, Case, share
 from helpers.worlds import MISMATCHES, async_in_any_order, mismatches
 from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.testing import SpawnError
@@ -33,7 +38,7 @@ def facts(rank: int) -> tuple:
 
 
 def test_rank_and_size_come_from_mpi() -> None:
-    assert uc.testing.spawn(facts, 3, backend="mpi") == [(0, "mpi", 3, None), (1, "mpi", 3, 0), (2, "mpi", 3, 1)]
+    assert _shared(3, "facts") == [(0, "mpi", 3, None), (1, "mpi", 3, 0), (2, "mpi", 3, 1)]
 
 
 def raise_on_rank_one(rank: int) -> None:
@@ -85,7 +90,7 @@ def test_a_peer_that_never_calls_times_out() -> None:
 
 
 def test_gradients_match_the_reference() -> None:
-    reports = uc.testing.spawn(gradients, 3, backend="mpi")
+    reports = _shared(3, "gradients")
     assert all(len(r) == 2 * len(GRADIENT_OPS) and set(r.values()) == {"ok"} for r in reports)
 
 
@@ -161,17 +166,17 @@ def test_moe_operators_fused_or_not_match_the_reference() -> None:
         [f"{case}, {name}: {paths[case]}" for case in on_rank_0 for name in ("asarray", "from_numpy")]
         for paths in (on_rank_0, on_others, on_others)
     ]
-    assert uc.testing.spawn(moe_both_paths, 3, backend="mpi") == expected
+    assert _shared(3, "fused or not") == expected
 
 
 def test_check_mode_names_the_disagreement() -> None:
-    for seen in uc.testing.spawn(mismatches, 2, backend="mpi", env={"UNICOLL_CHECK": "1"}):
+    for seen in SESSION.results(CHECKED, "mpi: mismatches"):
         for (label, _, _, message), got in zip(MISMATCHES, seen, strict=True):
             assert message in got, (label, got)
 
 
 def test_async_operators_waited_in_any_order() -> None:
-    assert uc.testing.spawn(async_in_any_order, 3, backend="mpi") == ["ok"] * 3
+    assert _shared(3, "async in any order") == ["ok"] * 3
 
 
 def init_again(rank: int) -> list[float]:
@@ -182,7 +187,7 @@ def init_again(rank: int) -> list[float]:
 
 
 def test_init_after_finalize() -> None:
-    assert uc.testing.spawn(init_again, 2, backend="mpi") == [[0.0, 1.0, 10.0, 11.0]] * 2
+    assert _shared(2, "init again") == [[0.0, 1.0, 10.0, 11.0]] * 2
 
 
 def test_processes_started_without_mpi_are_refused(monkeypatch) -> None:
@@ -223,7 +228,7 @@ def test_probe_names_the_missing_package(monkeypatch) -> None:
 
 
 def test_info_lists_mpi_as_usable() -> None:
-    out = subprocess.run([sys.executable, "-m", "unicoll", "info"], capture_output=True, text=True, check=True).stdout
+    out = helpers.cli.info()  # run once for the session
     assert "  mpi          usable" in out.splitlines()
 
 
@@ -259,7 +264,7 @@ def test_unicoll_run_mpi_refuses_options_it_does_not_use(capsys) -> None:
 
 def test_bench_compares_with_bare_mpi4py_and_a_memory_copy(tmp_path) -> None:
     out = tmp_path / "out.json"
-    argv = ["bench", "-n", "2", "--backend", "mpi", "--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2"]
+    argv = ["bench", "-n", "2", "--backend", "mpi", "--min-bytes", "1K", "--max-bytes", "2K", "--iters", "1"]
     done = subprocess.run(
         [sys.executable, "-m", "unicoll", *argv, "--warmup", "1", "--json", str(out)],
         capture_output=True,
@@ -300,4 +305,28 @@ def dropped_inputs(rank: int) -> bool:
 
 
 def test_an_asynchronous_transfer_keeps_the_arrays_the_caller_dropped() -> None:
-    assert uc.testing.spawn(dropped_inputs, 2, backend="mpi", timeout=120) == [True, True]
+    assert _shared(2, "dropped inputs") == [True, True]
+
+
+# The session's shared MPI jobs (helpers/several.py): moe_both_paths last (it records the
+# backend's collectives from then on), init_again last (it starts a new session); the mismatches
+# in the job of 2 in check mode.
+JOBS = {
+    3: share(
+        "mpi",
+        3,
+        [
+            Case("mpi: facts", facts),
+            Case("mpi: gradients", gradients),
+            Case("mpi: async in any order", async_in_any_order),
+        ],
+    ),
+    2: share("mpi", 2, [Case("mpi: dropped inputs", dropped_inputs)]),
+}
+share("mpi", 3, [Case("mpi: fused or not", moe_both_paths)], last=True)
+share("mpi", 2, [Case("mpi: init again", init_again)], last=True)
+CHECKED = share("mpi", 2, [Case("mpi: mismatches", mismatches)], check=True)
+
+
+def _shared(size: int, name: str) -> list:
+    return SESSION.results(JOBS[size], f"mpi: {name}")

@@ -1,6 +1,8 @@
 """all_reduce, reduce_scatter and broadcast at their edges, on gloo and mpi (one world of 3 each):
 integer and float16 overflow, bool, empty arrays, an output inside its input, a zero block, a
-group of one, broadcast's src as a position in the group, and torch's rules for in-place changes."""
+group of one, broadcast's src as a position in the group, and torch's rules for in-place changes.
+
+The edges run in the session's shared world of 3 ranks of each backend (helpers/several.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import unicoll as uc
+from helpers.several import SESSION, Case, share
 from unicoll import reference, runtime
 from unicoll.backends.base import Backend
 from unicoll.backends.mpi.bfloat16 import reduce_words, rounded, widened
@@ -63,9 +66,12 @@ def edges(rank: int) -> dict:
     return got
 
 
+EDGES = {backend: share(backend, 3, [Case("reductions: edges", edges)]) for backend in ("gloo", "mpi")}
+
+
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_edges(backend: str) -> None:
-    results = uc.testing.spawn(edges, 3, backend=backend)
+    results = SESSION.results(EDGES[backend], "reductions: edges")
     for rank, got in enumerate(results):
         assert got["int8 sum wraps"] == [44, 44]  # 300 - 256, as numpy's int8 sums
         assert got["uint8 prod wraps"] == [87, 87]  # 343 - 256

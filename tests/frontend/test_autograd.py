@@ -2,7 +2,8 @@
 
 Each rank takes ``loss = sum(y * w)`` with its own random ``w``, so the input gradient on
 every rank is the operator's backward applied to every rank's ``w``; the reference computes
-that with numpy on the whole world.
+that with numpy on the whole world. The multi-rank cases run in the session's shared gloo
+worlds (helpers/several.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import torch
 
 import unicoll as uc
 from helpers.gradients import OPS, gradients
+from helpers.several import SESSION, Case, share
 
 WORLD = 3
 
 
 def test_gradients_match_the_reference() -> None:
-    reports = uc.testing.spawn(gradients, WORLD, backend="gloo")
+    reports = SESSION.results(GRADIENTS, "autograd: gradients")
     assert all(len(r) == 2 * len(OPS) and set(r.values()) == {"ok"} for r in reports)
 
 
@@ -32,8 +34,12 @@ def round_trip_gradient(rank: int) -> list[float]:
     return (x.grad / x.detach()).flatten().tolist()  # d(9 x^2)/dx / x == 18
 
 
+GRADIENTS = share("gloo", WORLD, [Case("autograd: gradients", gradients)])
+ROUND_TRIP = share("gloo", 2, [Case("autograd: round trip", round_trip_gradient)])
+
+
 def test_round_trip_gradient() -> None:
-    for grads in uc.testing.spawn(round_trip_gradient, 2, backend="gloo"):
+    for grads in SESSION.results(ROUND_TRIP, "autograd: round trip"):
         assert grads == pytest.approx([18.0] * len(grads))
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import unicoll as uc
+from helpers import cli
+from helpers.several import SESSION, Case, share
 from unicoll import registry, runtime
 from unicoll.backends.torch.gloo import GlooFactory
 
@@ -63,7 +62,7 @@ def test_register_backend_rejects_bad_arguments() -> None:
 
 
 def test_info_reports_every_backend() -> None:
-    out = subprocess.run([sys.executable, "-m", "unicoll", "info"], capture_output=True, text=True, check=True).stdout
+    out = cli.info()
     assert "gloo         usable" in out
     for name in ("torch-nccl", "cupy-nccl"):
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
@@ -161,11 +160,11 @@ def mixes_with_raw_torch(rank: int) -> list[float]:
 
 
 def test_raw_torch_distributed_beside_unicoll() -> None:
-    assert uc.testing.spawn(mixes_with_raw_torch, 2, backend="gloo") == [[3.0, 3.0, 3.0]] * 2
+    assert SESSION.results(RAW_TORCH, "backends: raw torch beside") == [[3.0, 3.0, 3.0]] * 2
 
 
 def test_ranks_and_groups_in_a_world() -> None:
-    assert uc.testing.spawn(_group_facts, 3, backend="gloo") == [
+    assert SESSION.results(GROUP_FACTS, "backends: group facts") == [
         (0, 3, None, None),
         (1, 3, 0, 2),
         (2, 3, 1, 2),
@@ -179,6 +178,11 @@ def _group_facts(rank: int):
         return (uc.get_rank(), uc.get_world_size(), None, None)
     uc.barrier(group)
     return (uc.get_rank(), uc.get_world_size(), uc.get_rank(group), uc.get_world_size(group))
+
+
+# In the session's shared gloo worlds (helpers/several.py).
+RAW_TORCH = share("gloo", 2, [Case("backends: raw torch beside", mixes_with_raw_torch)])
+GROUP_FACTS = share("gloo", 3, [Case("backends: group facts", _group_facts)])
 
 
 def test_new_group_rejects_bad_ranks() -> None:

@@ -3,7 +3,8 @@ counts and split sizes, valid and invalid; each valid draw must match unicoll.re
 each invalid one must raise its documented error, on every rank of a real 3-rank world.
 
 Every rank runs the same derandomized hypothesis search, so all ranks draw the same cases in
-the same order; check mode is on, so a draw that is wrong only across ranks raises too.
+the same order; check mode is on, so a draw that is wrong only across ranks raises too. The
+world is the session's shared one of 3 gloo ranks in check mode (helpers/several.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import unicoll as uc
 from helpers.conformance import MISSING_DTYPES, to_library, to_numpy
+from helpers.several import SESSION, Case, share
 from unicoll import reference
 from unicoll.arrays import DTYPES
 
@@ -133,8 +135,11 @@ def fuzz(rank: int) -> int:
     return seen["valid"], seen["invalid"]
 
 
+FUZZ = share("gloo", WORLD, [Case("fuzz", fuzz)], check=True, timeout=240)
+
+
 def test_fuzzed_calls_match_the_reference_or_raise_their_error() -> None:
-    outcomes = uc.testing.spawn(fuzz, WORLD, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=240)
+    outcomes = SESSION.results(FUZZ, "fuzz")
     assert len(set(outcomes)) == 1, f"ranks saw different outcomes: {outcomes}"
     valid, invalid = outcomes[0]
     assert valid + invalid == EXAMPLES and valid > EXAMPLES // 4 and invalid > EXAMPLES // 4, outcomes

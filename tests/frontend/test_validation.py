@@ -1,5 +1,9 @@
 """Bad input: a clear TypeError/ValueError naming the parameter, on every rank, before any
-communication (a correct call right after still lines up across ranks)."""
+communication (a correct call right after still lines up across ranks).
+
+The cases of 2 ranks on gloo run in one spawned world of this module (helpers/several.py), in
+this file's order: a world costs more to start than its cases take. The others run in the
+session's shared worlds."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 import unicoll as uc
+from helpers.several import SESSION, Case, SharedWorlds, World, share
 
 W = 2  # the world the table below is written for
 X = np.arange(8, dtype=np.float32).reshape(4, 2)
@@ -178,8 +183,10 @@ def run_bad_calls(rank: int) -> tuple[list[tuple[str, str, str]], list]:
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
-def bad_call_outcomes(request):
-    return uc.testing.spawn(run_bad_calls, W, backend=request.param)
+def bad_call_outcomes(request, worlds: SharedWorlds):
+    if request.param == "gloo":
+        return worlds.results("gloo", "bad calls")
+    return SESSION.results(BAD_CALLS_ON_MPI, "validation: bad calls")
 
 
 @pytest.mark.parametrize("index", range(len(BAD_CALLS)), ids=[b[0] for b in BAD_CALLS])
@@ -214,7 +221,7 @@ def rank_outside_group(rank: int) -> str:
 
 
 def test_group_this_rank_is_not_in() -> None:
-    assert uc.testing.spawn(rank_outside_group, 3, backend="gloo") == ["raised", "(8, 2)", "(8, 2)"]
+    assert SESSION.results(OUTSIDE, "validation: rank outside its group") == ["raised", "(8, 2)", "(8, 2)"]
 
 
 def test_operator_before_init() -> None:
@@ -287,8 +294,8 @@ def near_twins_of_accepted_calls(rank: int) -> list:
     return caught
 
 
-def test_remembered_calls_are_no_loophole() -> None:
-    assert uc.testing.spawn(near_twins_of_accepted_calls, W, backend="gloo")[0][-1] == "sum(local_count)=5"
+def test_remembered_calls_are_no_loophole(worlds: SharedWorlds) -> None:
+    assert worlds.results("gloo", "near twins")[0][-1] == "sum(local_count)=5"
 
 
 def counts_changed_after_the_call(rank: int) -> list:
@@ -300,8 +307,8 @@ def counts_changed_after_the_call(rank: int) -> list:
     return uc.global_scatter(X + rank, np.array([1, 3]), np.array([1, 1] if rank == 0 else [3, 3])).tolist()
 
 
-def test_remembered_counts_are_copies() -> None:
-    results = uc.testing.spawn(counts_changed_after_the_call, W, backend="gloo", timeout=60)
+def test_remembered_counts_are_copies(worlds: SharedWorlds) -> None:
+    results = worlds.results("gloo", "counts changed")
     expected = uc.reference.global_scatter([X, X + 1], [np.array([1, 3]), np.array([1, 3])])
     for got, want in zip(results, expected):
         np.testing.assert_array_equal(np.array(got), want)
@@ -322,9 +329,33 @@ def exchange_counts_remembered(rank: int) -> list:
     return results
 
 
-def test_exchange_counts_from_memory() -> None:
-    results = uc.testing.spawn(exchange_counts_remembered, W, backend="gloo", timeout=60)
+def test_exchange_counts_from_memory(worlds: SharedWorlds) -> None:
+    results = worlds.results("gloo", "exchange_counts remembered")
     assert results == [
         [[0, 1], [0, 1], [5, 6], [0, 1], [0, 1], [0, 1]],
         [[10, 11], [10, 11], [15, 16], [10, 11], [10, 11], [10, 11]],
     ]
+
+
+#: This module's world of W gloo ranks. No case's calls are remembered by an earlier one's (each
+#: is refused, or has counts of other lengths or another operator), so each sees the memory
+#: of accepted calls as on a fresh world.
+WORLDS = {
+    "gloo": World(
+        W,
+        [
+            Case("bad calls", run_bad_calls),
+            Case("near twins", near_twins_of_accepted_calls),
+            Case("counts changed", counts_changed_after_the_call),
+            Case("exchange_counts remembered", exchange_counts_remembered),
+        ],
+        {"backend": "gloo", "timeout": 60},
+    ),
+}
+BAD_CALLS_ON_MPI = share("mpi", W, [Case("validation: bad calls", run_bad_calls)])  # refused whatever was remembered
+OUTSIDE = share("gloo", 3, [Case("validation: rank outside its group", rank_outside_group)])
+
+
+@pytest.fixture(scope="module")
+def worlds() -> SharedWorlds:
+    return SharedWorlds(WORLDS)

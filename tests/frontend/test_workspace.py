@@ -1,6 +1,7 @@
 """The workspace (unicoll.workspace): what it lends, when it takes memory back, its bound; and
 the MoE step on rows large enough to go through it, on gloo and mpi, while everything the
-workspace could confuse changes from step to step."""
+workspace could confuse changes from step to step. The MoE steps run in the session's shared
+worlds of 2 ranks (helpers/several.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import unicoll as uc
+from helpers.several import SESSION, Case, share
 from unicoll.workspace import FROM_BYTES, Workspace
 
 # -- the workspace alone ---------------------------------------------------------------------
@@ -179,10 +181,14 @@ def _gradients(rank: int) -> list[str]:
     return failures
 
 
+STEPS = {backend: share(backend, 2, [Case("workspace: steps", _steps)]) for backend in ("gloo", "mpi")}
+GRADIENTS = share("gloo", 2, [Case("workspace: gradients", _gradients)])
+
+
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_moe_steps_through_the_workspace_match_the_reference(backend: str) -> None:
-    assert uc.testing.spawn(_steps, 2, backend=backend) == [[], []]
+    assert SESSION.results(STEPS[backend], "workspace: steps") == [[], []]
 
 
-def test_moe_gradients_through_the_workspace(backend: str = "gloo") -> None:
-    assert uc.testing.spawn(_gradients, 2, backend=backend) == [[], []]
+def test_moe_gradients_through_the_workspace() -> None:
+    assert SESSION.results(GRADIENTS, "workspace: gradients") == [[], []]

@@ -1,6 +1,10 @@
 """Callers who get it wrong on one rank: disagreeing entry points and groups, two threads,
 outputs that alias inputs. Each case ends in the right result or the same clear error on every
-rank, and the world is still in step afterwards (a good call after each case lines up)."""
+rank, and the world is still in step afterwards (a good call after each case lines up).
+
+The cases of a backend that share a world size and a check setting run in one spawned world
+(helpers/several.py): each world costs more to start than its cases take. On gloo in check mode
+that world is the session's shared one."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import pytest
 import torch
 
 import unicoll as uc
+from helpers.several import SESSION, Case, SharedWorlds, World, share
 from unicoll import entry, reference
 
 W = 3
@@ -89,8 +94,8 @@ NEW_GROUP_MESSAGES = {
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("check", [True, False], ids=["check", "no-check"])
-def test_disagreements_end_in_the_same_error_on_every_rank(backend: str, check: bool) -> None:
-    outcomes = uc.testing.spawn(disagreements, W, backend=backend, env={"UNICOLL_CHECK": str(int(check))})
+def test_disagreements_end_in_the_same_error_on_every_rank(backend: str, check: bool, worlds: SharedWorlds) -> None:
+    outcomes = _results(worlds, backend, check, "disagreements")
     for label, per_rank in NEW_GROUP_MESSAGES.items():  # new_group is compared, check mode or not
         assert [seen[label] for seen in outcomes] == per_rank, label
     if not check:
@@ -144,8 +149,8 @@ def threads_at_once(rank: int) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_a_second_thread_inside_an_operator_is_refused(backend: str) -> None:
-    outcomes = uc.testing.spawn(threads_at_once, W, backend=backend, env={"UNICOLL_CHECK": "1"})
+def test_a_second_thread_inside_an_operator_is_refused(backend: str, worlds: SharedWorlds) -> None:
+    outcomes = _results(worlds, backend, True, "threads at once")
     assert all(seen["gathered"] == [0, 1, 2] for seen in outcomes)
     assert outcomes[0]["main"] == (
         "RuntimeError: alltoall_single: thread 'MainThread' called it while thread 'worker' is inside all_gather; "
@@ -236,6 +241,42 @@ def aliasing(rank: int) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_outputs_that_alias_inputs_give_the_right_answer(backend: str) -> None:
-    for results in uc.testing.spawn(aliasing, W, backend=backend):
+def test_outputs_that_alias_inputs_give_the_right_answer(backend: str, worlds: SharedWorlds) -> None:
+    for results in _results(worlds, backend, False, "aliasing"):
         assert all(results.values()), results
+
+
+def _case_names(check: bool) -> list[str]:
+    """The cases of a world: the disagreements first, then the case that shares its setting."""
+    return ["disagreements", "threads at once" if check else "aliasing"]
+
+
+def _world_cases(check: bool) -> list[Case]:
+    functions = {"disagreements": disagreements, "threads at once": threads_at_once, "aliasing": aliasing}
+    return [Case(f"hostile callers: {name}", functions[name]) for name in _case_names(check)]
+
+
+#: gloo in check mode: the session's shared world of W ranks in check mode (helpers/several.py).
+CHECKED_ON_GLOO = share("gloo", W, _world_cases(True), check=True)
+
+
+@pytest.fixture(scope="module")
+def worlds() -> SharedWorlds:
+    """This module's other worlds of W ranks, by (backend, check mode)."""
+    return SharedWorlds(
+        {
+            (backend, check): World(
+                W, _world_cases(check), {"backend": backend, "env": {"UNICOLL_CHECK": str(int(check))}}
+            )
+            for backend in ("gloo", "mpi")
+            for check in (True, False)
+            if (backend, check) != ("gloo", True)
+        }
+    )
+
+
+def _results(worlds: SharedWorlds, backend: str, check: bool, name: str) -> list:
+    """Case ``name``'s results on each rank of the world of ``backend`` and ``check``."""
+    if (backend, check) == ("gloo", True):
+        return SESSION.results(CHECKED_ON_GLOO, f"hostile callers: {name}")
+    return worlds.results((backend, check), f"hostile callers: {name}")

@@ -5,6 +5,9 @@ The fork tests run this file as the script of a 2-rank world (``unicoll run -n 2
 tests/processes/test_lifecycle.py BACKEND``, ``--mpi`` for mpi): rank 0 forks three children that each
 try unicoll, report what they got as one JSON line and exit in their own way; the parent
 reports how each child exited and what its collectives returned afterwards.
+
+The init-again cases run last in the session's shared worlds (helpers/several.py): a world
+costs more to start than these cases take.
 """
 
 from __future__ import annotations
@@ -277,7 +280,7 @@ def init_again_and_again(rank: int, backend: str) -> list[dict]:
 def test_init_again_while_the_old_sessions_objects_are_held(backend: str) -> None:
     _skip_unless_usable(backend)
     ended = "its session ended at finalize(); make groups again with new_group() after init()"
-    for rank, cycles in enumerate(uc.testing.spawn(init_again_and_again, 2, backend, backend=backend, timeout=90)):
+    for rank, cycles in enumerate(_shared_results(INIT_AGAIN[backend], "lifecycle: init again and again")):
         for cycle, seen in enumerate(cycles):
             assert seen["world"] == [10 * cycle, 10 * cycle + 1]
             assert seen["fresh group"] == ([[0], [1]] if rank == 0 else [[5], [6]])
@@ -310,10 +313,39 @@ def test_init_again_when_rank_0_finalizes_last(world_size: int) -> None:
     """The other ranks pass over rank 0's old store until rank 0 listens with its new one (before,
     they joined the old session's process group: a peer-lost error or a hang until the timeout)."""
     expected = [30 + r for r in range(world_size)]
-    assert (
-        uc.testing.spawn(init_again_while_rank_0_lags, world_size, 1.0, backend="gloo", timeout=90)
-        == [expected] * world_size
-    )
+    assert _shared_results(LAGS[world_size], "lifecycle: rank 0 finalizes last") == [expected] * world_size
+
+
+def _shared_results(key: tuple, name: str) -> list:
+    from helpers.several import SESSION
+
+    return SESSION.results(key, name)
+
+
+if __name__ != "__main__":  # the fork test runs this file as a script, without tests/ on its path
+    from helpers.several import Case, share
+
+    # In the session's shared worlds, last: each case starts new sessions.
+    INIT_AGAIN = {
+        backend: share(
+            backend,
+            2,
+            [Case("lifecycle: init again and again", init_again_and_again, (backend,))],
+            timeout=90,
+            last=True,
+        )
+        for backend in ("gloo", "mpi")
+    }
+    LAGS = {
+        size: share(
+            "gloo",
+            size,
+            [Case("lifecycle: rank 0 finalizes last", init_again_while_rank_0_lags, (1.0,))],
+            timeout=90,
+            last=True,
+        )
+        for size in (2, 3)
+    }
 
 
 # -- in this process ---------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Check mode across ranks, async ordering, loopback-only sockets, no unpickling (memory: test_soak.py)."""
+"""Check mode across ranks, async ordering, loopback-only sockets, no unpickling (memory: test_soak.py).
+
+The mismatches and the sockets on gloo share one world of 2 in check mode (helpers/several.py):
+a world costs more to start than either case takes. The other multi-rank cases run in the
+session's shared worlds."""
 
 from __future__ import annotations
 
@@ -11,29 +15,28 @@ import numpy as np
 import pytest
 
 import unicoll as uc
+from helpers.conformance import cases, run_cases
+from helpers.several import SESSION, Case, SharedWorlds, World, share
 from helpers.worlds import MISMATCHES, X, async_in_any_order, mismatches
 from unicoll.backends.mpi.mpi import MpiFactory
+from unicoll.backends.torch.gloo import CAPABILITIES
 
 
-def test_check_mode_names_the_disagreement_on_every_rank() -> None:
-    for seen in uc.testing.spawn(mismatches, 2, backend="gloo", env={"UNICOLL_CHECK": "1"}):
+def test_check_mode_names_the_disagreement_on_every_rank(checked_world: SharedWorlds) -> None:
+    for seen in checked_world.results("gloo", "mismatches"):
         for (label, _, _, message), got in zip(MISMATCHES, seen):
             assert message in got, (label, got)
 
 
 def test_check_mode_agrees_with_the_whole_matrix() -> None:
     """No false alarms: the conformance matrix of 3 ranks passes with check mode on."""
-    from helpers.conformance import cases, run_cases
-    from unicoll.backends.torch.gloo import CAPABILITIES
-
-    matrix = cases(CAPABILITIES, 3)
-    for outcome in uc.testing.spawn(run_cases, 3, matrix, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=240):
+    for outcome in SESSION.results(MATRIX, "reliability: the whole matrix"):
         failures = [f for f in outcome.values() if f]
         assert not failures, failures[0]
 
 
 def test_async_operators_waited_in_any_order() -> None:
-    assert uc.testing.spawn(async_in_any_order, 3, backend="gloo") == ["ok"] * 3
+    assert SESSION.results(ASYNC, "reliability: async in any order") == ["ok"] * 3
 
 
 def _listening(pid: str = "self") -> dict[str, str]:
@@ -82,8 +85,8 @@ LOOPBACK = ("127.0.0.1", "::1")
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")
-def test_loopback_only_and_no_unpickling() -> None:
-    per_rank = uc.testing.spawn(sockets_and_pickles, 2, backend="gloo", env={"UNICOLL_CHECK": "1"})
+def test_loopback_only_and_no_unpickling(checked_world: SharedWorlds) -> None:
+    per_rank = checked_world.results("gloo", "sockets and pickles")
     assert per_rank[0]["own"], "rank 0 hosts the rendezvous store, so it listens somewhere"
     for sockets in per_rank:
         assert all(a in LOOPBACK for a in sockets["own"].values()), sockets
@@ -97,13 +100,21 @@ def test_loopback_only_and_no_unpickling_on_mpi() -> None:
     reason = MpiFactory().probe()  # here, not at import: the gloo ranks import this module, and probing starts MPI
     if reason is not None:
         pytest.skip(f"backend mpi is not usable here: {reason}")
-    per_rank = uc.testing.spawn(sockets_and_pickles, 2, backend="mpi", env={"UNICOLL_CHECK": "1"})
+    per_rank = SESSION.results(SOCKETS_ON_MPI, "reliability: sockets and pickles")
     for sockets in per_rank:
         own, inherited = sockets["own"], sockets["parent"]
         assert any(a in LOOPBACK for a in own.values()), f"MPI listens somewhere: {own}"
         elsewhere = {inode: a for inode, a in own.items() if a not in LOOPBACK}
         assert elsewhere.items() <= inherited.items(), f"the rank's own sockets: {own}; its parent's: {inherited}"
         assert set(elsewhere.values()) <= {"0.0.0.0", "::"}, elsewhere
+
+
+@pytest.fixture(scope="module")
+def checked_world() -> SharedWorlds:
+    """Gloo, 2 ranks, check mode: the mismatches, then the sockets (which refuses unpickling
+    in the ranks from then on)."""
+    both = [Case("mismatches", mismatches), Case("sockets and pickles", sockets_and_pickles)]
+    return SharedWorlds({"gloo": World(2, both, {"backend": "gloo", "env": {"UNICOLL_CHECK": "1"}})})
 
 
 def init_again(rank: int) -> list[float]:
@@ -116,4 +127,14 @@ def init_again(rank: int) -> list[float]:
 
 
 def test_init_after_finalize_in_a_world() -> None:
-    assert uc.testing.spawn(init_again, 2, backend="gloo") == [[0.0, 1.0, 10.0, 11.0]] * 2
+    assert SESSION.results(INIT_AGAIN, "reliability: init again") == [[0.0, 1.0, 10.0, 11.0]] * 2
+
+
+# In the session's shared gloo worlds (helpers/several.py); init_again starts a new session: last.
+MATRIX = share(
+    "gloo", 3, [Case("reliability: the whole matrix", run_cases, (cases(CAPABILITIES, 3),))], check=True, timeout=240
+)
+ASYNC = share("gloo", 3, [Case("reliability: async in any order", async_in_any_order)])
+INIT_AGAIN = share("gloo", 2, [Case("reliability: init again", init_again)], last=True)
+# In the session's shared MPI job of 2 in check mode, last: it refuses unpickling from then on.
+SOCKETS_ON_MPI = share("mpi", 2, [Case("reliability: sockets and pickles", sockets_and_pickles)], check=True, last=True)

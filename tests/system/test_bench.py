@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.several import SESSION, Case, share
 from unicoll import cli
 from unicoll.backends import layout
 from unicoll.cli import bench, bench_report
@@ -25,7 +26,7 @@ SIZES = [1024, 2048, 4096]
 def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     """Run the tiny sweep of the docs once: its stdout and the JSON it writes."""
     out = tmp_path_factory.mktemp("bench") / "out.json"
-    argv = ["bench", "-n", "2", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "3", "--warmup", "1"]
+    argv = ["bench", "-n", "2", "--min-bytes", "1K", "--max-bytes", "4K", "--iters", "1", "--warmup", "1"]
     proc = subprocess.run(
         [sys.executable, "-m", "unicoll", *argv, "--backend", "gloo", "--json", str(out)],
         capture_output=True,
@@ -147,7 +148,7 @@ def test_transport_stubbed_moves_nothing_and_restores_the_backend() -> None:
         assert uc.get_backend() == "gloo" and type(runtime.state("test").backend).__name__ == "TorchDistBackend"
     finally:
         uc.finalize()
-    assert uc.testing.spawn(_stub_refused_on_two_ranks, 2, backend="gloo") == [True, True]
+    assert SESSION.results(STUB_REFUSED, "bench: stub refused on two ranks") == [True, True]
 
 
 def _stub_refused_on_two_ranks(rank: int) -> bool:
@@ -157,6 +158,10 @@ def _stub_refused_on_two_ranks(rank: int) -> bool:
         with runtime.transport_stubbed():
             pass
     return True
+
+
+# In the session's shared gloo world of 2 (helpers/several.py).
+STUB_REFUSED = share("gloo", 2, [Case("bench: stub refused on two ranks", _stub_refused_on_two_ranks)])
 
 
 def test_every_benched_operator_is_a_specified_one() -> None:
