@@ -12,9 +12,10 @@ step (a few are cycled). Each step is timed beside the raw transfer of its bytes
 into buffers made once. Printed per case: the median step of the slowest rank, the raw pair,
 their ratio, the floor (the raw pair plus the step's local work written by hand with torch into
 buffers made once, timed alone in the same rotation, over the raw pair: with no idle core to
-hide it behind the transfers, no step reaches a lower ratio), and the peak resident memory the step loop adds on a rank, warm-up included
-(``VmHWM`` after the loop less ``VmRSS`` before it, the peak reset through
-``/proc/self/clear_refs``), so memory a backend keeps between steps counts.
+hide it behind the transfers, no step reaches a lower ratio), and the peak resident memory the
+step loop adds on a rank, warm-up included (``VmHWM`` after the loop less ``VmRSS`` before it,
+the peak reset through ``/proc/self/clear_refs``), so memory a backend keeps between steps
+counts.
 
 ``--old PATH`` runs the same cases on another checkout first (a git worktree of an older
 commit, with ``unicoll/backends`` linked to its ``backends/``), in the same run, so the two
@@ -251,7 +252,8 @@ def main() -> None:
     print("# floor = (raw + the step's local work by hand: sort, gather, weighted sum) / raw: the best ratio with")
     print("#         nothing overlapped, since no core is idle")
     print(f"# {'backend':<5} {'code':<4} {'size':>6} {'k':>2} {'tokens':>6} | {'dispatch+combine':>16} {'raw':>7} "
-          f"{'ratio':>5} {'floor':>5} {'peak':>5} | {'scatter+gather':>14} {'raw':>7} {'ratio':>5} {'peak':>5} ok")  # fmt: skip
+          f"{'ratio':>5} {'floor':>5} {'peak':>5} | {'scatter+gather':>14} {'raw':>7} {'ratio':>5} {'peak':>5} "
+          "ok")  # fmt: skip
     for backend in args.backend or ["gloo", "mpi"]:
         for label, code in codes:
             for r in _run_world(backend, code, config):
