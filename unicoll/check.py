@@ -26,6 +26,7 @@ import numpy as np
 
 from .arrays import DTYPES, dtype_name
 from .backends.base import REDUCE_OPS, Backend
+from .counts import on_host
 from .errors import CrossRankMismatchError
 from .group import Group
 from .spec import (
@@ -291,7 +292,7 @@ def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
     """Every rank passes the same experts_per_rank, capacity and k, and expert ids from -1 to
     W * experts_per_rank - 1 (outside check mode, other ids are dropped slots: finding them
     reads the ids on the host, which only check mode does). ``topk_idx``: the caller's ids."""
-    ids = np.asarray(_on_host(topk_idx), dtype=np.int64)
+    ids = np.asarray(on_host(topk_idx), dtype=np.int64)
     experts = call.W * call.experts_per_rank
     bad = np.flatnonzero((ids < -1) | (ids >= experts))
     where = [-1, -1, -1] if bad.size == 0 else [int(ids.flat[bad[0]]), *divmod(int(bad[0]), ids.shape[1])]
@@ -305,13 +306,6 @@ def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
         if given[c, 4] != -1:
             raise _fail(op, f"rank {c} passes expert id {given[c, 3]} at topk_idx[{given[c, 4]}, {given[c, 5]}], "
                         f"outside -1 .. {experts - 1} (W * experts_per_rank - 1)")  # fmt: skip
-
-
-def _on_host(ids: object) -> object:
-    """An int array of any library on the host."""
-    if hasattr(ids, "detach"):
-        return ids.detach().cpu().numpy()
-    return ids.get() if hasattr(ids, "get") else ids
 
 
 def _moe_static_handle(op: str, call: Call, rows: object) -> None:

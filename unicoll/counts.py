@@ -59,7 +59,7 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
         raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
     if device_kind(value) not in _HOST_OR_CUDA:
         raise bad_input(op, param, "counts on the host or a CUDA device", describe(value))
-    counts = np.asarray(_host(value), dtype=np.int64)
+    counts = np.asarray(on_host(value), dtype=np.int64)
     if counts.ndim != 1:
         raise bad_input(op, param, "a 1-D array", f"shape {counts.shape}")
     if counts.size and counts.min() < 0:
@@ -145,11 +145,12 @@ def as_expert_ids(value: Any, op: str, param: str) -> np.ndarray:
         raise bad_input(op, param, "expert ids on the host or a CUDA device", describe(value))
     if value.ndim != 2 or value.shape[1] < 1:
         raise bad_input(op, param, "a 2-D array (tokens, k) with k >= 1", describe(value))
-    return np.asarray(_host(value), dtype=np.int64)
+    return np.asarray(on_host(value), dtype=np.int64)
 
 
-def _host(value: Any) -> Any:
-    """An int array of any library on the host (numpy)."""
+def on_host(value: Any) -> Any:
+    """An int array of any library on the host (numpy; a CUDA array is copied, which waits for
+    the work queued before it)."""
     library = library_of(value)
     if library == "torch":
         return value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()

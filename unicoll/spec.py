@@ -570,6 +570,30 @@ def _same_place(a: Any, x: Any, what: str) -> str | None:
     return f"{describe(a)} for {what} {describe(x)}"
 
 
+def _same_place_as_x(param: str) -> Callable[[Call], str | None]:
+    """The library and device of parameter ``param`` against x's (None passes)."""
+    return lambda c: None if getattr(c, param) is None else _same_place(getattr(c, param), c.x, "x")
+
+
+_EXPERTS_RULE = Rule(
+    "experts_per_rank", f"at most {MAX_EXPERTS} experts in all (W * experts_per_rank, W = {{W}})",
+    lambda c: None if c.W * c.experts_per_rank <= MAX_EXPERTS else str(c.experts_per_rank),
+)  # fmt: skip
+_IDS_ROWS_RULE = Rule("topk_idx", "as many rows as x (one row of expert ids per token)",
+                      lambda c: None if _rows(c.topk_idx) == _rows(c.x)
+                      else f"shape {tuple(c.topk_idx.shape)} for x with {_rows(c.x)} rows")  # fmt: skip
+_WEIGHTS_RULES = (
+    Rule("topk_weights", "a floating dtype (" + ", ".join(_FLOATING) + ")",
+         lambda c: None if c.topk_weights is None or kind_of(c.topk_weights).dtype in _FLOATING
+         else describe(c.topk_weights), TypeError),
+    Rule("topk_weights", "the library and device of x", _same_place_as_x("topk_weights"), TypeError),
+    Rule("topk_weights", "the shape of topk_idx (one weight per slot)",
+         lambda c: None if c.topk_weights is None or tuple(c.topk_weights.shape) == tuple(c.topk_idx.shape)
+         else f"shape {tuple(c.topk_weights.shape)} for topk_idx of shape {tuple(c.topk_idx.shape)}"),
+)  # fmt: skip
+"""The rules both top-k dispatches share (beside each one's own rule for topk_idx)."""
+
+
 MOE_DISPATCH = OpSpec(
     name="moe.dispatch",
     summary=(
@@ -597,20 +621,10 @@ MOE_DISPATCH = OpSpec(
               keyword_only=True),
     ),
     rules=(
-        Rule("experts_per_rank", f"at most {MAX_EXPERTS} experts in all (W * experts_per_rank, W = {{W}})",
-             lambda c: None if c.W * c.experts_per_rank <= MAX_EXPERTS else str(c.experts_per_rank)),
-        Rule("topk_idx", "as many rows as x (one row of expert ids per token)",
-             lambda c: None if _rows(c.topk_idx) == _rows(c.x)
-             else f"shape {c.topk_idx.shape} for x with {_rows(c.x)} rows"),
+        _EXPERTS_RULE,
+        _IDS_ROWS_RULE,
         Rule("topk_idx", "expert ids from -1 (a dropped slot) to W * experts_per_rank - 1", _expert_ids_in_range),
-        Rule("topk_weights", "a floating dtype (" + ", ".join(_FLOATING) + ")",
-             lambda c: None if c.topk_weights is None or kind_of(c.topk_weights).dtype in _FLOATING
-             else describe(c.topk_weights), TypeError),
-        Rule("topk_weights", "the library and device of x",
-             lambda c: None if c.topk_weights is None else _same_place(c.topk_weights, c.x, "x"), TypeError),
-        Rule("topk_weights", "the shape of topk_idx (one weight per slot)",
-             lambda c: None if c.topk_weights is None or tuple(c.topk_weights.shape) == c.topk_idx.shape
-             else f"shape {tuple(c.topk_weights.shape)} for topk_idx of shape {c.topk_idx.shape}"),
+        *_WEIGHTS_RULES,
     ),
     backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "
     "each token's slots",
@@ -638,6 +652,16 @@ _REDISPATCHED_X = Param("x", ARRAY, "array",
                         "One row per token of the handle's dispatch (the trailing shape may differ).")  # fmt: skip
 _MOE_SYNC_OP = Param("sync_op", FLAG, "bool", "True returns the result; False returns a Task whose wait() returns it.",
                      True, keyword_only=True)  # fmt: skip
+
+_COMBINE_Y_RULES = (
+    Rule("y", "the library and device of the dispatched x", _handle_place("y"), TypeError),
+    Rule("y", "a dtype that sums (not bool)",
+         lambda c: describe(c.y) if kind_of(c.y).dtype == "bool" else None, TypeError),
+    Rule("y", "a floating dtype (" + ", ".join(_FLOATING) + ") when dispatch was given topk_weights",
+         lambda c: describe(c.y) if c.handle.weighted and kind_of(c.y).dtype not in _FLOATING else None,
+         TypeError),
+)  # fmt: skip
+"""The rules both top-k combines share (beside each one's own rule for y's rows)."""
 
 _REDISPATCH_RULES = (
     Rule("x", "one row per token of the handle's dispatch",
@@ -682,12 +706,7 @@ MOE_COMBINE = OpSpec(
     rules=(
         Rule("y", "as many rows as the handle's dispatch returned",
              lambda c: None if _rows(c.y) == c.handle.received else f"{_rows(c.y)} rows for {c.handle.received}"),
-        Rule("y", "the library and device of the dispatched x", _handle_place("y"), TypeError),
-        Rule("y", "a dtype that sums (not bool)",
-             lambda c: describe(c.y) if kind_of(c.y).dtype == "bool" else None, TypeError),
-        Rule("y", "a floating dtype (" + ", ".join(_FLOATING) + ") when dispatch was given topk_weights",
-             lambda c: describe(c.y) if c.handle.weighted and kind_of(c.y).dtype not in _FLOATING else None,
-             TypeError),
+        *_COMBINE_Y_RULES,
     ),
     backward="to y: the result's gradient times each slot's weight, sent to the experts (global_scatter with "
     "the handle's counts); to topk_weights: the gradient's dot product with each slot's expert output",
@@ -696,11 +715,6 @@ MOE_COMBINE = OpSpec(
 
 
 # -- the static-shape MoE operators: shapes known from (tokens, k, C, W, E, hidden) alone ----------
-
-
-def _same_place_as_x(param: str) -> Callable[[Call], str | None]:
-    """The library and device of parameter ``param`` against x's."""
-    return lambda c: None if getattr(c, param) is None else _same_place(getattr(c, param), c.x, "x")
 
 
 MOE_DISPATCH_STATIC = OpSpec(
@@ -734,19 +748,10 @@ MOE_DISPATCH_STATIC = OpSpec(
               "drops one (this reads the counts on the host: one synchronization).", "drop", keyword_only=True),
     ),
     rules=(
-        Rule("experts_per_rank", f"at most {MAX_EXPERTS} experts in all (W * experts_per_rank, W = {{W}})",
-             lambda c: None if c.W * c.experts_per_rank <= MAX_EXPERTS else str(c.experts_per_rank)),
-        Rule("topk_idx", "as many rows as x (one row of expert ids per token)",
-             lambda c: None if _rows(c.topk_idx) == _rows(c.x)
-             else f"shape {tuple(c.topk_idx.shape)} for x with {_rows(c.x)} rows"),
+        _EXPERTS_RULE,
+        _IDS_ROWS_RULE,
         Rule("topk_idx", "the library and device of x", _same_place_as_x("topk_idx"), TypeError),
-        Rule("topk_weights", "a floating dtype (" + ", ".join(_FLOATING) + ")",
-             lambda c: None if c.topk_weights is None or kind_of(c.topk_weights).dtype in _FLOATING
-             else describe(c.topk_weights), TypeError),
-        Rule("topk_weights", "the library and device of x", _same_place_as_x("topk_weights"), TypeError),
-        Rule("topk_weights", "the shape of topk_idx (one weight per slot)",
-             lambda c: None if c.topk_weights is None or tuple(c.topk_weights.shape) == tuple(c.topk_idx.shape)
-             else f"shape {tuple(c.topk_weights.shape)} for topk_idx of shape {tuple(c.topk_idx.shape)}"),
+        *_WEIGHTS_RULES,
     ),
     backward="to x: the rows' gradients sent back (the even all-to-all back, alltoall_single's backward) and "
     "summed over each token's kept slots; padding rows and dropped slots get none",
@@ -798,12 +803,7 @@ MOE_COMBINE_STATIC = OpSpec(
     rules=(
         Rule("y", "at least 2 dimensions, the first two those of the handle's blocks (experts_per_rank, "
              "W * capacity)", lambda c: f"shape {tuple(c.y.shape)}" if c.y.ndim < 2 else _blocks(c)),
-        Rule("y", "the library and device of the dispatched x", _handle_place("y"), TypeError),
-        Rule("y", "a dtype that sums (not bool)",
-             lambda c: describe(c.y) if kind_of(c.y).dtype == "bool" else None, TypeError),
-        Rule("y", "a floating dtype (" + ", ".join(_FLOATING) + ") when dispatch was given topk_weights",
-             lambda c: describe(c.y) if c.handle.weighted and kind_of(c.y).dtype not in _FLOATING else None,
-             TypeError),
+        *_COMBINE_Y_RULES,
     ),
     backward="to y: the result's gradient times each kept slot's weight, sent to the experts (the even "
     "all-to-all, alltoall_single's backward), zero on padding rows; to topk_weights: the gradient's dot "

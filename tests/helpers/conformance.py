@@ -22,7 +22,7 @@ import traceback
 import zlib
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -220,59 +220,88 @@ def _counts(rng: np.random.Generator, world: int, experts: int) -> np.ndarray:
 FLOATING = ("float16", "bfloat16", "float32", "float64")
 
 
-def _moe_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[int, ...]) -> dict[str, Any]:
-    """Top-k routing of a few tokens per rank (some ranks have none), about a fifth of the
-    slots dropped; dispatch's rows and, but for bool, a combine of outputs that differ from
-    them (weighted for floating dtypes). Values stay small so every sum is exact, bfloat16 too."""
+class _Routing(NamedTuple):
+    """One top-k case's whole-world routing: experts per rank, k, the dtype values are made in,
+    each rank's tokens and expert ids."""
+
+    experts: int
+    k: int
+    wide: str
+    tokens: list[int]
+    ids: list[np.ndarray]
+
+
+def _routing(case: Case, world: int, rng: np.random.Generator) -> _Routing:
+    """A few tokens per rank (some ranks have none), about a fifth of the slots dropped."""
     experts, k = (int(part[1:]) for part in case.variant.split("-"))
     wide = "float32" if case.dtype == "bfloat16" else case.dtype
     tokens = [int(rng.integers(0, 6)) * (rng.random() > 0.15) for _ in range(world)]
     ids = [np.where(rng.random((t, k)) < 0.2, -1, rng.integers(0, world * experts, (t, k))) for t in tokens]
-    capacity = int(rng.integers(0, 3)) if rng.random() < 0.3 else None
+    return _Routing(experts, k, wide, tokens, ids)
+
+
+def _tokens(case: Case, r: _Routing, rng: np.random.Generator, trailing: tuple[int, ...]) -> list[np.ndarray]:
+    """Each rank's tokens: small values, so every sum is exact, bfloat16 too."""
     high = 2 if case.dtype == "bool" else 8
-    xs = [rng.integers(0, high, (t, *trailing)).astype(wide) for t in tokens]
-    rows, per_expert = reference.moe_dispatch(xs, ids, experts, capacity)
-    args = [dict(x=xs[r], topk_idx=ids[r], experts_per_rank=experts, capacity=capacity) for r in range(world)]
-    expected: list[Any] = [dict(rows=rows[r], rows_per_expert=per_expert[r]) for r in range(world)]
-    if case.dtype != "bool":
-        ys = [(r + np.arange(len(r)).reshape(-1, *(1,) * len(trailing)) % 4).astype(wide) for r in rows]
-        weights = [rng.choice([0.5, 1.0, 2.0], (t, k)).astype(wide) for t in tokens] if case.dtype in FLOATING else None
-        combined = reference.moe_combine(ys, ids, experts, weights, capacity)
-        for r in range(world):
-            args[r].update(y=ys[r], topk_weights=None if weights is None else weights[r])
-            expected[r]["combined"] = combined[r]
-    return dict(args=args, expected=expected)
+    return [rng.integers(0, high, (t, *trailing)).astype(r.wide) for t in r.tokens]
+
+
+def _with_combine(
+    case: Case, r: _Routing, rng: np.random.Generator, ys: list[np.ndarray], combine: Any, inputs: dict[str, Any]
+) -> dict[str, Any]:
+    """``inputs`` (args and expected per rank) with a combine of ``ys`` added, weighted for
+    floating dtypes: ``combine(ys, weights)`` is the reference's."""
+    weights = (
+        [rng.choice([0.5, 1.0, 2.0], (t, r.k)).astype(r.wide) for t in r.tokens] if case.dtype in FLOATING else None
+    )
+    combined = combine(ys, weights)
+    for position, (args, expected) in enumerate(zip(inputs["args"], inputs["expected"])):
+        args.update(y=ys[position], topk_weights=None if weights is None else weights[position])
+        expected["combined"] = combined[position]
+    return inputs
+
+
+def _moe_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[int, ...]) -> dict[str, Any]:
+    """Top-k routing (:func:`_routing`) and now and then a capacity; dispatch's rows and, but
+    for bool, a combine of outputs that differ from them (weighted for floating dtypes)."""
+    r = _routing(case, world, rng)
+    capacity = int(rng.integers(0, 3)) if rng.random() < 0.3 else None
+    xs = _tokens(case, r, rng, trailing)
+    rows, per_expert = reference.moe_dispatch(xs, r.ids, r.experts, capacity)
+    inputs = dict(
+        args=[dict(x=xs[c], topk_idx=r.ids[c], experts_per_rank=r.experts, capacity=capacity) for c in range(world)],
+        expected=[dict(rows=rows[c], rows_per_expert=per_expert[c]) for c in range(world)],
+    )
+    if case.dtype == "bool":
+        return inputs
+    ys = [(rw + np.arange(len(rw)).reshape(-1, *(1,) * len(trailing)) % 4).astype(r.wide) for rw in rows]
+    combine = lambda ys, weights: reference.moe_combine(ys, r.ids, r.experts, weights, capacity)  # noqa: E731
+    return _with_combine(case, r, rng, ys, combine, inputs)
 
 
 def _moe_static_case(case: Case, world: int, rng: np.random.Generator, trailing: tuple[int, ...]) -> dict[str, Any]:
     """The static-shape mode on :func:`_moe_case`'s kind of routing, with a capacity from 0 to 3
     (which drops slots) half the time and 8 (which does not) the other half; the outputs'
     padding rows hold values nothing may read."""
-    experts, k = (int(part[1:]) for part in case.variant.split("-"))
-    wide = "float32" if case.dtype == "bfloat16" else case.dtype
-    tokens = [int(rng.integers(0, 6)) * (rng.random() > 0.15) for _ in range(world)]
-    ids = [np.where(rng.random((t, k)) < 0.2, -1, rng.integers(0, world * experts, (t, k))) for t in tokens]
+    r = _routing(case, world, rng)
     capacity = int(rng.integers(0, 4)) if rng.random() < 0.5 else 8
-    high = 2 if case.dtype == "bool" else 8
-    xs = [rng.integers(0, high, (t, *trailing)).astype(wide) for t in tokens]
-    rows, counts, demand = reference.moe_dispatch_static(xs, ids, experts, capacity)
-    args = [dict(x=xs[r], topk_idx=ids[r], experts_per_rank=experts, capacity=capacity) for r in range(world)]
-    expected: list[Any] = [dict(rows=rows[r], counts=counts[r], demand=demand[r]) for r in range(world)]
-    if case.dtype != "bool":
-        unread = np.nan if case.dtype in FLOATING else 99
-        ys = []
-        for r in range(world):
-            y = (rows[r] + 1).astype(np.float64)
-            slot = np.arange(world * capacity) % max(capacity, 1)
-            padding = slot[None, :] >= np.repeat(counts[r], capacity, axis=1)
-            y[padding] = unread
-            ys.append(y.astype(wide))
-        weights = [rng.choice([0.5, 1.0, 2.0], (t, k)).astype(wide) for t in tokens] if case.dtype in FLOATING else None
-        combined = reference.moe_combine_static(ys, ids, experts, capacity, weights)
-        for r in range(world):
-            args[r].update(y=ys[r], topk_weights=None if weights is None else weights[r])
-            expected[r]["combined"] = combined[r]
-    return dict(args=args, expected=expected)
+    xs = _tokens(case, r, rng, trailing)
+    rows, counts, demand = reference.moe_dispatch_static(xs, r.ids, r.experts, capacity)
+    inputs = dict(
+        args=[dict(x=xs[c], topk_idx=r.ids[c], experts_per_rank=r.experts, capacity=capacity) for c in range(world)],
+        expected=[dict(rows=rows[c], counts=counts[c], demand=demand[c]) for c in range(world)],
+    )
+    if case.dtype == "bool":
+        return inputs
+    unread = np.nan if case.dtype in FLOATING else 99
+    ys = []
+    for c in range(world):
+        y = (rows[c] + 1).astype(np.float64)
+        slot = np.arange(world * capacity) % max(capacity, 1)
+        y[slot[None, :] >= np.repeat(counts[c], capacity, axis=1)] = unread
+        ys.append(y.astype(r.wide))
+    combine = lambda ys, weights: reference.moe_combine_static(ys, r.ids, r.experts, capacity, weights)  # noqa: E731
+    return _with_combine(case, r, rng, ys, combine, inputs)
 
 
 def world_case(case: Case, world: int) -> dict[str, Any]:

@@ -195,7 +195,7 @@ def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, y, handle = call.backend, call.group, arguments["y"], arguments["handle"]
     plan, weights = handle.plan, handle.weights
-    if _differentiable(y, weights):
+    if records_gradient(y, weights):
         return _combine_with_autograd(call, y, handle)
     library = library_of(y)
 
@@ -209,7 +209,7 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
         native_weights = kept = None
         if weights is not None:
             native_weights = backend.to_native(weights)
-            kept = _like(handle.routing.kept, native_weights) if handle.dropped else None
+            kept = host_as(handle.routing.kept, native_weights) if handle.dropped else None
         try:
             out = sum_slots(backend, back, handle.routing, native_weights, kept)
         finally:
@@ -265,7 +265,7 @@ def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept:
     if weights is None and k == 1:
         return backend.take_rows(back, routing.slot_rows)
     if routing.slot_rows.size * row_bytes(back) < FROM_BYTES:  # small: one gather costs less than k
-        return sum_at_once(back, _like(routing.slot_rows, back), tokens, k, weights, kept)
+        return sum_at_once(back, host_as(routing.slot_rows, back), tokens, k, weights, kept)
     slots, library = routing.slots_by_column, library_of(back)
     dtype = _sum_dtype(library, back, weights)
     apart = dtype != back.dtype  # summed in a wider dtype, then rounded into the result
@@ -343,9 +343,10 @@ def _accumulate(library: str, out: Any, rows: Any, column: Any, first: bool) -> 
     ufuncs.add(out, rows, out=out)
 
 
-def _differentiable(y: Any, weights: Any) -> bool:
-    """Whether combine's result joins torch's autograd graph (y or the weights need a gradient)."""
-    for array in (y, weights):
+def records_gradient(*arrays: Any) -> bool:
+    """Whether a result made from ``arrays`` joins torch's autograd graph (one of them, a tensor,
+    needs a gradient); None entries are skipped."""
+    for array in arrays:
         if array is not None and library_of(array) == "torch" and array.requires_grad:
             from .autograd import needs_grad
 
@@ -382,8 +383,8 @@ def _sum_slots_differentiably(back: Any, handle: Handle) -> Any:
     weights, kept = handle.weights, None
     if handle.dropped:  # dropped slots read a zero row
         back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])
-        kept = None if weights is None else _like(handle.routing.kept, weights)
-    slot_rows = _like(handle.routing.slot_rows, back)
+        kept = None if weights is None else host_as(handle.routing.kept, weights)
+    slot_rows = host_as(handle.routing.slot_rows, back)
     return sum_at_once(back, slot_rows, handle.tokens, handle.topk, weights, kept)
 
 
@@ -421,7 +422,7 @@ def _matmul(a: Any, b: Any) -> Any:
     return torch.bmm(a.to(common), b.to(common))
 
 
-def _like(host: np.ndarray, x: Any) -> Any:
+def host_as(host: np.ndarray, x: Any) -> Any:
     """A host array as an array of ``x``'s library on ``x``'s device (numpy: itself)."""
     library = library_of(x)
     if library == "numpy":

@@ -21,6 +21,7 @@ from ..arrays import library_of
 from ..backends.base import Backend, Pending
 from ..backends.host import host_view
 from ..check import call_number, verify
+from ..counts import on_host
 from ..errors import bad_input
 from ..group import Group
 from ..routing import Routing
@@ -38,7 +39,7 @@ from ..static_layout import (
 )
 from ..task import Task
 from ..validate import prepare
-from .moe import handle_group
+from .moe import handle_group, host_as, records_gradient
 from .moe import sum_slots as moe_sum_slots
 from .ops import _functional, _run, alltoall_single_backward
 
@@ -168,7 +169,7 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, handle, y = call.backend, call.group, arguments["handle"], arguments["y"]
     xp = array_namespace(y)
-    if _on_host(y) and not _records(y, handle.weights):
+    if _in_host_memory(y) and not records_gradient(y, handle.weights):
         return _combine_on_host(call, y, handle)
     outgoing = source_major(xp, y, handle.world, handle.experts_per_rank)
 
@@ -194,20 +195,9 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
 # and its arithmetic are the array-API functions above either way; only where the rows land differs.
 
 
-def _on_host(x: Any) -> bool:
+def _in_host_memory(x: Any) -> bool:
     """Whether ``x`` lives in host memory (numpy, or a CPU tensor)."""
     return library_of(x) == "numpy" or (library_of(x) == "torch" and x.device.type == "cpu")
-
-
-def _records(*arrays: Any) -> bool:
-    """Whether torch's autograd records a result made from any of ``arrays``."""
-    for a in arrays:
-        if a is not None and library_of(a) == "torch" and a.requires_grad:
-            from .autograd import needs_grad
-
-            if needs_grad(a):
-                return True
-    return False
 
 
 class _Outgoing:
@@ -217,7 +207,7 @@ class _Outgoing:
 
     def __init__(self, backend: Backend, xp: Any, x: Any, layout: StaticLayout) -> None:
         self.backend, self.lent = backend, None
-        if not _on_host(x) or _records(x):
+        if not _in_host_memory(x) or records_gradient(x):
             self.array = send_rows(xp, x, layout)
             self.native = backend.to_native(self.array)
             return
@@ -290,7 +280,7 @@ def _combine_on_host(call: Call, y: Any, handle: StaticHandle) -> Any:
         native_weights = kept = None
         if handle.weights is not None:
             native_weights = backend.to_native(handle.weights)
-            kept = _like_host(routing.kept, native_weights)
+            kept = host_as(routing.kept, native_weights)
         try:
             return backend.from_native(moe_sum_slots(backend, back, routing, native_weights, kept), library)
         finally:
@@ -313,15 +303,6 @@ def _host_routing(layout: StaticLayout, rows: int) -> Routing:
     return Routing(np.asarray(layout.sent), np.asarray(layout.row_tokens), slot_rows, not kept.all(), k)
 
 
-def _like_host(host: np.ndarray, x: Any) -> Any:
-    """A host array as an array of x's library (host memory)."""
-    if library_of(x) == "numpy":
-        return host
-    import torch  # loaded already: x is a tensor
-
-    return torch.from_numpy(host)
-
-
 def _backward(call: Call) -> Any:
     """The backward of a call's transfer: the even all-to-all back (alltoall_single's backward
     with the same W equal blocks both ways)."""
@@ -337,7 +318,7 @@ def _backward(call: Call) -> Any:
 def _refuse_drops(backend: Backend, group: Group, layout: StaticLayout, capacity: int) -> None:
     """overflow='error': every rank's dropped slots (beyond the capacity) on the host, then the
     same ValueError on every rank if any rank dropped one."""
-    demand = np.asarray(_host(layout.demand), dtype=np.int64)
+    demand = np.asarray(on_host(layout.demand), dtype=np.int64)
     over = int(np.maximum(demand - capacity, 0).sum())
     worst = int(demand.argmax()) if demand.size else 0
     mine = np.array([over, worst, int(demand.max()) if demand.size else 0], np.int64)
@@ -351,9 +332,3 @@ def _refuse_drops(backend: Backend, group: Group, layout: StaticLayout, capacity
                 f"{capacity}: rank {c} routes {wanted} slots to expert {expert} "
                 f"({dropped} of its slots would be dropped)",
             )
-
-
-def _host(a: Any) -> Any:
-    if hasattr(a, "detach"):
-        return a.detach().cpu().numpy()
-    return a.get() if hasattr(a, "get") else a
