@@ -151,8 +151,10 @@ def _read_size(op: str, param: str, value: Any, caps: Capabilities, backend: str
 
 
 def _read_overflow(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
-    if type(value) is not str or value not in OVERFLOWS:
-        raise bad_input(op, param, f"one of {', '.join(map(repr, OVERFLOWS))}", describe(value), TypeError)
+    if type(value) is not str:
+        raise bad_input(op, param, f"one of the strings {', '.join(map(repr, OVERFLOWS))}", describe(value), TypeError)
+    if value not in OVERFLOWS:
+        raise bad_input(op, param, f"one of {', '.join(map(repr, OVERFLOWS))}", repr(value))
     return value
 
 
@@ -367,7 +369,8 @@ SIZE = Kind(doc="TypeError unless an int; ValueError if negative.", read=_read_s
 OVERFLOWS = ("drop", "error")
 """What the static-shape dispatch does with slots beyond the capacity."""
 
-OVERFLOW = Kind(doc="TypeError unless 'drop' or 'error'.", read=_read_overflow, sign=_sign_value)
+OVERFLOW = Kind(doc="TypeError unless a string; ValueError unless 'drop' or 'error'.", read=_read_overflow,
+                sign=_sign_value)  # fmt: skip
 """``'drop'`` or ``'error'``."""
 
 STATIC_HANDLE = Kind(

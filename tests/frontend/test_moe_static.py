@@ -171,6 +171,9 @@ def _errors(rank: int) -> dict[str, str]:
     caught("ids dtype", lambda: uc.moe.dispatch_static(x, i.double(), experts_per_rank=E, capacity=C))
     caught("ids place", lambda: uc.moe.dispatch_static(x, i.numpy(), experts_per_rank=E, capacity=C))
     caught("handle", lambda: uc.moe.combine_static(x, "not a handle"))
+    for name, bad in (("capacity -1", dict(capacity=-1)), ("capacity None", dict(capacity=None)),
+                      ("overflow value", dict(overflow="raise")), ("overflow type", dict(overflow=1))):  # fmt: skip
+        caught(name, lambda bad=bad: uc.moe.dispatch_static(x, i, **{"experts_per_rank": E, "capacity": C, **bad}))
     uc.finalize()
     caught("ended", lambda: uc.moe.combine_static(torch.zeros(E, world * C, DIM, dtype=x.dtype), handle))
     uc.init()
@@ -201,3 +204,11 @@ def test_check_mode_and_overflow_error_fail_on_every_rank_alike() -> None:
         assert report["ids place"].startswith("TypeError: moe.dispatch_static: topk_idx")
         assert report["handle"].startswith("TypeError: moe.combine_static: handle")
         assert report["ended"].startswith("ValueError: moe.combine_static: handle")
+        assert report["capacity -1"] == "ValueError: moe.dispatch_static: capacity: expected a non-negative int, got -1"
+        assert report["capacity None"] == "TypeError: moe.dispatch_static: capacity: expected an int, got NoneType"
+        assert report["overflow value"] == (
+            "ValueError: moe.dispatch_static: overflow: expected one of 'drop', 'error', got 'raise'"
+        )
+        assert report["overflow type"].startswith(
+            "TypeError: moe.dispatch_static: overflow: expected one of the strings"
+        )
