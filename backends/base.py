@@ -104,6 +104,13 @@ class Backend(ABC):
     """The host buffers this backend lends its calls' intermediate rows (:mod:`unicoll.workspace`);
     None where new memory costs nothing more (a device allocator keeps its own)."""
 
+    @property
+    def host_memory(self) -> bool:
+        """Whether the arrays this backend moves live in host memory (numpy, CPU tensors), where
+        reading a count waits for no device: the static-shape MoE mode then sends only the valid
+        rows of its blocks. From the capability table; a device transport says False."""
+        return self.capabilities.devices == frozenset({"cpu"})
+
     # -- primitives ------------------------------------------------------------------------
 
     @abstractmethod
@@ -250,8 +257,12 @@ class Backend(ABC):
             out = self.empty_rows(x, sum(plan.recv))
             work = self.alltoallv(out, sent, plan.recv, plan.send, group, async_op, calc_stream)
             return issued(work, (lambda: out) if sent_lent is None else lambda: self._returned(out, sent_lent))
-        received, received_lent = self.scratch_rows(x, sum(plan.recv))
-        work = self.alltoallv(received, sent, plan.recv, plan.send, group, async_op, calc_stream)
+        padded = int(plan.capacity is not None)  # one zero row after the received ones, for the padding
+        received, received_lent = self.scratch_rows(x, sum(plan.recv) + padded)
+        if padded:
+            received[sum(plan.recv) :] = 0
+        head = received[: sum(plan.recv)]
+        work = self.alltoallv(head, sent, plan.recv, plan.send, group, async_op, calc_stream)
         return issued(work, lambda: self._returned(self.take_rows(received, order), sent_lent, received_lent))
 
     def global_gather(
@@ -263,8 +274,9 @@ class Backend(ABC):
         calc_stream: bool = False,
         out: Any | None = None,
     ) -> Pending:
-        """MoE combine, the inverse of :meth:`global_scatter` with the same plan, into ``out``
-        (native rows, ``sum(plan.send)`` of them) when given."""
+        """MoE combine, the inverse of :meth:`global_scatter` with the same plan (x: its
+        ``plan.expert_major_rows`` rows), into ``out`` (native rows, ``sum(plan.send)`` of them)
+        when given."""
         order, staged = plan.to_rank_major, None
         if order is not None:
             x, staged = self.gather_rows(x, order)

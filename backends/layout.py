@@ -75,6 +75,20 @@ def row_words(x: Any, address: int = 0) -> Any:
     return x.reshape(x.shape[0], row_bytes // x.itemsize).view(np.dtype(f"uint{8 * word}"))
 
 
+def _padded_expert_major(counts: np.ndarray, capacity: int) -> np.ndarray:
+    """Indices that take rank-major rows (``counts``: ``(W, E)``) followed by one zero row to
+    padded expert-major order: block ``(e, c)`` of ``capacity`` rows, its rows first, then
+    the zero row's index for each padding row.
+
+    >>> _padded_expert_major(np.array([[1, 2], [1, 0]]), 2)   # segments a0 b0 b1 | c0, zero row 4
+    array([0, 4, 3, 4, 1, 2, 4, 4])
+    """
+    starts = _exclusive_cumsum(counts.reshape(-1)).reshape(counts.shape).T[..., None]  # (E, W, 1)
+    within = np.arange(capacity, dtype=np.int64)
+    held = within < counts.T[..., None]
+    return np.where(held, starts + within, int(counts.sum())).reshape(-1)
+
+
 def _inverse(order: np.ndarray) -> np.ndarray:
     """The permutation that undoes ``order``."""
     inverse = np.empty_like(order)
@@ -94,36 +108,69 @@ class MoePlan:
     computed on first use (a backend that places rows itself never asks), None where rank-major
     already is expert-major (one rank, or one expert per rank).
 
+    With a ``capacity`` C (the static-shape MoE mode's blocks), the expert-major side is
+    *padded*: ``E * W * C`` rows (:attr:`expert_major_rows`), block ``(e, c)`` at row
+    ``(e * W + c) * C``, its ``received[c, e]`` rows first, then padding, which global_scatter
+    fills with zeros and global_gather never reads; only the received rows travel.
+
     >>> plan = MoePlan(np.array([1, 0, 2, 1]), np.array([1, 0, 0, 2]), 2)
     >>> plan.send, plan.recv, plan.to_expert_major
     ([1, 3], [1, 2], array([0, 1, 2]))
+    >>> padded = MoePlan(np.array([1, 0, 2, 1]), np.array([1, 0, 0, 2]), 2, capacity=2)
+    >>> padded.expert_major_rows, padded.to_expert_major   # row 3 is a zero row after the 3 received
+    (8, array([0, 3, 3, 3, 3, 3, 1, 2]))
     """
 
-    __slots__ = ("send", "recv", "received", "reordered", "_to_expert_major", "_to_rank_major", "_chunks")
+    __slots__ = ("send", "recv", "received", "capacity", "expert_major_rows", "reordered", "_to_expert_major",
+                 "_to_rank_major", "_chunks")  # fmt: skip
 
-    def __init__(self, local_count: np.ndarray, global_count: np.ndarray, world: int) -> None:
-        """``local_count``/``global_count``: validated host int64 counts of length ``world * E``."""
+    def __init__(
+        self, local_count: np.ndarray, global_count: np.ndarray, world: int, capacity: int | None = None
+    ) -> None:
+        """``local_count``/``global_count``: validated host int64 counts of length ``world * E``
+        (at most ``capacity`` each, where one is given)."""
         self.send = rank_totals(local_count, world)
         self.recv = rank_totals(global_count, world)
         self.received = global_count.reshape(world, -1).copy()  # not the caller's, which may change
-        self.reordered = world > 1 and self.received.shape[1] > 1
-        """Whether the received rows need a reorder: more than one rank and expert."""
+        self.capacity = capacity
+        self.expert_major_rows = sum(self.recv) if capacity is None else self.received.size * capacity
+        """The rows of the expert-major side: those received, or every block's C (padded)."""
+        self.reordered = capacity is not None or (world > 1 and self.received.shape[1] > 1)
+        """Whether the received rows need a reorder: more than one rank and expert, or padding."""
         self._to_expert_major: np.ndarray | None = None
         self._to_rank_major: np.ndarray | None = None
         self._chunks: list[tuple[list[int], list[int]]] | None = None
 
     @property
     def to_expert_major(self) -> np.ndarray | None:
-        """Indices that take the received (rank-major) rows to expert-major order."""
+        """Indices that take the received (rank-major) rows to expert-major order; padded,
+        ``sum(recv)`` (one zero row after the received ones) for each padding row."""
         if self._to_expert_major is None and self.reordered:
-            self._to_expert_major = rank_major_to_expert_major(self.received)
+            if self.capacity is None:
+                self._to_expert_major = rank_major_to_expert_major(self.received)
+            else:
+                self._to_expert_major = _padded_expert_major(self.received, self.capacity)
         return self._to_expert_major
 
     @property
+    def padding_rows(self) -> np.ndarray:
+        """The padding rows of a padded plan's expert-major side (empty unpadded)."""
+        if self.capacity is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self.to_expert_major == sum(self.recv))
+
+    @property
     def to_rank_major(self) -> np.ndarray | None:
-        """Indices that take expert-major rows back to rank-major order (global_gather's)."""
+        """Indices that take expert-major rows back to rank-major order (global_gather's):
+        ``sum(recv)`` of them, padding left out."""
         if self._to_rank_major is None and self.reordered:
-            self._to_rank_major = _inverse(self.to_expert_major)
+            order = self.to_expert_major
+            if self.capacity is None:
+                self._to_rank_major = _inverse(order)
+            else:
+                held = order < sum(self.recv)
+                self._to_rank_major = np.empty(sum(self.recv), dtype=np.int64)
+                self._to_rank_major[order[held]] = np.flatnonzero(held)
         return self._to_rank_major
 
     @property
@@ -136,7 +183,10 @@ class MoePlan:
         [([1, 2], [0, 2]), ([1, 0], [1, 4])]
         """
         if self._chunks is None:
-            starts = _exclusive_cumsum(self.received.T.reshape(-1))  # expert-major: each expert, each rank
+            if self.capacity is None:  # expert-major: each expert, each rank
+                starts = _exclusive_cumsum(self.received.T.reshape(-1))
+            else:
+                starts = np.arange(self.received.size, dtype=np.int64) * self.capacity
             by_rank = starts.reshape(self.received.shape[1], -1).T
             self._chunks = [(counts.tolist(), first.tolist()) for counts, first in zip(self.received, by_rank)]
         return self._chunks
@@ -145,7 +195,8 @@ class MoePlan:
     def nbytes(self) -> int:
         """What the plan holds once both reorders and the chunks are made: counted in full
         from the start, since a remembered plan makes them after it is counted."""
-        reorders = 2 * 8 * sum(self.recv) if self.reordered else 0
+        reorders = 8 * (sum(self.recv) + self.expert_major_rows) if self.reordered else 0
+        reorders += 8 * (self.expert_major_rows - sum(self.recv))  # the padding rows (mpi's)
         chunks = _BYTES_PER_CHUNK * self.received.size if self.reordered else 0
         return self.received.nbytes + 16 * len(self.send) + reorders + chunks + _PLAN_OVERHEAD
 
@@ -153,12 +204,12 @@ class MoePlan:
 LAST_PLAN_BYTES = 16 * 2**20
 """The largest plan :func:`moe_plan` keeps for the next call (the bytes its ``nbytes`` counts)."""
 
-_last: tuple[tuple[bytes, bytes, int], MoePlan] | None = None
+_last: tuple[tuple[bytes, bytes, int, int | None], MoePlan] | None = None
 """The counts and plan of the last :func:`moe_plan` call (at most one plan, of at most
 :data:`LAST_PLAN_BYTES`; copies only), or None."""
 
 
-def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> MoePlan:
+def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int, capacity: int | None = None) -> MoePlan:
     """The :class:`MoePlan` of validated host int64 counts of length ``world * E``: the one the
     last call made when the counts are the same, else a new one. A training step calls
     global_gather with the counts global_scatter just used, and their backward passes run
@@ -169,9 +220,9 @@ def moe_plan(local_count: np.ndarray, global_count: np.ndarray, world: int) -> M
     True
     """
     global _last
-    key = (local_count.tobytes(), global_count.tobytes(), world)
+    key = (local_count.tobytes(), global_count.tobytes(), world, capacity)
     if _last is not None and _last[0] == key:
         return _last[1]
-    plan = MoePlan(local_count, global_count, world)
+    plan = MoePlan(local_count, global_count, world, capacity)
     _last = (key, plan) if plan.nbytes <= LAST_PLAN_BYTES else None
     return plan

@@ -13,10 +13,13 @@ that buffer hands each rank a ``(W, E, C)`` grid of blocks by source rank, which
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .arrays import library_of
-from .routing import SessionHandle
+from .routing import Routing, SessionHandle
+
+if TYPE_CHECKING:
+    from .backends.layout import MoePlan
 
 
 class StaticLayout(NamedTuple):
@@ -165,6 +168,14 @@ def _column(xp: Any, mask: Any, ndim: int) -> Any:
     return xp.reshape(mask, (mask.shape[0], *([1] * (ndim - 1))))
 
 
+class HostRoute(NamedTuple):
+    """A static layout on a host backend, as the dynamic mode's routing (the valid rows in
+    send order, each slot's place among them) and padded plan, which the transfers follow."""
+
+    routing: Routing
+    plan: MoePlan
+
+
 class StaticHandle(SessionHandle):
     """What :func:`unicoll.moe.dispatch_static` hands back for the matching
     :func:`unicoll.moe.combine_static` and :func:`unicoll.moe.redispatch_static`: the layout of
@@ -189,11 +200,15 @@ class StaticHandle(SessionHandle):
         like: Any,
         counts: Any,
         received_before_drop: Any,
+        sent_before_drop: Any,
+        host: HostRoute | None = None,
         dispatch_number: int = -1,
     ) -> None:
         """``like``: the dispatched x, whose library and device later rows must have (not kept).
+        ``host``: on a host backend, the routing and plan the transfers follow (None elsewhere).
         ``dispatch_number``: in check mode, the dispatch's collective number on ``group``."""
         self.layout = layout
+        self.host = host
         self.world = group.world_size
         self.experts_per_rank = experts_per_rank
         self.capacity = capacity
@@ -202,7 +217,7 @@ class StaticHandle(SessionHandle):
         self.device = getattr(like, "device", None)
         self.counts = counts
         self.received_before_drop = received_before_drop
-        self.sent_before_drop = layout.demand
+        self.sent_before_drop = sent_before_drop
         super().__init__(group, weights, dispatch_number)
 
     def __repr__(self) -> str:

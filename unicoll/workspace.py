@@ -19,10 +19,16 @@ it, is garbage (a ``weakref.finalize``; numpy keeps such an array as the base of
 it, and a tensor made by ``torch.from_numpy`` keeps the array). The caller holds its result as
 long as it likes; the step after, its memory serves the next result without faulting in again.
 
-The workspace keeps at most :data:`MAX_BYTES` of buffers that are not lent, the oldest
-dropped first, and never one of the caller's arrays. Buffers are numpy ``uint8`` arrays, made by
-numpy, which asks the kernel for huge pages for arrays this large, so even a first use faults
-in a fraction of the pages.
+The workspace keeps buffers that are not lent up to its bound, the oldest dropped first, and
+never one of the caller's arrays. The bound is the larger of :data:`MAX_BYTES` and the most it
+had lent at once over its last :data:`WINDOW` loans: a step whose rows need more than
+:data:`MAX_BYTES` at once keeps them for the next step, as a step does again and again in a
+training loop, and a workspace never keeps more than what was in use at its recent peak (a
+loan dropped unreturned, a Task never waited for, stops counting once it is garbage); after
+:data:`WINDOW` loans of smaller steps, the bound is back to :data:`MAX_BYTES`.
+
+Buffers are numpy ``uint8`` arrays, made by numpy, which asks the kernel for huge pages for
+arrays this large, so even a first use faults in a fraction of the pages.
 """
 
 from __future__ import annotations
@@ -34,8 +40,13 @@ from collections import deque
 import numpy as np
 
 MAX_BYTES = 256 * 2**20
-"""The most a workspace keeps of buffers not lent (docs/performance.md): a MoE step of 64 MiB of
-dispatched rows keeps about 200 MiB (the rows sent, received, and sent back, and one row per token)."""
+"""The least a workspace may keep of buffers not lent, whatever its recent peak
+(docs/performance.md): a MoE step of 64 MiB of dispatched rows keeps about 200 MiB (the rows
+sent, received, and sent back, and one row per token)."""
+
+WINDOW = 64
+"""The loans over which a workspace remembers the most it had lent at once (its bound above
+:data:`MAX_BYTES`): a MoE step lends a few buffers, so this spans several steps."""
 
 FROM_BYTES = 1 << 20
 """Calls move rows of fewer bytes through fresh memory: small arrays come from the allocator's
@@ -71,6 +82,9 @@ class Workspace:
         self.max_bytes = max_bytes
         self._free: list[np.ndarray] = []  # oldest first
         self._freed: deque[np.ndarray] = deque()  # given back by results that became garbage
+        self._lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        """The buffers lent now, by id: one dropped unreturned leaves by itself once garbage."""
+        self._peaks: deque[int] = deque(maxlen=WINDOW)  # the bytes lent at once after each loan
         self._closed = False
         self._lock = threading.Lock()
 
@@ -79,15 +93,31 @@ class Workspace:
         """The bytes of the buffers kept, not lent."""
         return sum(buffer.nbytes for buffer in (*self._free, *self._freed))
 
+    @property
+    def bound(self) -> int:
+        """The most the workspace keeps: :attr:`max_bytes`, or more where it had more lent at
+        once over its last :data:`WINDOW` loans (0 once cleared).
+
+        >>> ws = Workspace(max_bytes=2**20)
+        >>> loans = [ws.lend(2**20) for _ in range(3)]
+        >>> ws.bound == sum(loan.nbytes for loan in loans)
+        True
+        """
+        return 0 if self._closed else max(self.max_bytes, max(self._peaks, default=0))
+
     def lend(self, nbytes: int) -> np.ndarray:
         """A 1-D ``uint8`` buffer of at least ``nbytes`` bytes (contents undefined), the caller's
         alone until it gives it back: the smallest kept one that is large enough, else a new one."""
         with self._lock:
             self._keep_freed()
             fitting = [i for i, buffer in enumerate(self._free) if buffer.nbytes >= nbytes]
-            if fitting:
-                return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
-        return np.empty(_rounded(nbytes), dtype=np.uint8)
+            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes)) if fitting else None
+        if buffer is None:
+            buffer = np.empty(_rounded(nbytes), dtype=np.uint8)
+        with self._lock:
+            self._lent[id(buffer)] = buffer
+            self._peaks.append(sum(lent.nbytes for lent in self._lent.values()))
+        return buffer
 
     def lend_until_freed(self, nbytes: int) -> np.ndarray:
         """A 1-D ``uint8`` array of ``nbytes`` bytes (contents undefined) for a result: its
@@ -116,6 +146,7 @@ class Workspace:
         """Keep ``buffer`` (from :meth:`lend`, no longer read or written) for a later call;
         the oldest kept buffers go first when the workspace would hold more than its bound."""
         with self._lock:
+            self._lent.pop(id(buffer), None)
             self._free.append(buffer)
             self._keep_freed()
 
@@ -124,9 +155,11 @@ class Workspace:
         the workspace holds more than its bound. The results' finalizers only append to a
         deque: they may run in any thread, at any allocation, this one's included."""
         while self._freed:
-            self._free.append(self._freed.popleft())
-        kept = sum(buffer.nbytes for buffer in self._free)
-        while kept > self.max_bytes:
+            buffer = self._freed.popleft()
+            self._lent.pop(id(buffer), None)
+            self._free.append(buffer)
+        kept, bound = sum(buffer.nbytes for buffer in self._free), self.bound
+        while kept > bound:
             kept -= self._free.pop(0).nbytes
 
     def clear(self) -> None:

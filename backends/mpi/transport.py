@@ -391,11 +391,15 @@ class MpiBackend(Backend):
         if not plan.reordered:
             return super().global_scatter(x, plan, group, async_op, calc_stream, rows)
         sent, lent = (x, None) if rows is None else self.gather_rows(x, rows)
-        received = host_rows(x, sum(plan.recv), self.workspace)
         if _fused(sent):
+            received = host_rows(x, plan.expert_major_rows, self.workspace)
+            received[plan.padding_rows] = 0  # the transfer writes every other row
             work = self._moe_alltoallw(sent, received, plan, True, True, group, async_op)
             return issued(work, lambda: self._returned(rows_as(received, x), lent))
-        work = self._moe_alltoallw(sent, received, plan, True, False, group, async_op)
+        padded = int(plan.capacity is not None)  # one zero row after the received ones, for the padding
+        received = host_rows(x, sum(plan.recv) + padded, self.workspace)
+        received[sum(plan.recv) :] = 0
+        work = self._moe_alltoallw(sent, received[: sum(plan.recv)], plan, True, False, group, async_op)
         return issued(work, lambda: self._returned(rows_as(received.take(plan.to_expert_major, axis=0), x), lent))
 
     def global_gather(

@@ -444,5 +444,7 @@ class TorchNcclBackend(TorchDistBackend):
     """torch.distributed over NCCL: every primitive of :class:`TorchDistBackend`, each call put on
     the stream it asks for (:func:`issue_on_stream`)."""
 
+    host_memory = False  # a device transport, even driving gloo in the tests
+
     def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
         return issue_on_stream(launch, async_op, calc_stream)

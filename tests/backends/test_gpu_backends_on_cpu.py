@@ -14,6 +14,7 @@ import torch
 
 import unicoll as uc
 from helpers.conformance import cases, run_cases
+from helpers.gpu_backends import start_on_gloo
 from unicoll import registry
 from unicoll.backends.base import Capabilities, reductions
 from unicoll.backends.cupy import nccl as cupy_nccl
@@ -121,25 +122,9 @@ def test_cupy_nccl_imports_no_torch_and_no_cupy_until_it_starts() -> None:
 # -- capability tables -----------------------------------------------------------------------
 
 
-def _start_on_gloo(registered: str, backend: type[TorchDistBackend], name: str, table: Capabilities) -> None:
-    """Register and start ``backend`` (named ``name``, with ``table``) driving gloo as ``registered``."""
-
-    class Factory:
-        capabilities = table
-
-        def probe(self) -> None:
-            return None
-
-        def __call__(self, *, rank: int, world_size: int, timeout: float) -> TorchDistBackend:
-            return backend(name, "gloo", table, rank=rank, world_size=world_size, timeout=timeout)
-
-    registry.register_backend(registered, Factory())
-    uc.init(registered)
-
-
 def _start_with_table(name: str, table: Capabilities) -> None:
     """Start gloo under ``name`` wearing a GPU backend's capability table (validation only)."""
-    _start_on_gloo(name + "-table", TorchDistBackend, name, table)
+    start_on_gloo(name + "-table", TorchDistBackend, name, table)
 
 
 @pytest.mark.parametrize(
@@ -218,7 +203,7 @@ def routing_on_gloo(rank: int, all_cases: list) -> dict:
     """Restart this rank on TorchNcclBackend driving gloo, then run the cases."""
 
     uc.finalize()
-    _start_on_gloo("nccl-routing", TorchNcclBackend, "nccl-routing", _ON_GLOO)
+    start_on_gloo("nccl-routing", TorchNcclBackend, "nccl-routing", _ON_GLOO)
     return run_cases(rank, all_cases)
 
 

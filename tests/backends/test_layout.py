@@ -59,6 +59,45 @@ def test_expert_major_chunks_place_each_rank_s_rows_where_the_reorder_puts_them(
         assert plan.expert_major_chunks is plan.expert_major_chunks and plan.nbytes == counted
 
 
+def test_a_padded_plan_places_each_block_s_rows_first_and_never_moves_padding() -> None:
+    """With a capacity, the expert-major side is E * W * C rows, block (e, c) at (e * W + c) * C:
+    the reorder, its inverse and the chunks (mpi's placed receive) agree with the blocks built
+    by hand; only the rows received travel (recv), and the padding rows are the rest."""
+    rng = np.random.default_rng(8)
+    cases = [(np.array([[1, 2], [1, 0]]), 2), (np.zeros((3, 2), dtype=np.int64), 1), (np.array([[0, 3]]), 3)]
+    cases += [(rng.integers(0, 5, size=(world, experts)), 4) for world, experts in ((2, 2), (3, 4), (4, 1), (1, 3))]
+    for received, capacity in cases:
+        world, experts = received.shape
+        plan = MoePlan(received.reshape(-1), received.reshape(-1), world, capacity=capacity)
+        counted, total = plan.nbytes, int(received.sum())
+        rank_major = np.arange(1, total + 1)  # 0 marks padding
+        by_hand, at = np.zeros((experts, world, capacity), dtype=np.int64), 0
+        for c in range(world):
+            for e in range(experts):
+                by_hand[e, c, : received[c, e]] = rank_major[at : at + received[c, e]]
+                at += received[c, e]
+        by_hand = by_hand.reshape(-1)
+        assert plan.reordered and plan.expert_major_rows == experts * world * capacity
+        assert sum(plan.recv) == total
+        np.testing.assert_array_equal(np.append(rank_major, 0)[plan.to_expert_major], by_hand)
+        np.testing.assert_array_equal(by_hand[plan.to_rank_major], rank_major)
+        np.testing.assert_array_equal(plan.padding_rows, np.flatnonzero(by_hand == 0))
+        placed, at = np.zeros(plan.expert_major_rows, dtype=np.int64), 0
+        for counts, starts in plan.expert_major_chunks:
+            for rows, start in zip(counts, starts):
+                placed[start : start + rows] = rank_major[at : at + rows]
+                at += rows
+        np.testing.assert_array_equal(placed, by_hand)
+        assert plan.nbytes == counted
+
+
+def test_the_last_plan_is_kept_per_capacity() -> None:
+    counts = np.array([1, 0, 2, 1])
+    padded = moe_plan(counts, counts, 2, capacity=2)
+    assert moe_plan(counts, counts, 2, capacity=2) is padded
+    assert moe_plan(counts, counts, 2).capacity is None and moe_plan(counts, counts, 2, capacity=3).capacity == 3
+
+
 def test_no_reorder_for_one_rank_or_one_expert() -> None:
     for counts, world in ((np.array([2, 0, 3]), 1), (np.array([2, 5]), 2)):
         plan = MoePlan(counts, counts, world)

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 import unicoll as uc
+from helpers.gpu_backends import start_on_gloo
 from helpers.static_world import world_combine, world_dispatch
+from unicoll.backends.base import Capabilities, reductions
+from unicoll.backends.torch import nccl as torch_nccl
+from unicoll.backends.torch.transport import TorchNcclBackend
 
 E, K, C, DIM = 2, 2, 2, 3
 TOKENS = (5, 0, 4)  # rank 1 has no tokens
@@ -185,6 +189,28 @@ def test_gradients_redispatch_tasks_and_groups_match_the_whole_world(backend: st
     world = 3 if backend == "gloo" else 2
     assert uc.testing.spawn(_gradients, world, backend=backend) == [[]] * world
     assert uc.testing.spawn(_tasks_and_groups, world, backend=backend) == [[]] * world
+
+
+_DEVICE_PATH = Capabilities(
+    ops=torch_nccl.CAPABILITIES.ops,
+    dtypes=frozenset({"float32", "float64", "int64", "bool"}),
+    devices=frozenset({"cpu"}),
+    libraries=frozenset({"numpy", "torch"}),
+    reductions=reductions(frozenset({"float32", "float64", "int64"})),
+)
+
+
+def _on_the_device_path(rank: int) -> list[str]:
+    """Restart this rank on torch-nccl's transport driving gloo, then run the tests above: the
+    device path (even all-to-alls of whole blocks, padding included, and the array-API layout
+    and sums, with their gradients), which a host backend does not take."""
+    uc.finalize()
+    start_on_gloo("nccl-static", TorchNcclBackend, "nccl-static", _DEVICE_PATH)
+    return _gradients(rank) + _tasks_and_groups(rank)
+
+
+def test_the_device_path_matches_the_whole_world_on_the_host() -> None:
+    assert uc.testing.spawn(_on_the_device_path, 3, backend="gloo") == [[]] * 3
 
 
 def test_check_mode_and_overflow_error_fail_on_every_rank_alike() -> None:

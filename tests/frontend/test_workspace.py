@@ -14,7 +14,7 @@ import torch
 
 import unicoll as uc
 from helpers.several import SESSION, Case, share
-from unicoll.workspace import FROM_BYTES, Workspace
+from unicoll.workspace import FROM_BYTES, WINDOW, Workspace
 
 # -- the workspace alone ---------------------------------------------------------------------
 
@@ -31,12 +31,38 @@ def test_a_buffer_given_back_serves_the_next_loan_and_a_lent_one_never_does() ->
 
 def test_the_bound_drops_the_oldest_buffers() -> None:
     ws = Workspace(max_bytes=3 << 16)
-    buffers = [ws.lend(1 << 16) for _ in range(4)]
-    for buffer in buffers:
+    buffers = []
+    for size in (1, 2, 3, 4):  # one at a time, each too large for the ones kept before it
+        buffers.append(ws.lend(size << 16))
+        ws.give_back(buffers[-1])
+    assert ws.bound == 4 << 16 and ws.kept_bytes == 4 << 16  # the newest; the three before went
+    assert ws.lend(1 << 16) is buffers[-1]
+
+
+def test_the_bound_follows_the_most_lent_at_once_and_comes_back_down() -> None:
+    ws = Workspace(max_bytes=1 << 16)
+    step = [ws.lend(1 << 20) for _ in range(3)]  # a step that needs 3 MiB at once
+    for buffer in step:
         ws.give_back(buffer)
-    assert ws.kept_bytes == 3 << 16
-    kept = [ws.lend(1 << 16) for _ in range(3)]
-    assert all(any(k is b for b in buffers[1:]) for k in kept)  # the first given back went
+    assert ws.bound == 3 << 20 and ws.kept_bytes == 3 << 20  # all kept for the next step
+    again = [ws.lend(1 << 20) for _ in range(3)]
+    assert all(any(a is b for b in step) for a in again)  # the next step faults nothing in
+    for buffer in again:
+        ws.give_back(buffer)
+    for _ in range(WINDOW):  # steps of one loan at a time: the peak leaves the window
+        ws.give_back(ws.lend(1 << 10))
+    assert ws.bound == 1 << 20 and ws.kept_bytes == 1 << 20  # the one buffer those loans use
+
+
+def test_a_loan_dropped_unreturned_stops_counting_toward_the_bound() -> None:
+    ws = Workspace(max_bytes=1 << 16)
+    dropped = ws.lend(1 << 20)  # a Task never waited for
+    del dropped
+    gc.collect()
+    kept = ws.lend(1 << 20)
+    assert ws.bound == kept.nbytes  # not both: the first is garbage
+    ws.clear()
+    assert ws.bound == 0
 
 
 @pytest.mark.parametrize("make_view", ["numpy slice", "tensor", "tensor view", "numpy of tensor"])

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+import unicoll as uc
 from unicoll import registry
+from unicoll.backends.base import Capabilities
 
 #: Every registered backend that moves CUDA arrays.
 GPU_BACKENDS = [name for name, f in registry.registered().items() if "cuda" in f.capabilities.devices]
@@ -25,3 +29,20 @@ def params(*extra: tuple) -> list:
         for name in GPU_BACKENDS
         for values in combos
     ]
+
+
+def start_on_gloo(registered: str, backend: type, name: str, table: Capabilities) -> None:
+    """Register and start ``backend`` (a TorchDistBackend class, named ``name``, with ``table``)
+    driving gloo as ``registered``: a GPU backend's own code path run on the host."""
+
+    class Factory:
+        capabilities = table
+
+        def probe(self) -> None:
+            return None
+
+        def __call__(self, *, rank: int, world_size: int, timeout: float) -> Any:
+            return backend(name, "gloo", table, rank=rank, world_size=world_size, timeout=timeout)
+
+    registry.register_backend(registered, Factory())
+    uc.init(registered)

@@ -7,8 +7,9 @@ and capacity factors 1.0, 1.25 and 2.0: the capacity C is ``ceil(factor * tokens
 rows per (source rank, expert), the same in the three steps, which therefore drop the same slots
 and return the same result (checked once per case):
 
-- **static**: ``moe.dispatch_static`` + ``moe.combine_static`` (blocks of C rows, padding
-  included, and a fixed-size count exchange on the device);
+- **static**: ``moe.dispatch_static`` + ``moe.combine_static`` (blocks of C rows; on a host
+  backend only their valid rows travel, after a fixed-size count exchange, and on a device
+  backend the whole blocks, padding included);
 - **dynamic**: ``moe.dispatch(..., capacity=C)`` + ``moe.combine``;
 - **by hand**: what a user writes on the raw transport (torch.distributed, or mpi4py on ``mpi``)
   with the permutation computed every step: sort the slots by expert, cut each expert's slots
@@ -144,6 +145,7 @@ def _case(config: dict[str, Any], baseline: Any, k: int, factor: float) -> dict[
     from array_api_compat import array_namespace
 
     import unicoll as uc
+    from unicoll.runtime import state
     from unicoll.static_layout import static_layout
 
     rank, world, experts = uc.get_rank(), uc.get_world_size(), config["experts"]
@@ -184,7 +186,8 @@ def _case(config: dict[str, Any], baseline: Any, k: int, factor: float) -> dict[
     layout = static_layout(array_namespace(ids), ids, world * experts, capacity)
     row_bytes, count_bytes = hidden * 4, world * experts * 8
     sent_rows = int(layout.sent.sum())
-    static_mib = (2 * world * experts * capacity * row_bytes + 2 * count_bytes) / 2**20
+    static_rows = sent_rows if state("bench").backend.host_memory else world * experts * capacity
+    static_mib = (2 * static_rows * row_bytes + 2 * count_bytes) / 2**20
     dynamic_mib = (2 * sent_rows * row_bytes + count_bytes) / 2**20
     padding = 1 - sent_rows / (world * experts * capacity)
     static_ms, dynamic_ms, hand_ms = (1e3 * _median_slowest(baseline, t) for t in times)

@@ -29,7 +29,7 @@ from ..check import call_number, verify
 from ..errors import bad_input, translated
 from ..group import Group
 from ..routing import Handle, Routing, route
-from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
+from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call, OpSpec
 from ..task import Task
 from ..validate import prepare
 from ..workspace import FROM_BYTES
@@ -193,30 +193,37 @@ def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, 
 
 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
-    backend, grp, y, handle = call.backend, call.group, arguments["y"], arguments["handle"]
-    plan, weights = handle.plan, handle.weights
+    handle = arguments["handle"]
+    return combine_rows(MOE_COMBINE, call, arguments["y"], handle.routing, handle.plan, handle.weights)
+
+
+def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:
+    """The combine ``spec`` (moe.combine, or the static mode's on the host) of expert rows
+    ``y`` (``plan``'s expert-major side) along ``routing``, weighed by ``weights`` (or None):
+    global_gather, then each token's slots summed."""
+    backend, grp = call.backend, call.group
     if records_gradient(y, weights):
-        return _combine_with_autograd(call, y, handle)
+        return _combine_with_autograd(spec, call, y, routing, plan, weights)
     library = library_of(y)
 
     def issue() -> Pending:
         if call.check:
-            verify(MOE_COMBINE, call)
-        return _sent_back(backend, backend.to_native(y), plan, grp, not call.sync_op, call.sync_op, handle.routing)
+            verify(spec, call)
+        return _sent_back(backend, backend.to_native(y), plan, grp, not call.sync_op, call.sync_op, routing)
 
     def finish(result: tuple[Any, np.ndarray | None]) -> Any:
         back, lent = result
         native_weights = kept = None
         if weights is not None:
             native_weights = backend.to_native(weights)
-            kept = host_as(handle.routing.kept, native_weights) if handle.dropped else None
+            kept = host_as(routing.kept, native_weights) if routing.dropped else None
         try:
-            out = sum_slots(backend, back, handle.routing, native_weights, kept)
+            out = sum_slots(backend, back, routing, native_weights, kept)
         finally:
             backend.give_back(lent)
         return backend.from_native(out, library)
 
-    return _run(MOE_COMBINE.name, call, issue, finish)
+    return _run(spec.name, call, issue, finish)
 
 
 def _sent_back(
@@ -355,37 +362,37 @@ def records_gradient(*arrays: Any) -> bool:
     return False
 
 
-def _combine_with_autograd(call: Call, y: Any, handle: Handle) -> Any:
+def _combine_with_autograd(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:
     """combine where torch records a gradient: the rows sent back by global_gather (whose
     backward is global_scatter), then each token's slots weighted and summed by torch's own
     differentiable operations, which keep the rows the weights' gradient needs."""
-    backend, grp, plan = call.backend, call.group, handle.plan
+    backend, grp = call.backend, call.group
 
     def issue() -> Pending:
         if call.check:
-            verify(MOE_COMBINE, call)
+            verify(spec, call)
         return backend.global_gather(backend.to_native(y), plan, grp, not call.sync_op, call.sync_op)
 
     backward = functools.partial(global_gather_backward, backend, grp, plan=plan)
-    returned = _functional(MOE_COMBINE.name, call, y, backward)
+    returned = _functional(spec.name, call, y, backward)
 
     def finish(result: Any) -> Any:
-        return _sum_slots_differentiably(returned(result), handle)
+        return _sum_slots_differentiably(returned(result), routing, weights)
 
-    return _run(MOE_COMBINE.name, call, issue, finish)
+    return _run(spec.name, call, issue, finish)
 
 
-def _sum_slots_differentiably(back: Any, handle: Handle) -> Any:
+def _sum_slots_differentiably(back: Any, routing: Routing, weights: Any) -> Any:
     """Each token's rows (``back``, in send order) weighted and summed over its k slots by
     torch's differentiable operations (:func:`sum_at_once`), as back's dtype."""
     import torch  # loaded already: back is a tensor
 
-    weights, kept = handle.weights, None
-    if handle.dropped:  # dropped slots read a zero row
+    kept = None
+    if routing.dropped:  # dropped slots read a zero row
         back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])
-        kept = None if weights is None else host_as(handle.routing.kept, weights)
-    slot_rows = host_as(handle.routing.slot_rows, back)
-    return sum_at_once(back, slot_rows, handle.tokens, handle.topk, weights, kept)
+        kept = None if weights is None else host_as(routing.kept, weights)
+    slot_rows = host_as(routing.slot_rows, back)
+    return sum_at_once(back, slot_rows, routing.slot_rows.size // routing.topk, routing.topk, weights, kept)
 
 
 def sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, kept: Any) -> Any:
