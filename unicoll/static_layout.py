@@ -57,13 +57,13 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
     ids = xp.astype(xp.reshape(topk_idx, (slots,)), xp.int64)
     routed = (ids >= 0) & (ids < experts)
     key = xp.where(routed, ids, xp.full_like(ids, experts))  # dropped ids sort last, in a bucket of their own
-    order = xp.argsort(key, stable=True)  # by expert, then by slot
+    order = xp.argsort(_narrow(xp, key, experts), stable=True)  # by expert, then by slot
     sorted_key = xp.take(key, order)
     starts = xp.searchsorted(sorted_key, xp.arange(experts + 1, dtype=xp.int64, device=place))
     demand = starts[1:] - starts[:-1]
     sent = xp.clip(demand, max=capacity)
     rank_in_sorted = xp.arange(slots, dtype=xp.int64, device=place) - xp.take(starts, sorted_key)
-    rank_in_expert = xp.take(rank_in_sorted, xp.argsort(order))  # back to slot order
+    rank_in_expert = xp.take(rank_in_sorted, xp.argsort(_narrow(xp, order, slots - 1), stable=True))  # slot order
     kept = routed & (rank_in_expert < capacity)
     zeros = xp.zeros_like(ids)
     slot_rows = xp.where(kept, ids * capacity + rank_in_expert, zeros)
@@ -77,6 +77,12 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
     else:
         row_tokens = xp.zeros_like(rows)
     return StaticLayout(slot_rows, xp.reshape(kept, (tokens, k)), row_tokens, filled, sent, demand)
+
+
+def _narrow(xp: Any, values: Any, largest: int) -> Any:
+    """Int values from 0 to ``largest`` as int16 where they fit, which sort two to three times
+    faster (numpy sorts 16-bit keys by radix); else as they are."""
+    return xp.astype(values, xp.int16) if largest <= 2**15 - 1 else values
 
 
 def send_rows(xp: Any, x: Any, layout: StaticLayout) -> Any:
@@ -179,45 +185,44 @@ class HostRoute(NamedTuple):
 class StaticHandle(SessionHandle):
     """What :func:`unicoll.moe.dispatch_static` hands back for the matching
     :func:`unicoll.moe.combine_static` and :func:`unicoll.moe.redispatch_static`: the layout of
-    one routing as arrays where the router's ids were (no host copy), the block shape, and the
-    counts.
+    one routing, the block shape, and the counts.
 
     ``counts`` and ``received_before_drop``: ``(E, W)`` int64 arrays on x's device, the rows each
     (local expert, source rank) block holds and the slots its source routed there before the
     capacity dropped any; ``sent_before_drop``: ``(W * E,)``, the slots this rank routed to each
-    global expert before the capacity. Like :class:`~unicoll.routing.Handle` it keeps the
-    caller's ``topk_weights`` (combine weighs by them when it runs) and nothing else of the
-    caller's, and refuses to be used once its session ends.
+    global expert before the capacity; ``kept``: ``(tokens, k)`` bool, which slots were sent.
+    Like :class:`~unicoll.routing.Handle` it keeps the caller's ``topk_weights`` (combine weighs
+    by them when it runs) and nothing else of the caller's, and refuses to be used once its
+    session ends.
     """
 
     def __init__(
         self,
-        layout: StaticLayout,
         group: Any,
         experts_per_rank: int,
         capacity: int,
         weights: Any,
         like: Any,
-        counts: Any,
-        received_before_drop: Any,
-        sent_before_drop: Any,
-        host: HostRoute | None = None,
+        counts: tuple[Any, Any, Any],
+        kept: Any,
+        layout: StaticLayout | HostRoute,
         dispatch_number: int = -1,
     ) -> None:
         """``like``: the dispatched x, whose library and device later rows must have (not kept).
-        ``host``: on a host backend, the routing and plan the transfers follow (None elsewhere).
-        ``dispatch_number``: in check mode, the dispatch's collective number on ``group``."""
+        ``counts``: ``counts``, ``received_before_drop`` and ``sent_before_drop``. ``layout``:
+        the :class:`StaticLayout` where the router's ids were (a device backend), or the
+        routing and plan on the host (a host backend). ``dispatch_number``: in check mode, the
+        dispatch's collective number on ``group``."""
         self.layout = layout
-        self.host = host
+        """What combine, redispatch and the backward passes follow (see above)."""
         self.world = group.world_size
         self.experts_per_rank = experts_per_rank
         self.capacity = capacity
-        self.tokens, self.topk = layout.kept.shape
+        self.tokens, self.topk = kept.shape
         self.library = library_of(like)
         self.device = getattr(like, "device", None)
-        self.counts = counts
-        self.received_before_drop = received_before_drop
-        self.sent_before_drop = sent_before_drop
+        self.counts, self.received_before_drop, self.sent_before_drop = counts
+        self.kept = kept
         super().__init__(group, weights, dispatch_number)
 
     def __repr__(self) -> str:

@@ -75,7 +75,7 @@ def _gradients(rank: int) -> list[str]:
             failures.append(f"step {step}, rank {rank}: counts {counts} != {wcounts[rank]}")
         if counts.device != x.device or counts.dtype != torch.int64 or rows.shape != (E, world * C, DIM):
             failures.append(f"counts {counts.dtype} on {counts.device}, rows {tuple(rows.shape)}")
-        dropped = ~handle.layout.kept
+        dropped = ~handle.kept
         if dropped.any() and not torch.equal(mine[2][dropped], torch.zeros_like(mine[2][dropped])):
             failures.append(f"rank {rank}: a dropped slot's weight got gradient {mine[2][dropped]}")
     return failures

@@ -450,7 +450,9 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
 class TracedStaticHandle(NamedTuple):
     """What :func:`unicoll.moe.dispatch_static` hands back in compiled code: the layout as
     tensors and the block shape, for :func:`moe_redispatch_static` and
-    :func:`moe_combine_static` (which also take an eager :class:`~unicoll.moe.StaticHandle`)."""
+    :func:`moe_combine_static` (which also take an eager :class:`~unicoll.moe.StaticHandle` made
+    on a device backend; one made on a host backend, whose transfers follow a plan on the host,
+    runs them eagerly)."""
 
     layout: StaticLayout
     group: int
@@ -468,6 +470,11 @@ class TracedStaticHandle(NamedTuple):
     def sent_before_drop(self) -> torch.Tensor:
         """``(W * E,)``: the slots this rank routed to each global expert before the capacity."""
         return self.layout.demand
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """``(tokens, k)`` bool: which slots were sent."""
+        return self.layout.kept
 
     @property
     def tokens(self) -> int:
@@ -539,7 +546,7 @@ def _static_handle(op: Callable[..., Any], rows: Any, handle: Any, sync_op: Any)
     """The group number of a static handle, and whether ``op``'s call with it traces."""
     if isinstance(handle, TracedStaticHandle):
         number = handle.group
-    elif isinstance(handle, StaticHandle) and handle.ended is None:
+    elif isinstance(handle, StaticHandle) and handle.ended is None and isinstance(handle.layout, StaticLayout):
         number = _number(handle.group)
     else:
         return WORLD, False

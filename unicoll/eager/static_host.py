@@ -2,14 +2,15 @@
 results as everywhere, with only the valid rows on the wire.
 
 Where the arrays are in host memory, reading a count is no synchronization: nothing waits for a
-device. So the layout (:func:`unicoll.static_layout.static_layout`, the one array-API routing)
-is computed on the host, the counts (``W`` blocks of ``2E``, fixed size) travel first, and the
-rows follow as the dynamic mode's ``global_scatter``/``global_gather`` with a *padded* plan
+device. So the slots are routed on the host as moe.dispatch routes them with a capacity
+(:func:`unicoll.routing.route`: the same order and the same slots kept as the array-API layout
+of :mod:`unicoll.static_layout`), the counts (``W`` blocks of ``2E``, fixed size) travel first,
+and the rows follow as moe.dispatch's ``global_scatter``/``global_gather`` with a *padded* plan
 (:class:`~unicoll.backends.layout.MoePlan` with a capacity): each block's valid rows go straight
 to their place among the ``(E, W * C)`` rows, the padding is written as zeros where they land
 and never travels. Combine, the backward passes and a second layer's redispatch go the same
-way, with the dynamic mode's sums and backward (one backward per operator). The device path,
-even all-to-alls of whole blocks, is :mod:`unicoll.eager.static_moe`'s.
+way, with moe.dispatch's sums and backward (one backward per operator). The device path, even
+all-to-alls of whole blocks, is :mod:`unicoll.eager.static_moe`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from array_api_compat import array_namespace
 
 from ..backends.base import Backend, Pending
 from ..backends.layout import MoePlan, moe_plan
@@ -25,9 +25,9 @@ from ..check import call_number, verify
 from ..counts import on_host
 from ..errors import bad_input
 from ..group import Group
-from ..routing import Routing
+from ..routing import Routing, route
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
-from ..static_layout import HostRoute, StaticHandle, StaticLayout, counts_in, counts_out, static_layout
+from ..static_layout import HostRoute, StaticHandle
 from .moe import combine_rows, dispatch_backward, host_as
 from .ops import _functional, _run
 
@@ -36,11 +36,10 @@ def dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     """moe.dispatch_static (validated ``call``) on a host backend (``Backend.host_memory``)."""
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
-    ids = np.asarray(on_host(arguments["topk_idx"]))
-    xp = array_namespace(ids)  # array-api-compat's numpy, loaded on first use
-    layout = static_layout(xp, ids, world * experts, capacity)
-    routing = packed_routing(layout)
-    told = counts_out(xp, layout, world, experts)
+    ids = routed_ids(arguments["topk_idx"], world * experts)
+    routing = route(ids, world * experts, capacity)
+    demand = np.bincount(ids[ids >= 0], minlength=world * experts)
+    told = np.concatenate([routing.local_count.reshape(world, experts), demand.reshape(world, experts)], axis=1)
     plan: MoePlan | None = None
     got, number = told, -1
 
@@ -50,10 +49,9 @@ def dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             verify(MOE_DISPATCH_STATIC, call, topk_idx=arguments["topk_idx"])
             number = call_number(grp)
         if call.overflow == "error":
-            refuse_drops(backend, grp, layout, capacity)
-        got = backend.exchange_ints(told, grp)
-        valid, _ = counts_in(xp, got, world, experts)
-        plan = moe_plan(layout.sent, np.ascontiguousarray(valid.T).reshape(-1), world, capacity)
+            refuse_drops(backend, grp, demand, capacity)
+        got = backend.exchange_ints(told.reshape(-1), grp).reshape(world, 2 * experts)
+        plan = moe_plan(routing.local_count, got[:, :experts].reshape(-1), world, capacity)
         return _scatter(call, x, routing, plan)
 
     def backward(grad: Any) -> Any:  # the plan is made when the call is issued
@@ -63,18 +61,33 @@ def dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
     def finish(result: Any) -> tuple[Any, Any, StaticHandle]:
         rows = received(result.reshape(experts, world * capacity, *result.shape[1:]))
-        valid, before = (host_as(np.ascontiguousarray(c), x) for c in counts_in(xp, got, world, experts))
-        handle = StaticHandle(layout, grp, experts, capacity, weights, x, valid, before,
-                              host_as(layout.demand, x), HostRoute(routing, plan), number)  # fmt: skip
+        valid, before = (host_as(np.ascontiguousarray(got[:, part].T), x) for part in _halves(experts))
+        counts = (valid, before, host_as(demand, x))
+        handle = StaticHandle(grp, experts, capacity, weights, x, counts, host_as(routing.kept, x),
+                              HostRoute(routing, plan), number)  # fmt: skip
         return rows, valid, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
 
 
+def routed_ids(topk_idx: Any, experts: int) -> np.ndarray:
+    """The router's ids on the host as int64, -1 for a dropped slot: -1 itself, or an id
+    outside ``0 .. experts - 1``, which the static mode drops (check mode refuses it first)."""
+    ids = np.asarray(on_host(topk_idx)).astype(np.int64, copy=False)
+    outside = (ids < -1) | (ids >= experts)
+    return np.where(outside, -1, ids) if outside.any() else ids
+
+
+def _halves(experts: int) -> tuple[slice, slice]:
+    """The two halves of a rank's ``2E`` counts: the rows it sends each expert, and its slots
+    routed there before the capacity."""
+    return slice(0, experts), slice(experts, 2 * experts)
+
+
 def redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     """moe.redispatch_static on a host backend: the handle's routing and plan, no count exchange."""
     backend, grp, handle, x = call.backend, call.group, arguments["handle"], arguments["x"]
-    routing, plan = handle.host
+    routing, plan = handle.layout
 
     def issue() -> Pending:
         if call.check:
@@ -91,21 +104,8 @@ def redispatch(call: Call, arguments: dict[str, Any]) -> Any:
 def combine(call: Call, arguments: dict[str, Any]) -> Any:
     """moe.combine_static on a host backend: moe.combine's transfer and sums over y's blocks."""
     handle = arguments["handle"]
-    routing, plan = handle.host
+    routing, plan = handle.layout
     return combine_rows(MOE_COMBINE_STATIC, call, rows_of(arguments["y"]), routing, plan, handle.weights)
-
-
-def packed_routing(layout: StaticLayout) -> Routing:
-    """A host static layout as the dynamic mode's :class:`~unicoll.routing.Routing`: the
-    filled rows of the send buffer, in its order (by global expert, then slot), and each kept
-    slot's place among them (a dropped slot's: one past them)."""
-    filled = layout.filled
-    send_tokens = layout.row_tokens[filled]
-    place = np.cumsum(filled) - 1
-    kept = layout.kept.reshape(-1)
-    slot_rows = np.full(kept.shape, send_tokens.size, dtype=np.int64)
-    slot_rows[kept] = place[layout.slot_rows[kept]]
-    return Routing(layout.sent, send_tokens, slot_rows, not kept.all(), layout.kept.shape[1])
 
 
 def _scatter(call: Call, x: Any, routing: Routing, plan: MoePlan) -> Pending:
@@ -119,10 +119,11 @@ def rows_of(blocks: Any) -> Any:
     return blocks.reshape(blocks.shape[0] * blocks.shape[1], *blocks.shape[2:])
 
 
-def refuse_drops(backend: Backend, group: Group, layout: StaticLayout, capacity: int) -> None:
-    """overflow='error': every rank's dropped slots (beyond the capacity) on the host, then the
-    same ValueError on every rank if any rank dropped one."""
-    demand = np.asarray(on_host(layout.demand), dtype=np.int64)
+def refuse_drops(backend: Backend, group: Group, demand: np.ndarray, capacity: int) -> None:
+    """overflow='error': every rank's dropped slots (beyond the capacity; ``demand``: its slots
+    routed to each global expert, on the host), then the same ValueError on every rank if any
+    rank dropped one."""
+    demand = np.asarray(demand, dtype=np.int64)
     over = int(np.maximum(demand - capacity, 0).sum())
     worst = int(demand.argmax()) if demand.size else 0
     mine = np.array([over, worst, int(demand.max()) if demand.size else 0], np.int64)

@@ -20,6 +20,7 @@ from array_api_compat import array_namespace
 from ..arrays import library_of
 from ..backends.base import Backend, Pending
 from ..check import call_number, verify
+from ..counts import on_host
 from ..group import Group
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
 from ..static_layout import (
@@ -128,7 +129,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             verify(MOE_DISPATCH_STATIC, call, topk_idx=arguments["topk_idx"])
             number = call_number(grp)
         if call.overflow == "error":
-            refuse_drops(backend, grp, layout, capacity)
+            refuse_drops(backend, grp, on_host(layout.demand), capacity)
         rows = _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
         got = _transfer(backend, backend.to_native(counts), grp, not call.sync_op, call.sync_op)
         return Pending(rows.works + got.works, lambda: (rows.finish(), got.finish()))
@@ -139,8 +140,8 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         rows, got = result
         rows = expert_major(xp, received(rows), world, experts)
         valid, before = counts_in(xp, backend.from_native(got, library_of(x)), world, experts)
-        handle = StaticHandle(layout, grp, experts, capacity, weights, x, valid, before, layout.demand,
-                              dispatch_number=number)  # fmt: skip
+        handle = StaticHandle(grp, experts, capacity, weights, x, (valid, before, layout.demand), layout.kept, layout,
+                              number)  # fmt: skip
         return rows, valid, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
