@@ -96,7 +96,10 @@ def render_moe_modes() -> list[str]:
         "A mode is its dispatch, redispatch and combine. *No host sync*: no call reads an array's values on the "
         "host (with a GPU, no synchronization). *Backward*: torch autograd through every call. *torch.compile*: "
         "traced with `fullgraph=True` and no dynamic shapes or `capture_scalar_outputs` (every output shape follows "
-        "from the arguments' shapes). *CUDA graph*: capturable, which needs all three and a CUDA device.",
+        "from the arguments' shapes). *CUDA graph*: capturable, which needs all three and a CUDA device. On a host "
+        "backend (its arrays in host memory) there is no device to wait for: there the static mode's eager calls "
+        "read the counts in host memory so that only the valid rows travel, and its compiled calls read nothing "
+        "(docs/semantics.md).",
         "",
         "| backend | mode | operators | no host sync | backward | torch.compile, static shapes | CUDA graph |",
         "|---|---|---|---|---|---|---|",

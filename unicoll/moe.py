@@ -9,8 +9,9 @@ handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 
 ``dispatch_static``, ``redispatch_static`` and ``combine_static`` are the static-shape mode:
 blocks of a fixed capacity per (expert, source rank), the valid counts as an array on x's
-device, no value read to the host, so a step needs no synchronization and torch.compile (or a
-CUDA graph) captures it without dynamic shapes (docs/semantics.md, "The static-shape mode").
+device, no value of a device array read to the host, so a step needs no synchronization and
+torch.compile (or a CUDA graph) captures it without dynamic shapes; on gloo and mpi only the
+valid rows travel (docs/semantics.md, "The static-shape mode").
 
 >>> import unicoll as uc
 >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, topk_weights, experts_per_rank=2)  # doctest: +SKIP

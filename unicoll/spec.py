@@ -721,7 +721,7 @@ MOE_DISPATCH_STATIC = OpSpec(
     name="moe.dispatch_static",
     summary=(
         "Static-shape top-k dispatch: every output shape depends only on (tokens, k, capacity, W, "
-        "experts_per_rank, x's trailing shape) and nothing is read to the host. Returns (rows, counts, "
+        "experts_per_rank, x's trailing shape) and, on a device, nothing is read to the host. Returns (rows, counts, "
         "handle): rows of shape (experts_per_rank, W * capacity, *x.shape[1:]), block [e, c * capacity:(c + 1) "
         "* capacity] holding what rank c sent expert e, its kept slots in slot order t * k + j, then zeros; "
         "counts, the valid rows of each block as an (experts_per_rank, W) int64 array on x's device; and the "

@@ -1,6 +1,7 @@
 """The layout of a static-shape top-k dispatch, computed where the router's ids are (host or
 device) with array-API operations only, so numpy, torch and cupy, eager or traced by
-torch.compile, share this one code path and nothing is read to the host.
+torch.compile, share this one code path and nothing is read to the host. (On a host backend,
+:mod:`unicoll.eager.static_host` routes the same slots with moe.dispatch's router.)
 
 With ``capacity`` C, rank r's send buffer has ``W * E * C`` rows: block ``g = c * E + e`` (C
 rows) holds what r sends to local expert e of rank c, its kept slots first in slot order

@@ -58,8 +58,9 @@ def dispatch_static(
     ``[e, c * capacity:(c + 1) * capacity]`` holds the rows rank c sent this rank's expert e, its
     kept slots in slot order ``t * k + j``, then zeros. ``counts`` (``(experts_per_rank, W)``,
     int64, on x's device) says how many rows of each block are valid. Every shape follows from
-    the arguments' shapes, and nothing is read to the host: no synchronization, and
-    torch.compile traces it without dynamic shapes. Each rank sends each expert at most
+    the arguments' shapes, and nothing on a device is read to the host: no synchronization,
+    and torch.compile traces it without dynamic shapes (on gloo and mpi, whose arrays are in
+    host memory, only the valid rows travel). Each rank sends each expert at most
     ``capacity`` rows, the lowest slots first; the handle's ``received_before_drop`` and
     ``sent_before_drop`` count the slots before that. ``sync_op=False`` returns a
     :class:`~unicoll.Task` whose ``wait()`` returns the same tuple.
