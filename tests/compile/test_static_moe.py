@@ -89,7 +89,14 @@ def compiled_static_layer(rank: int) -> dict:
             results.append([out.detach(), *grads])
         same.append(all(torch.equal(a, b) for a, b in zip(*results)))
     ours = [sorted(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("unicoll.")) for gm in graphs]
-    return dict(same=same, frames=frames[0], graphs=len(graphs), host_reads=_host_reads(graphs), ours=ours)
+    # an eager handle, made on gloo (its layout a plan on the host), in compiled code: combine runs eagerly
+    x = torch.randn(TOKENS, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    gates, chosen = (x @ params[0]).softmax(-1).topk(TOP_K, dim=-1)
+    rows, _, handle = uc.moe.dispatch_static(x, chosen, gates, experts_per_rank=params[1].shape[0], capacity=CAPACITY)
+    combine = torch.compile(lambda y, h: uc.moe.combine_static(2 * y, h), backend="eager")
+    mixed = torch.equal(combine(rows, handle), uc.moe.combine_static(2 * rows, handle))
+    return dict(same=same, frames=frames[0], graphs=len(graphs), host_reads=_host_reads(graphs), ours=ours,
+                mixed=mixed)  # fmt: skip
 
 
 def test_static_moe_layer_compiles_without_dynamic_shapes_or_host_reads() -> None:
@@ -101,6 +108,7 @@ def test_static_moe_layer_compiles_without_dynamic_shapes_or_host_reads() -> Non
         forward, backward = report["ours"]  # the rows, the counts and combine's rows; their way back
         assert forward == ["unicoll.alltoall_single.default"] * 3
         assert backward == ["unicoll.alltoall_single_backward.default"] * 2
+        assert report["mixed"]
 
 
 # -- CUDA (where a GPU is lent) ---------------------------------------------------------------
