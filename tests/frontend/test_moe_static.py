@@ -191,6 +191,29 @@ def test_gradients_redispatch_tasks_and_groups_match_the_whole_world(backend: st
     assert uc.testing.spawn(_tasks_and_groups, world, backend=backend) == [[]] * world
 
 
+def _capacities_disagree(rank: int) -> str:
+    """Each rank computes its capacity from its own tokens (a likely mistake), outside check
+    mode: on a host backend the capacities travel beside the counts, so every rank raises the
+    same error before a row moves, then the world goes on."""
+    x = torch.ones(4 + rank, 3)
+    ids = torch.zeros(4 + rank, K, dtype=torch.int64)
+    try:
+        uc.moe.dispatch_static(x, ids, experts_per_rank=E, capacity=2 + rank)
+    except uc.CrossRankMismatchError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    rows, _, _ = uc.moe.dispatch_static(x, ids, experts_per_rank=E, capacity=2)
+    return message if rows.shape == (E, uc.get_world_size() * 2, 3) else "the next call failed"
+
+
+@pytest.mark.parametrize(("backend", "world"), [("gloo", 3), ("mpi", 2)])
+def test_ranks_with_different_capacities_get_the_same_error(backend: str, world: int) -> None:
+    messages = uc.testing.spawn(_capacities_disagree, world, backend=backend)
+    told = ", ".join(f"rank {c}: {2 + c}" for c in range(world))
+    assert messages == [f"moe.dispatch_static: capacity: expected the same capacity on every rank, got {told}"] * world
+
+
 _DEVICE_PATH = Capabilities(
     ops=torch_nccl.CAPABILITIES.ops,
     dtypes=frozenset({"float32", "float64", "int64", "bool"}),

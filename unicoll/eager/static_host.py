@@ -4,7 +4,8 @@ results as everywhere, with only the valid rows on the wire.
 Where the arrays are in host memory, reading a count is no synchronization: nothing waits for a
 device. So the slots are routed on the host as moe.dispatch routes them with a capacity
 (:func:`unicoll.routing.route`: the same order and the same slots kept as the array-API layout
-of :mod:`unicoll.static_layout`), the counts (``W`` blocks of ``2E``, fixed size) travel first,
+of :mod:`unicoll.static_layout`), the counts (``W`` blocks of ``1 + 2E``: the capacity, the rows
+sent, the slots routed before the capacity; fixed size) travel first,
 and the rows follow as moe.dispatch's ``global_scatter``/``global_gather`` with a *padded* plan
 (:class:`~unicoll.backends.layout.MoePlan` with a capacity): each block's valid rows go straight
 to their place among the ``(E, W * C)`` rows, the padding is written as zeros where they land
@@ -23,7 +24,7 @@ from ..backends.base import Backend, Pending
 from ..backends.layout import MoePlan, moe_plan
 from ..check import call_number, verify
 from ..counts import on_host
-from ..errors import bad_input
+from ..errors import CrossRankMismatchError, bad_input
 from ..group import Group
 from ..routing import Routing, route
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
@@ -39,7 +40,10 @@ def dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     ids = routed_ids(arguments["topk_idx"], world * experts)
     routing = route(ids, world * experts, capacity)
     demand = np.bincount(ids[ids >= 0], minlength=world * experts)
-    told = np.concatenate([routing.local_count.reshape(world, experts), demand.reshape(world, experts)], axis=1)
+    told = np.concatenate(
+        [np.full((world, 1), capacity), routing.local_count.reshape(world, experts), demand.reshape(world, experts)],
+        axis=1,
+    )
     plan: MoePlan | None = None
     got, number = told, -1
 
@@ -50,8 +54,9 @@ def dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             number = call_number(grp)
         if call.overflow == "error":
             refuse_drops(backend, grp, demand, capacity)
-        got = backend.exchange_ints(told.reshape(-1), grp).reshape(world, 2 * experts)
-        plan = moe_plan(routing.local_count, got[:, :experts].reshape(-1), world, capacity)
+        got = backend.exchange_ints(told.reshape(-1), grp).reshape(world, 1 + 2 * experts)
+        _same_capacity(got[:, 0], capacity)
+        plan = moe_plan(routing.local_count, got[:, _halves(experts)[0]].reshape(-1), world, capacity)
         return _scatter(call, x, routing, plan)
 
     def backward(grad: Any) -> Any:  # the plan is made when the call is issued
@@ -79,9 +84,20 @@ def routed_ids(topk_idx: Any, experts: int) -> np.ndarray:
 
 
 def _halves(experts: int) -> tuple[slice, slice]:
-    """The two halves of a rank's ``2E`` counts: the rows it sends each expert, and its slots
-    routed there before the capacity."""
-    return slice(0, experts), slice(experts, 2 * experts)
+    """Where a rank's counts sit in the ``1 + 2E`` ints it tells each rank (its capacity first):
+    the rows it sends each expert, and its slots routed there before the capacity."""
+    return slice(1, 1 + experts), slice(1 + experts, 1 + 2 * experts)
+
+
+def _same_capacity(theirs: np.ndarray, capacity: int) -> None:
+    """Every rank's capacity, as it told this rank beside its counts, against this rank's: a
+    rank that computed its own (from its own token count, say) would make blocks the others
+    misread, so every rank raises the same error before any row moves."""
+    if (theirs != capacity).any():
+        told = ", ".join(f"rank {c}: {int(v)}" for c, v in enumerate(theirs))
+        raise CrossRankMismatchError(
+            f"{MOE_DISPATCH_STATIC.name}: capacity: expected the same capacity on every rank, got {told}"
+        )
 
 
 def redispatch(call: Call, arguments: dict[str, Any]) -> Any:
