@@ -154,7 +154,8 @@ class MoePlan:
 
     @property
     def padding_rows(self) -> np.ndarray:
-        """The padding rows of a padded plan's expert-major side (empty unpadded)."""
+        """The padding rows of a padded plan's expert-major side (empty unpadded), made per
+        use from :attr:`to_expert_major` (not kept)."""
         if self.capacity is None:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.to_expert_major == sum(self.recv))
@@ -196,7 +197,6 @@ class MoePlan:
         """What the plan holds once both reorders and the chunks are made: counted in full
         from the start, since a remembered plan makes them after it is counted."""
         reorders = 8 * (sum(self.recv) + self.expert_major_rows) if self.reordered else 0
-        reorders += 8 * (self.expert_major_rows - sum(self.recv))  # the padding rows (mpi's)
         chunks = _BYTES_PER_CHUNK * self.received.size if self.reordered else 0
         return self.received.nbytes + 16 * len(self.send) + reorders + chunks + _PLAN_OVERHEAD
 

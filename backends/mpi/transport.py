@@ -393,7 +393,8 @@ class MpiBackend(Backend):
         sent, lent = (x, None) if rows is None else self.gather_rows(x, rows)
         if _fused(sent):
             received = host_rows(x, plan.expert_major_rows, self.workspace)
-            received[plan.padding_rows] = 0  # the transfer writes every other row
+            if plan.capacity is not None:
+                received[plan.padding_rows] = 0  # the transfer writes every other row
             work = self._moe_alltoallw(sent, received, plan, True, True, group, async_op)
             return issued(work, lambda: self._returned(rows_as(received, x), lent))
         padded = int(plan.capacity is not None)  # one zero row after the received ones, for the padding
