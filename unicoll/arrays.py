@@ -1,7 +1,9 @@
 """What kind of array a value is: its library, dtype name, device and shape.
 
 Detection goes through array-api-compat, which never imports a library the caller has not
-imported, so ``import unicoll`` stays light and numpy-only users never load cupy.
+imported, so ``import unicoll`` stays light and numpy-only users never load cupy; the
+libraries that join through torch (Paddle, JAX: :mod:`unicoll.libraries`) are recognized by
+their descriptions, once the caller has imported them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from typing import Any, NamedTuple
 
 import array_api_compat as aac
 import numpy as np
+
+from .libraries import array_type, carried_origin, joined, library_of_type
 
 #: Every dtype unicoll knows, by its canonical name (numpy's spelling, plus torch's bfloat16).
 DTYPES: tuple[str, ...] = (
@@ -33,7 +37,8 @@ _kinds: dict[tuple[type, Any, Any], ArrayKind] = {}
 
 
 def library_of(x: Any) -> str | None:
-    """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, else None.
+    """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, a joined
+    library's name (``"paddle"``, ``"jax"``) for one of its arrays, else None.
 
     The answer is cached per type: the front end asks on every call.
     """
@@ -49,7 +54,7 @@ def library_of(x: Any) -> str | None:
     elif aac.is_cupy_array(x):
         library = "cupy"
     else:
-        library = None
+        library = library_of_type(kind)
     _library_by_type[kind] = library
     return library
 
@@ -64,7 +69,7 @@ def kind_of(x: Any) -> ArrayKind:
     """
     kind = known_kind(x)
     if kind is None:
-        raise TypeError(f"kind_of: x: expected a numpy, torch or cupy array, got {type(x).__name__}")
+        raise TypeError(f"kind_of: x: expected an array of a known library, got {type(x).__name__}")
     return kind
 
 
@@ -74,12 +79,17 @@ def known_kind(x: Any) -> ArrayKind | None:
     library = library_of(x)
     if library is None:
         return None
-    key = (type(x), x.dtype, x.device if library == "torch" else None)  # cupy's Device is unhashable
+    if library == "torch":
+        key = (type(x), x.dtype, x.device)
+    elif library in ("numpy", "cupy"):
+        key = (type(x), x.dtype, None)  # cupy's Device is unhashable
+    else:
+        key = (type(x), x.dtype, joined()[library].place(x))
     try:
         return _kinds[key]
     except KeyError:
         pass
-    kind = ArrayKind(library, _dtype_name(x.dtype), _device_kind(x, library))
+    kind = ArrayKind(library, _dtype_name(x, library), _device_kind(x, library))
     _kinds[key] = kind
     return kind
 
@@ -89,7 +99,10 @@ NON_NATIVE = " (non-native byte order)"
 order, so that no check or cache takes it for its native twin."""
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(x: Any, library: str) -> str:
+    if library not in ("numpy", "torch", "cupy"):
+        return joined()[library].dtype(x)
+    dtype = x.dtype
     name = getattr(dtype, "name", None)  # numpy and cupy dtypes have .name; torch dtypes do not
     if not isinstance(name, str):
         return str(dtype).removeprefix("torch.")
@@ -101,7 +114,20 @@ def _device_kind(x: Any, library: str) -> str:
         return "cpu"
     if library == "cupy":
         return "cuda"
-    return x.device.type
+    if library == "torch":
+        return x.device.type
+    return joined()[library].device(x)
+
+
+def place_of(x: Any) -> Any:
+    """Where an array of a known library lives, precisely enough to tell two devices apart:
+    None on the host for numpy, a torch or cupy array's ``device``, a joined library's place."""
+    library = library_of(x)
+    if library == "numpy":
+        return None
+    if library in ("torch", "cupy"):
+        return x.device
+    return joined()[library].place(x)
 
 
 def dtype_name(x: Any) -> str:
@@ -115,11 +141,25 @@ def device_kind(x: Any) -> str:
 
 
 def describe(x: Any) -> str:
-    """A short description of any value for error messages, e.g. ``"torch float32 (4, 3) on cpu"``."""
+    """A short description of any value for error messages, e.g. ``"torch float32 (4, 3) on cpu"``,
+    ``"paddle.Tensor int64 (4,) on cpu"``; a tensor that carries a joined library's array
+    through a call is described as that array (:func:`unicoll.libraries.carried_origin`)."""
     lib = library_of(x)
     if lib is None:
         return f"{type(x).__name__} {x!r}" if isinstance(x, (int, float, str)) else type(x).__name__
-    return f"{lib} {dtype_name(x)} {tuple(x.shape)} on {device_kind(x)}"
+    origin = carried_origin(x) if lib == "torch" else None
+    if origin is not None:
+        return describe(origin)
+    name = joined()[lib].array_type if lib in joined() else lib
+    return f"{name} {dtype_name(x)} {tuple(x.shape)} on {device_kind(x)}"
+
+
+def named_type(x: Any) -> str:
+    """What messages call the kind of array ``x`` is: ``"a torch tensor"``, ``"a paddle.Tensor"``
+    (for a tensor that carries a Paddle tensor through a call too)."""
+    lib = library_of(x)
+    origin = carried_origin(x) if lib == "torch" else None
+    return array_type(lib if origin is None else library_of(origin))
 
 
 def is_fillable(x: Any, library: str | None = None) -> bool:
@@ -130,7 +170,10 @@ def is_fillable(x: Any, library: str | None = None) -> bool:
         return bool(x.flags.c_contiguous and x.flags.writeable)
     if library == "torch":
         return bool(x.is_contiguous())
-    return bool(x.flags.c_contiguous)
+    if library == "cupy":
+        return bool(x.flags.c_contiguous)
+    joined_library = joined()[library]
+    return joined_library.writable and bool(joined_library.to_torch(x).is_contiguous())
 
 
 def overlaps(a: Any, b: Any) -> bool:

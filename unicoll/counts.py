@@ -8,7 +8,7 @@ from typing import Any, Protocol, Union
 
 import numpy as np
 
-from .arrays import describe, device_kind, dtype_name, library_of
+from .arrays import describe, device_kind, dtype_name, library_of, named_type
 from .errors import bad_input
 
 
@@ -56,7 +56,7 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
         return _from_sequence(value, op, param)
     name = dtype_name(value)
     if name not in _INT_DTYPES:
-        raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
+        raise bad_input(op, param, f"{named_type(value)} of dtype int32 or int64", describe(value), TypeError)
     if device_kind(value) not in _HOST_OR_CUDA:
         raise bad_input(op, param, "counts on the host or a CUDA device", describe(value))
     counts = np.asarray(on_host(value), dtype=np.int64)
@@ -139,8 +139,10 @@ def as_expert_ids(value: Any, op: str, param: str) -> np.ndarray:
     >>> as_expert_ids(np.array([[0, 3], [-1, 1]], dtype=np.int32), "moe.dispatch", "topk_idx").dtype
     dtype('int64')
     """
-    if library_of(value) is None or dtype_name(value) not in _INT_DTYPES:
+    if library_of(value) is None:
         raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
+    if dtype_name(value) not in _INT_DTYPES:
+        raise bad_input(op, param, f"{named_type(value)} of dtype int32 or int64", describe(value), TypeError)
     if device_kind(value) not in _HOST_OR_CUDA:
         raise bad_input(op, param, "expert ids on the host or a CUDA device", describe(value))
     if value.ndim != 2 or value.shape[1] < 1:

@@ -9,6 +9,11 @@ traced call, which registers the custom ops); else it runs eagerly behind
 ``torch.compiler.disable``, so that Dynamo, which watches every function that code it gave up
 tracing calls, never traces unicoll's internals. A program that never imports
 ``torch._dynamo`` pays one lookup in ``sys.modules`` per call.
+
+Once a joined array library is imported (Paddle, JAX: :mod:`unicoll.libraries`), a call whose
+arguments hold its arrays goes to :func:`unicoll.carry.call`, which runs the operator on torch
+tensors over their memory and hands the results back as the caller's arrays; a program that
+imports neither pays one more lookup in ``sys.modules`` per library.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from . import carry
 from .eager import moe, ops, static_moe
 from .entry import enter, exclusive_as, leave
+from .libraries import modules
 
 F = TypeVar("F", bound=Callable)
 
@@ -60,6 +67,19 @@ arrays in and out)."""
 
 _DYNAMO = "torch._dynamo"
 
+_JOINED_MODULES = modules()
+"""The modules of the joined array libraries (:func:`unicoll.libraries.modules`): a list that
+a library joining later is added to."""
+
+
+def _holds_joined(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments hold a joined library's arrays (asked only once one of those
+    libraries is imported)."""
+    for module in _JOINED_MODULES:
+        if module in sys.modules:
+            return carry.holds_joined(args, kwargs)
+    return False
+
 
 def _public(name: str, eager: F, module: str) -> F:
     """The public operator ``name`` (as users write it, ``"moe.dispatch"``), of module
@@ -77,6 +97,8 @@ def _public(name: str, eager: F, module: str) -> F:
             if traced_form is None:
                 return traced.without_traced_form(locked, args, kwargs)
             return getattr(traced, traced_form)(*args, **kwargs)
+        if _holds_joined(args, kwargs):
+            return carry.call(name, eager, locked, args, kwargs)
         if untraced is None:
             untraced = torch.compiler.disable(locked, reason=f"unicoll.{name} runs eagerly here")
         return untraced(*args, **kwargs)
@@ -85,6 +107,8 @@ def _public(name: str, eager: F, module: str) -> F:
     def operator(*args: Any, **kwargs: Any) -> Any:
         if _DYNAMO in sys.modules:
             return under_dynamo(args, kwargs)
+        if _holds_joined(args, kwargs):
+            return carry.call(name, eager, locked, args, kwargs)
         enter(name)  # locked(), inlined: one frame less on every call
         try:
             return eager(*args, **kwargs)

@@ -10,6 +10,8 @@ A :class:`Kind` holds
 - ``passed_through``: whether the call carries the caller's value itself (arrays), which the
   memory therefore never keeps;
 - ``holds_counts``: whether the read value is a counts array, which the memory copies;
+- ``fills``, ``in_place``: whether the operator writes into the value, and whether that value
+  is also an input (:mod:`unicoll.carry` carries such arrays of a joined library);
 - ``doc``: what the API page says is checked.
 
 A call whose arguments have the signatures of a call accepted before is accepted again
@@ -28,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import NON_NATIVE, describe, is_fillable, kind_of, known_kind, library_of
+from .arrays import NON_NATIVE, describe, is_fillable, kind_of, known_kind, library_of, named_type
 from .backends.base import REDUCE_OPS
 from .counts import as_counts, as_expert_ids
 from .errors import bad_input
+from .libraries import array_types
 from .routing import Handle
 from .static_layout import StaticHandle
 
@@ -55,6 +58,11 @@ class Kind:
     sign: Callable[[Any], Any] | None
     passed_through: bool = False
     holds_counts: bool = False
+    fills: bool = False
+    """Whether the operator writes into the value (an output to fill, or an array changed in place)."""
+    in_place: bool = False
+    """Whether the value is an input the operator changes in place (for an immutable library's
+    array, the operator hands back a new one instead)."""
 
 
 # -- readers -----------------------------------------------------------------------------------
@@ -62,8 +70,7 @@ class Kind:
 
 def _read_array(op: str, param: str, x: Any, caps: Capabilities, backend: str) -> Any:
     if library_of(x) not in caps.libraries:
-        libraries = " or ".join(sorted(caps.libraries))
-        raise bad_input(op, param, f"a {libraries} array (backend {backend!r})", describe(x), TypeError)
+        raise bad_input(op, param, f"{array_types(caps.libraries)} (backend {backend!r})", describe(x), TypeError)
     if x.ndim < 1:
         raise bad_input(op, param, "an array with at least one dimension (rows are dimension 0)", describe(x))
     kind = kind_of(x)
@@ -113,8 +120,10 @@ def _read_expert_ids(op: str, param: str, value: Any, caps: Capabilities, backen
 
 
 def _read_router_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
-    if library_of(value) not in caps.libraries or kind_of(value).dtype not in ("int32", "int64"):
+    if library_of(value) not in caps.libraries:
         raise bad_input(op, param, "an integer array (int32 or int64) of x's library", describe(value), TypeError)
+    if kind_of(value).dtype not in ("int32", "int64"):
+        raise bad_input(op, param, f"{named_type(value)} of dtype int32 or int64", describe(value), TypeError)
     if value.ndim != 2 or value.shape[1] < 1:
         raise bad_input(op, param, "a 2-D array (tokens, k) with k >= 1", describe(value))
     return value
@@ -283,6 +292,7 @@ OPTIONAL_OUTPUT = Kind(
     read=_read_optional_output,
     sign=_sign_optional_output,
     passed_through=True,
+    fills=True,
 )
 """An array to fill in place, or None."""
 
@@ -291,6 +301,8 @@ IN_PLACE = Kind(
     read=_read_output,
     sign=_sign_optional_output,
     passed_through=True,
+    fills=True,
+    in_place=True,
 )
 """An array the operator changes in place."""
 
@@ -299,6 +311,7 @@ GATHER_OUTPUT = Kind(
     read=_read_gather_output,
     sign=_sign_gather_output,
     passed_through=True,
+    fills=True,
 )
 """An array to fill in place, a list of them, or None."""
 

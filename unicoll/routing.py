@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import library_of
+from .arrays import library_of, place_of
 from .session import join_session
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class Handle(SessionHandle):
         self.tokens, self.topk = topk_idx_shape
         self.dropped = routing.dropped
         self.library = library_of(like)
-        self.device = getattr(like, "device", None)
+        self.device = place_of(like)
         self.received = sum(plan.recv)
         self.rows_per_expert: list[int] = plan.received.sum(0).tolist()
         super().__init__(group, weights, dispatch_number)

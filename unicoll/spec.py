@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from .arrays import describe, kind_of
+from .arrays import describe, kind_of, place_of
 from .backends.layout import MoePlan, moe_plan
 from .counts import even_split, total
 from .kinds import (
@@ -565,7 +565,7 @@ def _expert_ids_in_range(c: Call) -> str | None:
 def _same_place(a: Any, x: Any, what: str) -> str | None:
     """Library and device of ``a`` against ``x``'s; None when they agree."""
     kind_a, kind_x = kind_of(a), kind_of(x)
-    if kind_a.library == kind_x.library and getattr(a, "device", None) == getattr(x, "device", None):
+    if kind_a.library == kind_x.library and place_of(a) == place_of(x):
         return None
     return f"{describe(a)} for {what} {describe(x)}"
 
@@ -639,7 +639,7 @@ def _handle_place(rows: str) -> Callable[[Call], str | None]:
 
     def check(c: Call) -> str | None:
         given, handle = getattr(c, rows), c.handle
-        if kind_of(given).library == handle.library and getattr(given, "device", None) == handle.device:
+        if kind_of(given).library == handle.library and place_of(given) == handle.device:
             return None
         return f"{describe(given)} for x of {handle.library} on {handle.device or 'cpu'}"
 

@@ -14,9 +14,10 @@ that buffer hands each rank a ``(W, E, C)`` grid of blocks by source rank, which
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .arrays import library_of
+from .arrays import library_of, place_of
 from .routing import Routing, SessionHandle
 
 if TYPE_CHECKING:
@@ -55,20 +56,21 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
     """
     tokens, k = topk_idx.shape
     slots, place = tokens * k, _place(topk_idx)
-    ids = xp.astype(xp.reshape(topk_idx, (slots,)), xp.int64)
+    index = _index_dtype(xp)
+    ids = xp.astype(xp.reshape(topk_idx, (slots,)), index)
     routed = (ids >= 0) & (ids < experts)
     key = xp.where(routed, ids, xp.full_like(ids, experts))  # dropped ids sort last, in a bucket of their own
     order = xp.argsort(_narrow(xp, key, experts), stable=True)  # by expert, then by slot
     sorted_key = xp.take(key, order)
-    starts = xp.searchsorted(sorted_key, xp.arange(experts + 1, dtype=xp.int64, device=place))
+    starts = xp.searchsorted(sorted_key, xp.arange(experts + 1, dtype=index, device=place))
     demand = starts[1:] - starts[:-1]
     sent = xp.clip(demand, max=capacity)
-    rank_in_sorted = xp.arange(slots, dtype=xp.int64, device=place) - xp.take(starts, sorted_key)
+    rank_in_sorted = xp.arange(slots, dtype=index, device=place) - xp.take(starts, sorted_key)
     rank_in_expert = xp.take(rank_in_sorted, xp.argsort(_narrow(xp, order, slots - 1), stable=True))  # slot order
     kept = routed & (rank_in_expert < capacity)
     zeros = xp.zeros_like(ids)
     slot_rows = xp.where(kept, ids * capacity + rank_in_expert, zeros)
-    rows = xp.arange(experts * capacity, dtype=xp.int64, device=place)
+    rows = xp.arange(experts * capacity, dtype=index, device=place)
     block, within = rows // capacity if capacity else rows, rows % capacity if capacity else rows
     filled = within < xp.take(sent, block) if slots else xp.zeros(rows.shape, dtype=xp.bool, device=place)
     if slots:
@@ -78,6 +80,14 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
     else:
         row_tokens = xp.zeros_like(rows)
     return StaticLayout(slot_rows, xp.reshape(kept, (tokens, k)), row_tokens, filled, sent, demand)
+
+
+def _index_dtype(xp: Any) -> Any:
+    """int64, the layout's index dtype; for JAX the int it gives for int64 (int32 unless
+    ``jax_enable_x64`` is set), asked without the warning that an int64 it truncates gives."""
+    if getattr(xp, "__name__", "") == "jax.numpy":
+        return sys.modules["jax"].dtypes.canonicalize_dtype(xp.int64)
+    return xp.int64
 
 
 def _narrow(xp: Any, values: Any, largest: int) -> Any:
@@ -221,7 +231,7 @@ class StaticHandle(SessionHandle):
         self.capacity = capacity
         self.tokens, self.topk = kept.shape
         self.library = library_of(like)
-        self.device = getattr(like, "device", None)
+        self.device = place_of(like)
         self.counts, self.received_before_drop, self.sent_before_drop = counts
         self.kept = kept
         super().__init__(group, weights, dispatch_number)

@@ -91,6 +91,16 @@ class Task:
             self._works, self._finish = (), None  # a torch work keeps its process group alive
         return self._result
 
+    def then(self, convert: Callable[[Any], Any]) -> Task:
+        """This task, whose ``wait()`` returns ``convert(result)`` (once); used where a result is
+        handed back as another library's array."""
+        if self._result is not _PENDING:
+            self._result = convert(self._result)
+        elif self._finish is not None:
+            finish = self._finish
+            self._finish = lambda: convert(finish())
+        return self
+
     def __repr__(self) -> str:
         state = "done" if self._result is not _PENDING else "in flight"
         return f"<unicoll.Task {self._op} {state}>"

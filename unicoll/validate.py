@@ -68,6 +68,15 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     return call
 
 
+def read_only(spec: OpSpec, arguments: dict[str, Any]) -> Call:
+    """``arguments`` read and checked for ``spec`` as :func:`prepare` reads them, for a call
+    that is traced, not run now (``jax.jit``): not counted in check mode, not remembered."""
+    state = runtime.state(spec.name)
+    given = arguments["group"]
+    group = state.world if given is None else runtime.resolve_group(given, spec.name)
+    return _read_call(spec, arguments, state, group)
+
+
 _STREAK = 64
 """Once an operator's count of missed calls reaches this many (new counts every call, as a
 training loop's router makes them), only about one call in this many is remembered: keeping

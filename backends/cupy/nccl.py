@@ -16,13 +16,14 @@ import warnings
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, devices_short, reductions
 from unicoll.backends.cupy import packages
+from unicoll.libraries import carried_by
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES) - {"bfloat16"},
     devices=frozenset({"cuda"}),
-    libraries=frozenset({"cupy", "torch"}),
+    libraries=carried_by(frozenset({"cupy", "torch"})),
     reductions=reductions(frozenset(DTYPES) - {"bfloat16"}),
 )
 

@@ -13,13 +13,14 @@ import sys
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, reductions
+from unicoll.libraries import carried_by
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
-    libraries=frozenset({"numpy", "torch"}),
+    libraries=carried_by(frozenset({"numpy", "torch"})),
     reductions=reductions(frozenset(DTYPES)),
 )
 

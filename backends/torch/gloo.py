@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, reductions
+from unicoll.libraries import carried_by
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
-    libraries=frozenset({"numpy", "torch"}),
+    libraries=carried_by(frozenset({"numpy", "torch"})),
     reductions=reductions(frozenset(DTYPES)),
 )
 

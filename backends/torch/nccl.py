@@ -22,13 +22,14 @@ import os
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, devices_short, reductions
+from unicoll.libraries import carried_by
 from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cuda"}),
-    libraries=frozenset({"torch", "cupy"}),
+    libraries=carried_by(frozenset({"torch", "cupy"})),
     reductions=reductions(frozenset(DTYPES)),
 )
 

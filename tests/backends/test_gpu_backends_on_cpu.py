@@ -139,7 +139,8 @@ def test_cpu_arrays_are_refused_not_copied(name, table) -> None:
         ):
             uc.global_scatter(torch.ones(2, 1), [2], [2])
         with pytest.raises(
-            TypeError, match=rf"all_gather: tensor: expected a cupy or torch array \(backend '{name}'\), got numpy"
+            TypeError,
+            match=rf"all_gather: tensor: expected a torch tensor, a cupy array, a jax.Array or a paddle.Tensor \(backend '{name}'\), got numpy",
         ):
             uc.all_gather(None, np.ones(3))
     finally:

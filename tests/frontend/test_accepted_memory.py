@@ -138,5 +138,5 @@ def test_float_tensor_counts_get_the_counts_error(dtype: torch.dtype) -> None:
     bfloat16 too (which numpy, where signatures read counts' bytes, does not have)."""
     uc.init("gloo")
     counts = torch.tensor([4], dtype=dtype)
-    with pytest.raises(TypeError, match="global_scatter: local_count: expected an integer array"):
+    with pytest.raises(TypeError, match="global_scatter: local_count: expected a torch tensor of dtype int32 or int64"):
         uc.global_scatter(np.arange(4.0), counts, counts)

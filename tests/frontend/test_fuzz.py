@@ -24,7 +24,7 @@ EXAMPLES = 150
 
 # invalid draws: the mutation, the operators it applies to, the error and words of its message
 FAULTS = {
-    "float_counts": (("global_scatter", "global_gather", "alltoall_single"), TypeError, "expected an integer array"),
+    "float_counts": (("global_scatter", "global_gather", "alltoall_single"), TypeError, "of dtype int32 or int64"),
     "negative_count": (("global_scatter", "global_gather", "alltoall_single"), ValueError, "expected non-negative"),
     "count_length": (("global_scatter", "global_gather", "alltoall_single"), ValueError, "expected "),
     "extra_row": (("global_scatter", "global_gather", "alltoall_single"), ValueError, "number of rows"),

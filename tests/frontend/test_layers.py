@@ -19,7 +19,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "foundations",
         ("unicoll.errors", "unicoll.arrays", "unicoll.session", "unicoll.group", "unicoll.forking",
-         "unicoll.cache", "unicoll.memory", "unicoll.workspace", "unicoll.counts", "unicoll.reference"),
+         "unicoll.cache", "unicoll.memory", "unicoll.workspace", "unicoll.counts", "unicoll.reference",
+         "unicoll.libraries", "unicoll.libraries.*"),
     ),
     (
         "transports",
@@ -42,6 +43,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the session", ("unicoll.runtime", "unicoll.validate", "unicoll.task")),
     ("eager", ("unicoll.eager", "unicoll.eager.*")),
     ("compile", ("unicoll.compiled", "unicoll.compiled.*")),
+    ("carry", ("unicoll.carry",)),
     ("public face", ("unicoll.face",)),
     ("names and tools", ("unicoll", "unicoll.moe", "unicoll.__main__", "unicoll.cli", "unicoll.cli.*",
                          "unicoll.launch", "unicoll.launch.*", "unicoll.testing", "unicoll.testing.*")),

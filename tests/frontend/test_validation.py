@@ -62,7 +62,7 @@ BAD_CALLS = [
     ("unsupported dtype", lambda: uc.all_gather(None, X.astype(np.complex64)),
      TypeError, ["all_gather: tensor:", "one of the dtypes", "complex64"]),
     ("not an array", lambda: uc.all_gather(None, [1, 2, 3]),
-     TypeError, ["all_gather: tensor:", "numpy or torch array", "list"]),
+     TypeError, ["all_gather: tensor:", "a numpy array, a torch tensor", "list"]),
     ("0-d array", lambda: uc.all_gather(None, np.float32(1.0).reshape(())),
      ValueError, ["tensor:", "at least one dimension"]),
     ("gather into wrong rows", lambda: uc.all_gather(np.empty((5, 2), np.float32), X),

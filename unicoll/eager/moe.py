@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace, device
 
-from ..arrays import describe, library_of
+from ..arrays import describe, library_of, place_of
 from ..backends.base import Backend, Pending
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, moe_plan
@@ -118,7 +118,7 @@ def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weight
     its rules fail, for a caller whose handle is kept in arrays of its own."""
     spec = MOE_REDISPATCH if op == MOE_REDISPATCH.name else MOE_COMBINE
     handle = SimpleNamespace(tokens=tokens, received=received, weighted=weighted, library=library_of(like),
-                             device=getattr(like, "device", None))  # fmt: skip
+                             device=place_of(like))  # fmt: skip
     call = SimpleNamespace(**{spec.params[0].name: rows, "handle": handle})
     for rule in spec.rules:
         given = rule.check(call)

@@ -1,0 +1,125 @@
+"""The static-shape MoE operators inside ``jax.jit``: the layout in ``jax.numpy``, the transfers
+as ordered host callbacks.
+
+Every shape of ``moe.dispatch_static``, ``redispatch_static`` and ``combine_static`` follows
+from the arguments' shapes, so inside ``jax.jit`` they run as the device path of
+:mod:`unicoll.eager.static_moe` runs on NCCL: the layout (:mod:`unicoll.static_layout`), the
+gathers, the padding and the weighted sum are ``jax.numpy`` operations that JAX traces and
+differentiates itself, and the rows and counts travel in even all-to-alls, each an ordered
+``io_callback`` into the eager ``alltoall_single`` on host arrays, whose ``custom_vjp`` sends the
+gradient back the same way (alltoall_single's backward with W equal blocks). The ranks run their
+callbacks in program order, so every rank must run the same jitted steps; ``jax.grad`` through
+them equals the eager operators' gradients.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from .. import runtime
+from ..eager.static_host import refuse_drops
+from ..entry import exclusive_as
+from ..spec import OpSpec
+from ..static_layout import (
+    StaticHandle,
+    StaticLayout,
+    counts_in,
+    counts_out,
+    expert_major,
+    send_rows,
+    source_major,
+    static_layout,
+    sum_slots,
+)
+from ..validate import read_only
+from . import locked
+
+_STATIC = ("moe.dispatch_static", "moe.redispatch_static", "moe.combine_static")
+
+
+def is_traced(values: list[Any]) -> bool:
+    """Whether any of ``values`` is a tracer of ``jax.jit`` (abstract: no value to read)."""
+    jax = sys.modules["jax"]
+    return any(isinstance(v, jax.core.Tracer) and not jax.core.is_concrete(v) for v in values)
+
+
+def call(name: str, spec: OpSpec, arguments: dict[str, Any]) -> Any:
+    """The operator ``name`` inside ``jax.jit``: a static-shape MoE operator, traced."""
+    if name not in _STATIC:
+        raise TypeError(
+            f"{name}: inside jax.jit only {', '.join(_STATIC)} run (their shapes follow from their "
+            f"arguments'); call {name} outside jax.jit"
+        )
+    if arguments.get("sync_op") is False:
+        raise TypeError(f"{name}: sync_op: expected True inside jax.jit (a Task cannot be traced), got False")
+    handle = arguments.get("handle")
+    if handle is not None and not (isinstance(handle, StaticHandle) and isinstance(handle.layout, StaticLayout)):
+        raise TypeError(f"{name}: handle: expected a handle moe.dispatch_static returned inside the same jax.jit")
+    if handle is not None:
+        arguments["group"] = handle.group
+    call = read_only(spec, arguments)
+    xp = sys.modules["jax"].numpy
+    if name == "moe.dispatch_static":
+        return _dispatch(xp, call, arguments)
+    if name == "moe.redispatch_static":
+        rows = _exchange(send_rows(xp, arguments["x"], handle.layout), call.group)
+        return expert_major(xp, rows, handle.world, handle.experts_per_rank)
+    back = _exchange(source_major(xp, arguments["y"], handle.world, handle.experts_per_rank), call.group)
+    return sum_slots(xp, back, handle.layout, handle.weights)
+
+
+def _dispatch(xp: Any, call: Any, arguments: dict[str, Any]) -> tuple[Any, Any, StaticHandle]:
+    world, experts, capacity = call.W, call.experts_per_rank, call.capacity
+    x, weights = arguments["x"], arguments["topk_weights"]
+    layout = static_layout(xp, arguments["topk_idx"], world * experts, capacity)
+    if call.overflow == "error":
+        _refuse_drops(layout.demand, call.group, capacity)
+    rows = expert_major(xp, _exchange(send_rows(xp, x, layout), call.group), world, experts)
+    valid, before = counts_in(xp, _exchange(counts_out(xp, layout, world, experts), call.group), world, experts)
+    handle = StaticHandle(call.group, experts, capacity, weights, x, (valid, before, layout.demand), layout.kept,
+                          layout, -1)  # fmt: skip
+    return rows, valid, handle
+
+
+def _exchange(rows: Any, group: Any) -> Any:
+    """The even all-to-all of ``rows`` (W equal blocks) as an ordered host callback, whose
+    gradient travels back the same way."""
+    jax = sys.modules["jax"]
+
+    def host(block: np.ndarray) -> np.ndarray:
+        block = np.ascontiguousarray(block)
+        bits = block.view(np.float16) if block.dtype.name == "bfloat16" else block  # numpy has no bfloat16: bits
+        return locked.alltoall_single(None, bits, group=group).view(block.dtype)
+
+    def transfer(a: Any) -> Any:
+        return jax.experimental.io_callback(host, jax.ShapeDtypeStruct(a.shape, a.dtype), a, ordered=True)
+
+    @jax.custom_vjp
+    def exchange(a: Any) -> Any:
+        return transfer(a)
+
+    def forward(a: Any) -> tuple[Any, None]:
+        return transfer(a), None
+
+    def backward(_: None, grad: Any) -> tuple[Any]:
+        if grad.dtype == jax.dtypes.float0:  # integer rows (the counts) have no gradient
+            return (grad,)
+        return (transfer(grad),)
+
+    exchange.defvjp(forward, backward)
+    return exchange(rows)
+
+
+def _refuse_drops(demand: Any, group: Any, capacity: int) -> None:
+    """``overflow="error"`` inside jax.jit: an ordered callback that raises the eager mode's
+    CapacityError on every rank when any rank routes more than ``capacity`` slots to an expert."""
+    jax = sys.modules["jax"]
+
+    @exclusive_as("moe.dispatch_static")
+    def host(wanted: np.ndarray) -> None:
+        refuse_drops(runtime.state("moe.dispatch_static").backend, group, np.asarray(wanted, dtype=np.int64), capacity)
+
+    jax.experimental.io_callback(host, None, demand, ordered=True)
