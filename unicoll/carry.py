@@ -173,6 +173,11 @@ class _Run:
         if type(value) is list:
             return [self._back(part, linked) for part in value]
         if isinstance(value, (Handle, StaticHandle)):
+            if isinstance(value, StaticHandle):  # its counts and kept slots in the caller's library
+                value.counts, value.received_before_drop, value.sent_before_drop, value.kept = (
+                    self._back(part, linked)
+                    for part in (value.counts, value.received_before_drop, value.sent_before_drop, value.kept)
+                )
             weights = self.arguments.get("topk_weights")
             _handle_weights[value] = (weights if _differentiable(self.library, weights) else None,
                                       self.carried.get("topk_weights"))  # fmt: skip

@@ -54,7 +54,19 @@ MOE_VARIANTS = (
 TRAILING = ((), (3,), (2, 2))
 
 #: dtypes an array library cannot express (numpy has no bfloat16).
-MISSING_DTYPES = {"numpy": {"bfloat16"}, "cupy": {"bfloat16"}, "torch": set()}
+MISSING_DTYPES = {"numpy": {"bfloat16"}, "cupy": {"bfloat16"}, "torch": set(), "paddle": set(),
+                  "jax": {"float64", "int64"}}  # fmt: skip
+"""(JAX has 64-bit dtypes only with jax_enable_x64, which the matrix leaves at its default.)"""
+
+JOINED = ("paddle", "jax")
+"""The libraries that join through torch (unicoll.libraries): their arrays travel as torch
+tensors, so the matrix runs their cases synchronously, on the world group and the default
+stream only (those variants are torch's transfers, which the matrix covers; tests/frameworks
+covers their Tasks)."""
+
+FILLS_OUTPUTS = {"alltoall_single": ("out",), "alltoall": ("lists", "arrays"), "all_gather": ("array", "filled_list"),
+                 "reduce_scatter": ("out",)}  # fmt: skip
+"""The variants that pass arrays to fill, which an immutable library (JAX) cannot be."""
 
 
 @dataclass(frozen=True)
@@ -147,10 +159,11 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         if op in caps.ops
         for variant in VARIANTS[op]
         for library in sorted(caps.libraries)
+        if not (library == "jax" and variant in FILLS_OUTPUTS.get(op, ()))
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
-        for sync in (True, False)
-        for stream in (streams if sync else (None,))
-        for subgroup in (False, True)
+        for sync in ((True,) if library in JOINED else (True, False))
+        for stream in (streams if sync and library not in JOINED else (None,))
+        for subgroup in ((False,) if library in JOINED else (False, True))
         if (reduction := _reduction(caps, op, variant, dtype, (library, sync, stream, subgroup))) != ""
     ]
     topk = [
@@ -158,6 +171,7 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         for experts, k, sync, subgroup in MOE_VARIANTS
         for op in ("moe", "moe_static")
         for library in sorted(caps.libraries)
+        if library not in JOINED or (sync and not subgroup)
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
     ]
     return operators + topk
@@ -360,6 +374,14 @@ def to_library(a: np.ndarray, library: str, dtype: str, device: str) -> Any:
         import torch
 
         return torch.from_numpy(a.copy()).to(device=device, dtype=getattr(torch, dtype))
+    if library == "paddle":
+        import paddle
+
+        return paddle.to_tensor(a.astype(np.float32) if dtype == "bfloat16" else a.copy()).astype(dtype)
+    if library == "jax":
+        import jax
+
+        return jax.numpy.asarray(a, dtype=jax.dtypes.canonicalize_dtype(dtype))
     import cupy
 
     return cupy.asarray(a)
@@ -374,12 +396,20 @@ def to_numpy(a: Any) -> np.ndarray:
         return (a.float() if a.dtype == torch.bfloat16 else a).detach().cpu().numpy()
     if module == "cupy":
         return a.get()
+    if module == "paddle":
+        return (a.astype("float32") if str(a.dtype) == "paddle.bfloat16" else a).numpy()
+    if module in ("jax", "jaxlib"):
+        return np.asarray(a.astype("float32") if a.dtype.name == "bfloat16" else a)
     return np.asarray(a)
 
 
 def _empty(like: Any, rows: int) -> Any:
     from array_api_compat import array_namespace, device
 
+    if type(like).__module__.split(".")[0] == "paddle":
+        import paddle
+
+        return paddle.zeros([rows, *like.shape[1:]], dtype=like.dtype)
     xp = array_namespace(like)
     return xp.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
 
@@ -415,10 +445,11 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
         parts = [x[offsets[c] : offsets[c + 1]] for c in range(len(a["sent"]))]
         target = [] if case.variant == "exchange" else [_empty(x, n) for n in a["rows"]]
         return uc.alltoall(target, parts, **kw), target
+    in_place = None if case.library == "jax" else x  # JAX's arrays are immutable: a new one comes back
     if case.op == "all_reduce":
-        return uc.all_reduce(x, case.reduction, **kw), x
+        return uc.all_reduce(x, case.reduction, **kw), in_place
     if case.op == "broadcast":
-        return uc.broadcast(x, a["src"], **kw), x
+        return uc.broadcast(x, a["src"], **kw), in_place
     if case.op == "reduce_scatter":
         if case.variant == "even":
             return uc.reduce_scatter(None, x, case.reduction, **kw), None
