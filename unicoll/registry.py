@@ -85,8 +85,12 @@ def usable_names() -> list[str]:
 
 
 def format_info() -> str:
-    """The text of ``unicoll info``: versions, each backend and whether it can run here."""
+    """The text of ``unicoll info``: versions, the array libraries found (numpy, torch, cupy, and
+    those that join through torch: Paddle, JAX), each backend and whether it can run here."""
     from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
+
+    from .libraries import joined
 
     def version_of(package: str) -> str:
         try:
@@ -103,6 +107,13 @@ def format_info() -> str:
         for package in ("numpy", "array-api-compat", "torch", *_cupy_packages(cuda), "mpi4py", "mpich")
     ]
     lines.append(f"  cuda: {cuda.version} (from {cuda.source})" if cuda.version else f"  cuda: none ({cuda.source})")
+    lines.append("array libraries:")
+    lines += [f"  {name:<12} {'found' if find_spec(name) else 'not installed'}" for name in ("numpy", "torch", "cupy")]
+    lines += [
+        f"  {name:<12} {version_of(library.package) if find_spec(library.module) else 'not installed'}"
+        f" (joins through torch tensors, DLPack; pip install {library.package})"
+        for name, library in joined().items()
+    ]
     lines.append("backends:")
     for name, factory in registered().items():
         reason = factory.probe()

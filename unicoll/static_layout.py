@@ -174,10 +174,11 @@ def _one_row_at_least(xp: Any, x: Any) -> Any:
 
 
 def _place(a: Any) -> Any:
-    """An array's device, as the array API names it (numpy before 2.0 has no ``device``: the
-    host). Read directly, not through array-api-compat's ``device()``, whose cached type checks
-    torch.compile would warn about while tracing."""
-    return getattr(a, "device", "cpu")
+    """An array's device, as the array API names it; None where the array has none to give
+    (numpy before 2.0, a tracer of jax.jit): the namespace's default. Read directly, not through
+    array-api-compat's ``device()``, whose cached type checks torch.compile would warn about
+    while tracing."""
+    return getattr(a, "device", None)
 
 
 def _column(xp: Any, mask: Any, ndim: int) -> Any:

@@ -69,6 +69,9 @@ def test_info_reports_every_backend() -> None:
         if not torch.cuda.is_available():
             assert "not usable: " in line
     assert "auto picks: " in out
+    libraries = out[out.index("array libraries:") : out.index("backends:")]
+    for name in ("numpy", "torch", "cupy", "paddle", "jax"):
+        assert f"\n  {name} " in libraries
 
 
 def test_init_finalize_init() -> None:

@@ -95,6 +95,7 @@ JAX = ArrayLibrary(
     name="jax",
     array_type="jax.Array",
     module="jax",
+    package="jax",
     is_array=_is_array,
     dtype=_dtype,
     device=_device,

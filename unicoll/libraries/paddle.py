@@ -78,6 +78,8 @@ def _differentiate(run: Callable[[list[Any]], tuple[list[Any], Callable]], input
     returns (an input among the outputs, changed in place, is recorded in place, as Paddle's
     in-place operators are)."""
     outputs, backward = run(inputs)
+    if not outputs:  # nothing autograd records (a Task's outputs are linked when it is waited for)
+        return []
     linked = _layer().apply(*inputs, (list(outputs), backward))
     return [linked] if len(outputs) == 1 else list(linked)
 
@@ -86,6 +88,7 @@ PADDLE = ArrayLibrary(
     name="paddle",
     array_type="paddle.Tensor",
     module="paddle",
+    package="paddlepaddle",
     is_array=_is_array,
     dtype=_dtype,
     device=_device,

@@ -1,0 +1,267 @@
+"""Cases for Paddle tensors and JAX arrays on real processes: every differentiable operator's
+gradient through the library's own autograd against the whole-world reference (the inputs of
+helpers.gradients), docs/semantics.md's worked examples written with Paddle tensors, and a
+small top-k MoE layer trained with JAX inside jax.jit against a dense single-process model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import unicoll as uc
+from helpers.gradients import OPS, REDUCTION, _moe_world, _world_inputs
+
+# -- Paddle ------------------------------------------------------------------------------------
+
+
+def _paddle_forward(op: str, x, a: dict, r: int, sync: bool):
+    import paddle
+
+    kw = {} if sync else dict(sync_op=False, use_calc_stream=False)
+    if op == "global_scatter":
+        y = uc.global_scatter(x, a["local"][r], a["glob"][r], **kw)
+    elif op == "global_gather":
+        y = uc.global_gather(x, a["local"][r], a["glob"][r], **kw)
+    elif op == "alltoall_single":
+        y = uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r], **kw)
+    elif op == "alltoall":
+        offsets = np.cumsum([0, *a["splits"][r]])
+        received = uc.alltoall([], [x[offsets[c] : offsets[c + 1]] for c in range(len(offsets) - 1)], **kw)
+        return paddle.concat(received if sync else received.wait())
+    elif op == "all_reduce":  # in place: on a result of x, not on the leaf x
+        y = uc.all_reduce(x * 1, REDUCTION[op, sync], **kw)
+    elif op == "reduce_scatter":
+        y = uc.reduce_scatter(None, x, REDUCTION[op, sync], a["rows"], **kw)
+    elif op == "broadcast":
+        y = uc.broadcast(x * 1, len(a["xs"]) - 1, **kw)
+    else:
+        y = uc.all_gather(None, x, **kw)
+    return y if sync else y.wait()
+
+
+def paddle_gradients(rank: int) -> dict[str, str]:
+    """Each operator, sync and async, on paddle.Tensor: the result's type and this rank's
+    gradient (Paddle's backward()) against the reference; moe.dispatch and combine to the
+    tokens and the weights."""
+    import paddle
+
+    world, report = uc.get_world_size(), {}
+    for index, op in enumerate(OPS):
+        for sync in (True, False):
+            name = f"{op}-{'sync' if sync else 'async'}"
+            if op == "moe":
+                a = _moe_world(world, index)
+                x = paddle.to_tensor(a["xs"][rank], stop_gradient=False)
+                w = paddle.to_tensor(a["weights"][rank], stop_gradient=False)
+                ids = paddle.to_tensor(a["ids"][rank])
+                dispatched = uc.moe.dispatch(x, ids, w, experts_per_rank=a["experts"], sync_op=sync)
+                rows, _, handle = dispatched if sync else dispatched.wait()
+                factors = paddle.arange(1, rows.shape[0] + 1, dtype=rows.dtype).reshape([-1, 1])
+                combined = uc.moe.combine(rows * factors, handle, sync_op=sync)
+                out = combined if sync else combined.wait()
+                (out * paddle.to_tensor(a["ws"][rank])).sum().backward()
+                np.testing.assert_allclose(out.numpy(), a["outs"][rank], rtol=1e-6, atol=1e-9)
+                np.testing.assert_allclose(x.grad.numpy(), a["grads_x"][rank], rtol=1e-6, atol=1e-9)
+                np.testing.assert_allclose(w.grad.numpy(), a["grads_w"][rank], rtol=1e-6, atol=1e-9)
+                report[name] = "ok"
+                continue
+            a = _world_inputs(op, world, seed=index)
+            x = paddle.to_tensor(a["xs"][rank], stop_gradient=False)
+            y = _paddle_forward(op, x, a, rank, sync)
+            assert isinstance(y, paddle.Tensor) and not y.stop_gradient, f"{name}: {type(y)} records no gradient"
+            (y * paddle.to_tensor(a["ws"][rank])).sum().backward()
+            expected = a["grads"][rank] / (world if REDUCTION.get((op, sync)) == "avg" else 1)
+            np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-6, atol=1e-9, err_msg=name)
+            report[name] = "ok"
+    return report
+
+
+# docs/semantics.md, global_scatter's worked example: W=2, n_expert=2, values are row labels
+X = [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0, 14.0]]
+LOCAL = [[1, 0, 2, 1], [0, 2, 1, 2]]
+GLOBAL = [[1, 0, 0, 2], [2, 1, 1, 2]]
+SCATTERED = [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0, 3.0, 13.0, 14.0]]
+
+
+def paddle_worked_examples(rank: int) -> dict[str, list]:
+    """docs/semantics.md's examples with paddle.Tensor: global_scatter and global_gather with
+    n_expert=2 (values, and the gradient of a doubled round trip: 2 everywhere), and
+    alltoall_single with split sizes and without (even), into a given tensor and a new one."""
+    import paddle
+
+    x = paddle.to_tensor([[v] for v in X[rank]], stop_gradient=False)
+    local = paddle.to_tensor(LOCAL[rank], dtype="int64")
+    glob = uc.exchange_counts(local)
+    y = uc.global_scatter(x, local, glob)
+    back = uc.global_gather(y * 2, local, glob)
+    back.sum().backward()
+    leaf = paddle.to_tensor(X[rank], stop_gradient=False)
+    splits = [[1, 3], [2, 3]][rank]  # rank r sends splits[c] rows to rank c
+    received = [[1, 2], [3, 3]][rank]
+    uneven = uc.alltoall_single(None, leaf, out_split_sizes=received, in_split_sizes=splits)
+    (uneven * 3).sum().backward()
+    even_in = paddle.arange(4, dtype="float32") + 10 * rank
+    even_out = paddle.zeros([4])
+    returned = uc.alltoall_single(even_out, even_in)
+    return dict(
+        global_count=glob.numpy().tolist(),
+        scattered=y.numpy().ravel().tolist(),
+        types=[type(t).__name__ for t in (glob, y, back, uneven, returned)],
+        gathered=back.numpy().ravel().tolist(),
+        grad=x.grad.numpy().ravel().tolist(),
+        uneven=uneven.numpy().tolist(),
+        uneven_grad=leaf.grad.numpy().tolist(),
+        even=even_out.numpy().tolist(),
+        filled_in_place=returned is even_out,
+    )
+
+
+# -- JAX ---------------------------------------------------------------------------------------
+
+
+def _jax_forward(op: str, x, a: dict, r: int):
+    import jax.numpy as jnp
+
+    if op == "global_scatter":
+        return uc.global_scatter(x, a["local"][r], a["glob"][r])
+    if op == "global_gather":
+        return uc.global_gather(x, a["local"][r], a["glob"][r])
+    if op == "alltoall_single":
+        return uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r])
+    if op == "alltoall":
+        offsets = np.cumsum(a["splits"][r])[:-1].tolist()
+        return jnp.concatenate(uc.alltoall([], jnp.split(x, offsets)))
+    if op == "all_reduce":
+        return uc.all_reduce(x, REDUCTION[op, True])
+    if op == "reduce_scatter":
+        return uc.reduce_scatter(None, x, REDUCTION[op, True], a["rows"])
+    if op == "broadcast":
+        return uc.broadcast(x, len(a["xs"]) - 1)
+    return uc.all_gather(None, x)
+
+
+def jax_gradients(rank: int) -> dict[str, str]:
+    """Each operator on jax.Array under jax.grad (custom_vjp): values and this rank's gradient
+    against the reference; moe.dispatch and combine to the tokens and the weights."""
+    import jax
+    import jax.numpy as jnp
+
+    world, report = uc.get_world_size(), {}
+    for index, op in enumerate(OPS):
+        if op == "moe":
+            a = _moe_world(world, index)
+            ids, ws = jnp.asarray(a["ids"][rank], dtype=jnp.int32), jnp.asarray(a["ws"][rank], dtype=jnp.float32)
+
+            def loss(x, w, ids=ids, a=a, ws=ws):
+                rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=a["experts"])
+                factors = jnp.arange(1, rows.shape[0] + 1, dtype=rows.dtype)[:, None]
+                return (uc.moe.combine(rows * factors, handle) * ws).sum()
+
+            x, w = (jnp.asarray(a[key][rank], dtype=jnp.float32) for key in ("xs", "weights"))
+            grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(x, w)
+            np.testing.assert_allclose(np.asarray(grad_x), a["grads_x"][rank], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(grad_w), a["grads_w"][rank], rtol=1e-4, atol=1e-5)
+            report[op] = "ok"
+            continue
+        a = _world_inputs(op, world, seed=index)
+        x, ws = jnp.asarray(a["xs"][rank], dtype=jnp.float32), jnp.asarray(a["ws"][rank], dtype=jnp.float32)
+        y = _jax_forward(op, x, a, rank)
+        assert isinstance(y, jax.Array), f"{op}: {type(y).__name__}"
+        grad = jax.grad(lambda x, op=op, a=a, ws=ws: (_jax_forward(op, x, a, rank) * ws).sum())(x)
+        expected = a["grads"][rank] / (world if REDUCTION.get((op, True)) == "avg" else 1)
+        np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-5, err_msg=op)
+        report[op] = "ok"
+    return report
+
+
+def jax_static_in_jit(rank: int) -> str:
+    """dispatch_static and combine_static inside jax.jit, and jax.grad through them, equal the
+    eager calls (values, counts and gradients), with drops (capacity 2) and without."""
+    import jax
+    import jax.numpy as jnp
+
+    world, experts, tokens, k, hidden = uc.get_world_size(), 2, 6, 2, 3
+    rng = np.random.default_rng(rank)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype=jnp.float32)
+    ids = jnp.asarray(np.where(rng.random((tokens, k)) < 0.2, -1, rng.integers(0, world * experts, (tokens, k))),
+                      dtype=jnp.int32)  # fmt: skip
+    w = jnp.asarray(rng.random((tokens, k)), dtype=jnp.float32)
+    for capacity in (2, tokens * k):
+
+        def step(x, w, capacity=capacity):
+            rows, counts, handle = uc.moe.dispatch_static(x, ids, w, experts_per_rank=experts, capacity=capacity)
+            again = uc.moe.redispatch_static(x * 2, handle)
+            out = uc.moe.combine_static(jnp.tanh(rows) * 2 + again, handle)
+            return (out**2).sum(), (rows, counts, out)
+
+        eager, jitted = step(x, w), jax.jit(step)(x, w)
+        for got, want in zip(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(eager)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        grads_eager = jax.grad(lambda x, w: step(x, w)[0], argnums=(0, 1))(x, w)
+        grads_jit = jax.jit(jax.grad(lambda x, w: step(x, w)[0], argnums=(0, 1)))(x, w)
+        for got, want in zip(grads_jit, grads_eager):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    return "ok"
+
+
+def _moe_layer(xp, x, router, experts, ids_and_weights):
+    """The dense layer: each token's top-k experts (``experts``: (experts, hidden, hidden)),
+    weighted by the router's probabilities."""
+    ids, weights = ids_and_weights
+    outputs = xp.einsum("th,ehd->ted", x, experts)  # every expert on every token
+    picked = xp.take_along_axis(outputs, ids[:, :, None], axis=1)
+    return (picked * weights[:, :, None]).sum(1)
+
+
+def _route(x, router, k):
+    import jax
+
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    return ids, weights
+
+
+def jax_moe_training(rank: int, steps: int = 3) -> dict[str, list]:
+    """A top-2 MoE layer (E=2 experts per rank, a replicated router) trained ``steps`` SGD steps
+    inside jax.jit on every rank, and the same layer dense in this process on every rank's
+    tokens: the losses, the router and this rank's experts after training."""
+    import jax
+    import jax.numpy as jnp
+
+    world, experts_per_rank, tokens, hidden, k, lr = uc.get_world_size(), 2, 8, 4, 2, 0.1
+    total = world * experts_per_rank
+    init = np.random.default_rng(0)
+    router = jnp.asarray(init.standard_normal((hidden, total)), dtype=jnp.float32)
+    all_experts = jnp.asarray(init.standard_normal((total, hidden, hidden)) / 2, dtype=jnp.float32)
+    xs = [jnp.asarray(np.random.default_rng(100 + r).standard_normal((tokens, hidden)), dtype=jnp.float32)
+          for r in range(world)]  # fmt: skip
+    targets = [jnp.tanh(x[:, ::-1]) for x in xs]
+    mine = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
+
+    def loss(router, experts, x, target):
+        ids, weights = _route(x, router, k)
+        rows, _, handle = uc.moe.dispatch_static(x, ids, weights, experts_per_rank=experts_per_rank,
+                                                 capacity=tokens * k)  # fmt: skip
+        out = uc.moe.combine_static(jnp.einsum("ech,ehd->ecd", rows, experts), handle)
+        return ((out - target) ** 2).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    r_par, e_par, losses = router, all_experts[mine], []
+    for _ in range(steps):
+        value, (g_router, g_experts) = step(r_par, e_par, xs[rank], targets[rank])
+        g_router = uc.all_reduce(g_router)  # the replicated router: every rank's tokens' gradient
+        losses.append(float(uc.all_reduce(value[None])[0]))
+        r_par, e_par = r_par - lr * g_router, e_par - lr * g_experts
+
+    def dense_loss(router, experts):
+        x, target = jnp.concatenate(xs), jnp.concatenate(targets)
+        return ((_moe_layer(jnp, x, router, experts, _route(x, router, k)) - target) ** 2).sum()
+
+    dense_step = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1)))
+    d_router, d_experts, dense_losses = router, all_experts, []
+    for _ in range(steps):
+        value, (g_router, g_experts) = dense_step(d_router, d_experts)
+        dense_losses.append(float(value))
+        d_router, d_experts = d_router - lr * g_router, d_experts - lr * g_experts
+    return dict(losses=losses, dense_losses=dense_losses, router=np.asarray(r_par).tolist(),
+                dense_router=np.asarray(d_router).tolist(), experts=np.asarray(e_par).tolist(),
+                dense_experts=np.asarray(d_experts[mine]).tolist())  # fmt: skip
