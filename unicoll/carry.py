@@ -51,6 +51,13 @@ def _joined_library(value: Any) -> ArrayLibrary | None:
     return None if library is None or library in ("numpy", "torch", "cupy") else joined()[library]
 
 
+def _weights_of(handle: Any) -> Any | None:
+    """The caller's weights that need a gradient, of a handle a joined library's dispatch made."""
+    if not isinstance(handle, (Handle, StaticHandle)) or handle not in _handle_weights:
+        return None
+    return _handle_weights[handle][0]
+
+
 @functools.cache
 def _signature(eager: Callable) -> inspect.Signature:
     return inspect.signature(eager)
@@ -63,16 +70,19 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
     bound = _signature(eager).bind(*args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    library = next(lib for lib in map(_joined_library, _values(arguments)) if lib is not None)
+    libraries = {lib.name: lib for lib in map(_joined_library, _values(arguments)) if lib is not None}
+    if len(libraries) > 1:
+        given = " and ".join(lib.array_type for lib in libraries.values())
+        raise bad_input(name, "arguments", "arrays of one library (or torch tensors beside them)", given, TypeError)
+    (library,) = libraries.values()
     if library.name == "jax":
         from .compiled import jax_static
 
         if jax_static.is_traced(_values(arguments)):
             return jax_static.call(name, spec, arguments)
     inputs = [value for value in _values(arguments) if _differentiable(library, value)]
-    handle = arguments.get("handle")
-    if handle in _handle_weights and _handle_weights[handle][0] is not None:
-        inputs.append(_handle_weights[handle][0])  # combine's gradient reaches dispatch's weights
+    if _weights_of(arguments.get("handle")) is not None:
+        inputs.append(_weights_of(arguments["handle"]))  # combine's gradient reaches dispatch's weights
     run = _Run(spec, locked, library, arguments, inputs)
     if not inputs:
         return run.result(run([])[0])
@@ -114,9 +124,8 @@ class _Run:
         self.filled: dict[int, Any] = {}  # carrier (or carrier list) id -> the caller's output it fills
         self.in_place: dict[int, Any] = {}  # recorded copy id -> the caller's array its values go back to
         self.carried = {name: self._carry(name, value, given) for name, value in self.arguments.items()}
-        handle = self.arguments.get("handle")
-        if handle in _handle_weights and _handle_weights[handle][0] is not None:
-            self.leaves.append(_handle_weights[handle][1])
+        if _weights_of(self.arguments.get("handle")) is not None:
+            self.leaves.append(_handle_weights[self.arguments["handle"]][1])
         with carrying(self.origins):
             self.returned = self.locked(**self.carried)
         if isinstance(self.returned, Task):

@@ -55,6 +55,10 @@ def test_errors_name_paddle_types() -> None:
         leaf.stop_gradient = False
         with pytest.raises(ValueError, match=r"all_reduce: tensor: .*under paddle\.no_grad\(\).*a leaf paddle\.Tensor"):
             uc.all_reduce(leaf)
+        jnp = pytest.importorskip("jax.numpy")
+        with pytest.raises(TypeError, match=r"global_scatter: arguments: expected arrays of one library .*got "
+                           r"paddle\.Tensor and jax\.Array"):  # fmt: skip
+            uc.global_scatter(x, jnp.array([4]), [4])
         with paddle.no_grad():
             assert uc.all_reduce(leaf) is leaf
         np.testing.assert_array_equal(leaf.numpy(), [1.0, 1.0, 1.0])
