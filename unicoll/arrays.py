@@ -170,10 +170,7 @@ def is_fillable(x: Any, library: str | None = None) -> bool:
         return bool(x.flags.c_contiguous and x.flags.writeable)
     if library == "torch":
         return bool(x.is_contiguous())
-    if library == "cupy":
-        return bool(x.flags.c_contiguous)
-    joined_library = joined()[library]
-    return joined_library.writable and bool(joined_library.to_torch(x).is_contiguous())
+    return bool(x.flags.c_contiguous)
 
 
 def overlaps(a: Any, b: Any) -> bool:

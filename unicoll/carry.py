@@ -70,7 +70,8 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
     bound = _signature(eager).bind(*args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    libraries = {lib.name: lib for lib in map(_joined_library, _values(arguments)) if lib is not None}
+    values = _values(arguments)
+    libraries = {lib.name: lib for lib in map(_joined_library, values) if lib is not None}
     if len(libraries) > 1:
         given = " and ".join(lib.array_type for lib in libraries.values())
         raise bad_input(name, "arguments", "arrays of one library (or torch tensors beside them)", given, TypeError)
@@ -78,9 +79,9 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
     if library.name == "jax":
         from .compiled import jax_static
 
-        if jax_static.is_traced(_values(arguments)):
+        if jax_static.is_traced(values):
             return jax_static.call(name, spec, arguments)
-    inputs = [value for value in _values(arguments) if _differentiable(library, value)]
+    inputs = [value for value in values if _differentiable(library, value)]
     if _weights_of(arguments.get("handle")) is not None:
         inputs.append(_weights_of(arguments["handle"]))  # combine's gradient reaches dispatch's weights
     run = _Run(spec, locked, library, arguments, inputs)

@@ -8,34 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 import unicoll as uc
-from helpers.gradients import OPS, REDUCTION, _moe_world, _world_inputs
+from helpers.gradients import OPS, REDUCTION, _moe_world, _world_inputs, forward
 
 # -- Paddle ------------------------------------------------------------------------------------
-
-
-def _paddle_forward(op: str, x, a: dict, r: int, sync: bool):
-    import paddle
-
-    kw = {} if sync else dict(sync_op=False, use_calc_stream=False)
-    if op == "global_scatter":
-        y = uc.global_scatter(x, a["local"][r], a["glob"][r], **kw)
-    elif op == "global_gather":
-        y = uc.global_gather(x, a["local"][r], a["glob"][r], **kw)
-    elif op == "alltoall_single":
-        y = uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r], **kw)
-    elif op == "alltoall":
-        offsets = np.cumsum([0, *a["splits"][r]])
-        received = uc.alltoall([], [x[offsets[c] : offsets[c + 1]] for c in range(len(offsets) - 1)], **kw)
-        return paddle.concat(received if sync else received.wait())
-    elif op == "all_reduce":  # in place: on a result of x, not on the leaf x
-        y = uc.all_reduce(x * 1, REDUCTION[op, sync], **kw)
-    elif op == "reduce_scatter":
-        y = uc.reduce_scatter(None, x, REDUCTION[op, sync], a["rows"], **kw)
-    elif op == "broadcast":
-        y = uc.broadcast(x * 1, len(a["xs"]) - 1, **kw)
-    else:
-        y = uc.all_gather(None, x, **kw)
-    return y if sync else y.wait()
 
 
 def paddle_gradients(rank: int) -> dict[str, str]:
@@ -66,7 +41,7 @@ def paddle_gradients(rank: int) -> dict[str, str]:
                 continue
             a = _world_inputs(op, world, seed=index)
             x = paddle.to_tensor(a["xs"][rank], stop_gradient=False)
-            y = _paddle_forward(op, x, a, rank, sync)
+            y = forward(op, x, a, rank, sync, paddle.concat)
             assert isinstance(y, paddle.Tensor) and not y.stop_gradient, f"{name}: {type(y)} records no gradient"
             (y * paddle.to_tensor(a["ws"][rank])).sum().backward()
             expected = a["grads"][rank] / (world if REDUCTION.get((op, sync)) == "avg" else 1)
@@ -118,27 +93,6 @@ def paddle_worked_examples(rank: int) -> dict[str, list]:
 # -- JAX ---------------------------------------------------------------------------------------
 
 
-def _jax_forward(op: str, x, a: dict, r: int):
-    import jax.numpy as jnp
-
-    if op == "global_scatter":
-        return uc.global_scatter(x, a["local"][r], a["glob"][r])
-    if op == "global_gather":
-        return uc.global_gather(x, a["local"][r], a["glob"][r])
-    if op == "alltoall_single":
-        return uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r])
-    if op == "alltoall":
-        offsets = np.cumsum(a["splits"][r])[:-1].tolist()
-        return jnp.concatenate(uc.alltoall([], jnp.split(x, offsets)))
-    if op == "all_reduce":
-        return uc.all_reduce(x, REDUCTION[op, True])
-    if op == "reduce_scatter":
-        return uc.reduce_scatter(None, x, REDUCTION[op, True], a["rows"])
-    if op == "broadcast":
-        return uc.broadcast(x, len(a["xs"]) - 1)
-    return uc.all_gather(None, x)
-
-
 def jax_gradients(rank: int) -> dict[str, str]:
     """Each operator on jax.Array under jax.grad (custom_vjp): values and this rank's gradient
     against the reference; moe.dispatch and combine to the tokens and the weights."""
@@ -164,9 +118,9 @@ def jax_gradients(rank: int) -> dict[str, str]:
             continue
         a = _world_inputs(op, world, seed=index)
         x, ws = jnp.asarray(a["xs"][rank], dtype=jnp.float32), jnp.asarray(a["ws"][rank], dtype=jnp.float32)
-        y = _jax_forward(op, x, a, rank)
+        y = forward(op, x, a, rank, True, jnp.concatenate)
         assert isinstance(y, jax.Array), f"{op}: {type(y).__name__}"
-        grad = jax.grad(lambda x, op=op, a=a, ws=ws: (_jax_forward(op, x, a, rank) * ws).sum())(x)
+        grad = jax.grad(lambda x, op=op, a=a, ws=ws: (forward(op, x, a, rank, True, jnp.concatenate) * ws).sum())(x)
         expected = a["grads"][rank] / (world if REDUCTION.get((op, True)) == "avg" else 1)
         np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-5, err_msg=op)
         report[op] = "ok"

@@ -73,7 +73,9 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
     return dict(xs=xs, ws=ws, grads=grads, local=local, glob=glob, splits=splits, rows=rows)
 
 
-def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
+def forward(op: str, x, a: dict, r: int, sync: bool, concat=torch.cat):
+    """The operator ``op`` on this rank's ``x`` (a torch tensor, or another library's array with
+    that library's ``concat``), its result waited for when asynchronous."""
     kw = {} if sync else dict(sync_op=False, use_calc_stream=False)
     if op == "global_scatter":
         y = uc.global_scatter(x, a["local"][r], a["glob"][r], **kw)
@@ -82,8 +84,9 @@ def _forward(op: str, x: torch.Tensor, a: dict, r: int, sync: bool):
     elif op == "alltoall_single":
         y = uc.alltoall_single(None, x, a["splits"][:, r], a["splits"][r], **kw)
     elif op == "alltoall":  # the received list, concatenated: the gradient flows through its arrays
-        received = uc.alltoall([], list(x.split(a["splits"][r].tolist())), **kw)
-        return torch.cat(received if sync else received.wait())
+        offsets = np.cumsum([0, *a["splits"][r]]).tolist()
+        received = uc.alltoall([], [x[offsets[c] : offsets[c + 1]] for c in range(len(offsets) - 1)], **kw)
+        return concat(received if sync else received.wait())
     elif op == "all_reduce":  # in place: on a result of x, not on the leaf x
         y = uc.all_reduce(x * 1, REDUCTION[op, sync], **kw)
     elif op == "reduce_scatter":
@@ -149,7 +152,7 @@ def gradients(rank: int, device: str = "cpu") -> dict[str, str]:
                 continue
             a = _world_inputs(op, world, seed=index)
             x = torch.tensor(a["xs"][rank], device=device, requires_grad=True)
-            y = _forward(op, x, a, rank, sync)
+            y = forward(op, x, a, rank, sync)
             assert y.grad_fn is not None, f"{op}: result has no grad_fn"
             assert y.device == x.device, f"{op}: result on {y.device}"
             (y * torch.tensor(a["ws"][rank], device=device)).sum().backward()
