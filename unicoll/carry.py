@@ -48,7 +48,11 @@ def holds_joined(args: tuple, kwargs: dict[str, Any]) -> bool:
 
 def _joined_library(value: Any) -> ArrayLibrary | None:
     library = library_of(value)
-    return None if library is None or library in ("numpy", "torch", "cupy") else joined()[library]
+    return None if library is None or library in _OWN else joined()[library]
+
+
+_OWN = frozenset(("numpy", "torch", "cupy"))
+"""The libraries whose arrays the backends take as they are."""
 
 
 def _weights_of(handle: Any) -> Any | None:
@@ -58,20 +62,47 @@ def _weights_of(handle: Any) -> Any | None:
     return _handle_weights[handle][0]
 
 
+class _Binder:
+    """Binds a call's arguments to an operator's parameters, by name, defaults filled in (what
+    ``inspect.Signature.bind`` and ``apply_defaults`` give, at a fifth of their cost on every
+    call); a call it cannot bind plainly goes to ``inspect``, whose TypeError names the operator."""
+
+    def __init__(self, name: str, eager: Callable) -> None:
+        self.name, self.signature = name, inspect.signature(eager)
+        parameters = self.signature.parameters.values()
+        self.names = tuple(p.name for p in parameters)
+        self.positional = tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
+        self.defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        given = dict(zip(self.positional, args))
+        if len(args) <= len(self.positional) and given.keys().isdisjoint(kwargs):
+            given.update(kwargs)
+            if len(given) + len(self.defaults) >= len(self.names) and given.keys() <= set(self.names):
+                try:
+                    return {name: given[name] if name in given else self.defaults[name] for name in self.names}
+                except KeyError:  # a required parameter not given
+                    pass
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}: {exc}") from None
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+
 @functools.cache
-def _signature(eager: Callable) -> inspect.Signature:
-    return inspect.signature(eager)
+def _binder(name: str, eager: Callable) -> _Binder:
+    return _Binder(name, eager)
 
 
 def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
     """The public operator ``name`` (its eager function ``eager``, ``locked`` under the lock)
     on arguments that hold a joined library's arrays (see the module's docstring)."""
     spec = SPECS[name]
-    bound = _signature(eager).bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    values = _values(arguments)
-    libraries = {lib.name: lib for lib in map(_joined_library, values) if lib is not None}
+    arguments = _binder(name, eager)(args, kwargs)
+    held, arrays = _arrays(arguments)
+    libraries = {lib.name: lib for _, lib in arrays}
     if len(libraries) > 1:
         given = " and ".join(lib.array_type for lib in libraries.values())
         raise bad_input(name, "arguments", "arrays of one library (or torch tensors beside them)", given, TypeError)
@@ -79,12 +110,12 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
     if library.name == "jax":
         from .compiled import jax_static
 
-        if jax_static.is_traced(values):
+        if jax_static.is_traced([array for array, _ in arrays]):
             return jax_static.call(name, spec, arguments)
-    inputs = [value for value in values if _differentiable(library, value)]
+    inputs = [array for array, _ in arrays if library.needs_grad(array)]
     if _weights_of(arguments.get("handle")) is not None:
         inputs.append(_weights_of(arguments["handle"]))  # combine's gradient reaches dispatch's weights
-    run = _Run(spec, locked, library, arguments, inputs)
+    run = _Run(spec, locked, library, arguments, held, inputs)
     if not inputs:
         return run.result(run([])[0])
     if arguments.get("sync_op") is False and library.name == "jax":
@@ -92,12 +123,20 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
     return run.result(library.differentiate(run, inputs))
 
 
-def _values(arguments: dict[str, Any]) -> list[Any]:
-    """The arrays among ``arguments``, lists' entries included, in order."""
-    values: list[Any] = []
-    for value in arguments.values():
-        values.extend(value if type(value) is list else [value])
-    return values
+def _arrays(arguments: dict[str, Any]) -> tuple[list[str], list[tuple[Any, ArrayLibrary]]]:
+    """The names of the ``arguments`` that hold a joined library's arrays (themselves or in a
+    list), and those arrays, in order, each with its library."""
+    held: list[str] = []
+    arrays: list[tuple[Any, ArrayLibrary]] = []
+    for name, value in arguments.items():
+        count = len(arrays)
+        for v in value if type(value) is list else (value,):
+            library = _joined_library(v)
+            if library is not None:
+                arrays.append((v, library))
+        if len(arrays) > count:
+            held.append(name)
+    return held, arrays
 
 
 def _differentiable(library: ArrayLibrary, value: Any) -> bool:
@@ -111,10 +150,16 @@ class _Run:
     places (a Task's at ``wait()``)."""
 
     def __init__(
-        self, spec: OpSpec, locked: Callable, library: ArrayLibrary, arguments: dict[str, Any], inputs: list[Any]
+        self,
+        spec: OpSpec,
+        locked: Callable,
+        library: ArrayLibrary,
+        arguments: dict[str, Any],
+        held: list[str],
+        inputs: list[Any],
     ) -> None:
         self.spec, self.locked, self.library, self.arguments, self.inputs = spec, locked, library, arguments, inputs
-        self.kinds = {param.name: param.kind for param in spec.params}
+        self.held = held  # the names of the arguments that hold the library's arrays
         self.returned: Any = None
         self.tensors: list[Any] = []
 
@@ -124,7 +169,9 @@ class _Run:
         self.origins: dict[int, Any] = {}  # carrier id -> the caller's array, for messages
         self.filled: dict[int, Any] = {}  # carrier (or carrier list) id -> the caller's output it fills
         self.in_place: dict[int, Any] = {}  # recorded copy id -> the caller's array its values go back to
-        self.carried = {name: self._carry(name, value, given) for name, value in self.arguments.items()}
+        self.carried = dict(self.arguments)
+        for name in self.held:
+            self.carried[name] = self._carry(name, self.arguments[name], given)
         if _weights_of(self.arguments.get("handle")) is not None:
             self.leaves.append(_handle_weights[self.arguments["handle"]][1])
         with carrying(self.origins):
@@ -207,13 +254,13 @@ class _Run:
         """The carrier of one argument (a list's entries each), or the argument itself."""
         if type(value) is list:
             carried = [self._carry_array(name, v, given) for v in value]
-            if self.kinds[name].fills:
+            if self.spec.kinds[name].fills:
                 self.filled[id(carried)] = value
             return carried
         return self._carry_array(name, value, given)
 
     def _carry_array(self, name: str, value: Any, given: dict[int, Any]) -> Any:
-        library, kind = self.library, self.kinds[name]
+        library, kind = self.library, self.spec.kinds[name]
         if library_of(value) != library.name:
             return value
         if kind.fills and not kind.in_place and not library.writable:

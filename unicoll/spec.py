@@ -164,6 +164,11 @@ class OpSpec:
     static_shapes: bool = True
 
     @cached_property
+    def kinds(self) -> dict[str, Kind]:
+        """Each parameter's kind by its name, computed once."""
+        return {p.name: p.kind for p in self.params}
+
+    @cached_property
     def signed(self) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
         """``(name, signature function)`` of each parameter that goes into the key of an
         accepted call (every one but the group), computed once."""

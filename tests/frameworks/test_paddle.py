@@ -59,6 +59,12 @@ def test_errors_name_paddle_types() -> None:
         with pytest.raises(TypeError, match=r"global_scatter: arguments: expected arrays of one library .*got "
                            r"paddle\.Tensor and jax\.Array"):  # fmt: skip
             uc.global_scatter(x, jnp.array([4]), [4])
+        with pytest.raises(TypeError, match=r"moe\.dispatch: missing a required argument: 'experts_per_rank'"):
+            uc.moe.dispatch(x, paddle.zeros([4, 1], dtype="int64"))
+        with pytest.raises(TypeError, match=r"all_reduce: multiple values for argument 'tensor'"):
+            uc.all_reduce(x, tensor=x)
+        with pytest.raises(TypeError, match=r"alltoall_single: got an unexpected keyword argument 'splits'"):
+            uc.alltoall_single(None, x, splits=[2, 2])
         with paddle.no_grad():
             assert uc.all_reduce(leaf) is leaf
         np.testing.assert_array_equal(leaf.numpy(), [1.0, 1.0, 1.0])
