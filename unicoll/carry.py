@@ -124,8 +124,9 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
 
 
 def _arrays(arguments: dict[str, Any]) -> tuple[list[str], list[tuple[Any, ArrayLibrary]]]:
-    """The names of the ``arguments`` that hold a joined library's arrays (themselves or in a
-    list), and those arrays, in order, each with its library."""
+    """The names of the ``arguments`` to carry (those that hold a joined library's arrays, and
+    every list: an empty one may be an output to fill), and the joined library's arrays among
+    them, in order, each with its library."""
     held: list[str] = []
     arrays: list[tuple[Any, ArrayLibrary]] = []
     for name, value in arguments.items():
@@ -134,7 +135,7 @@ def _arrays(arguments: dict[str, Any]) -> tuple[list[str], list[tuple[Any, Array
             library = _joined_library(v)
             if library is not None:
                 arrays.append((v, library))
-        if len(arrays) > count:
+        if len(arrays) > count or type(value) is list:
             held.append(name)
     return held, arrays
 
@@ -159,7 +160,7 @@ class _Run:
         inputs: list[Any],
     ) -> None:
         self.spec, self.locked, self.library, self.arguments, self.inputs = spec, locked, library, arguments, inputs
-        self.held = held  # the names of the arguments that hold the library's arrays
+        self.held = held  # the names of the arguments to carry (see _arrays)
         self.returned: Any = None
         self.tensors: list[Any] = []
 

@@ -4,7 +4,8 @@
     unicoll run --mpi -n 2 tests/faults/inject.py FAULT    (mpi)
 
 FAULT is one of: mismatch-checked, mismatch-unchecked, peer-exits, peer-killed, peer-absent,
-peer-absent-async, poll, init, init-absent. Each rank reports the error it got (type, message)
+peer-absent-async, poll, init, init-absent, raises-mid-step:LIB, exits-mid-step:LIB (LIB: paddle or
+jax). Each rank reports the error it got (type, message)
 and how long after the faulty call it came; the misbehaving rank reports what it did instead.
 ``init`` only starts the backend, timed (for worlds in which some rank never starts);
 ``init-absent`` does so too, but rank 1 never calls ``init`` (it starts MPI, on mpi).
@@ -100,6 +101,47 @@ def poll(rank: int, x: np.ndarray) -> None:
     report(rows=rows.tolist(), completed=task.is_completed())
 
 
+def mid_step(rank: int, fault: str) -> None:
+    """A top-2 MoE step on Paddle tensors or JAX arrays with gradients: rank 1 raises (or exits)
+    between dispatch and combine; rank 0 reports what its step (dispatch, combine, backward) got."""
+    how, library = fault.split("-mid-step:")
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    ids = rng.integers(0, 4, (64, 2))
+
+    def fail() -> None:
+        report(action=how)
+        if how == "exits":
+            os._exit(0)
+        raise RuntimeError("rank 1 raises mid-step")
+
+    if library == "paddle":
+        import paddle
+
+        def step() -> None:
+            xt = paddle.to_tensor(x, stop_gradient=False)
+            rows, _, handle = uc.moe.dispatch(xt, paddle.to_tensor(ids), experts_per_rank=2)
+            if rank == 1:
+                fail()
+            uc.moe.combine(rows * 2.0, handle).sum().backward()
+    else:
+        import jax
+
+        def loss(xj):
+            rows, _, handle = uc.moe.dispatch(xj, jax.device_put(ids.astype(np.int32)), experts_per_rank=2)
+            if rank == 1:
+                fail()
+            return uc.moe.combine(rows, handle).sum()
+
+        def step() -> None:
+            jax.grad(loss)(jax.device_put(x))
+
+    if rank == 1:
+        step()
+    else:
+        timed(step)
+
+
 def init_absent() -> None:
     """Rank 0 starts the backend while rank 1 runs, having started MPI on mpi, but never calls init."""
     if os.environ.get("RANK", os.environ.get("PMI_RANK")) == "1":
@@ -160,6 +202,8 @@ def main(fault: str) -> None:
             open(done, "w").close()
     elif fault == "poll":
         poll(rank, x)
+    elif fault.startswith(("raises-mid-step:", "exits-mid-step:")):
+        mid_step(rank, fault)
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

@@ -381,7 +381,8 @@ def to_library(a: np.ndarray, library: str, dtype: str, device: str) -> Any:
     if library == "jax":
         import jax
 
-        return jax.numpy.asarray(a, dtype=jax.dtypes.canonicalize_dtype(dtype))
+        # cast by numpy (ml_dtypes has bfloat16) and placed: jnp.asarray compiles once per shape
+        return jax.device_put(a.astype(jax.dtypes.canonicalize_dtype(dtype)))
     import cupy
 
     return cupy.asarray(a)
@@ -399,7 +400,7 @@ def to_numpy(a: Any) -> np.ndarray:
     if module == "paddle":
         return (a.astype("float32") if str(a.dtype) == "paddle.bfloat16" else a).numpy()
     if module in ("jax", "jaxlib"):
-        return np.asarray(a.astype("float32") if a.dtype.name == "bfloat16" else a)
+        return np.asarray(a).astype(np.float32 if a.dtype.name == "bfloat16" else a.dtype)
     return np.asarray(a)
 
 

@@ -155,6 +155,34 @@ def test_peer_that_exits_fails_the_current_and_next_operator() -> None:
         assert record["seconds"] < TIMEOUT + 1
 
 
+@pytest.mark.parametrize("library", ["paddle", "jax"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_raises_mid_step_ends_the_world(backend: str, library: str) -> None:
+    """Rank 1 raises between dispatch and combine of a step on the library's arrays (under its
+    autograd): the launcher stops the world at once, or rank 0 loses its peer within the
+    timeout; rank 0 never reports a result."""
+    pytest.importorskip(library)
+    start = time.monotonic()
+    world = run_world(f"raises-mid-step:{library}", backend)
+    assert "RuntimeError: rank 1 raises mid-step" in world.output, world.output
+    assert world.reports[1] == [{"rank": 1, "action": "raises"}]
+    assert all(record["error"] == "PeerLostError" for record in world.reports.get(0, [])), world.output
+    assert any(code != 0 for code in world.codes) and time.monotonic() - start < TIMEOUT + 30
+
+
+@pytest.mark.parametrize("library", ["paddle", "jax"])
+def test_a_rank_that_exits_mid_step_is_lost_in_its_peers_step(library: str) -> None:
+    """Rank 1 exits between dispatch and combine: rank 0's combine, inside the library's
+    autograd, raises PeerLostError (not the library's own error type) within the timeout."""
+    pytest.importorskip(library)
+    world = run_world(f"exits-mid-step:{library}")
+    assert world.reports[1] == [{"rank": 1, "action": "exits"}]
+    (record,) = world.reports[0]
+    assert record["error"] == "PeerLostError", world.output
+    assert record["message"].startswith("moe.combine on Group(ranks=[0, 1]): a peer is gone"), record
+    assert record["seconds"] < TIMEOUT + 1
+
+
 def test_peer_killed_mid_transfer_is_lost_at_once_on_gloo() -> None:
     """Rank 1 is SIGKILLed while rank 0 writes 64 MiB to it (it stopped reading): gloo alone
     leaves that write waiting until the timeout; the peer watch notices within a fraction of

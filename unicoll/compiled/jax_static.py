@@ -43,7 +43,18 @@ _STATIC = ("moe.dispatch_static", "moe.redispatch_static", "moe.combine_static")
 def is_traced(values: list[Any]) -> bool:
     """Whether any of ``values`` is a tracer of ``jax.jit`` (abstract: no value to read)."""
     jax = sys.modules["jax"]
-    return any(isinstance(v, jax.core.Tracer) and not jax.core.is_concrete(v) for v in values)
+    return any(isinstance(v, jax.core.Tracer) and _abstract(v) for v in values)
+
+
+def _abstract(tracer: Any) -> bool:
+    """Whether ``tracer`` has no concrete value (jax.jit's, not jax.grad's over an array)."""
+    import jax.extend.core
+
+    try:
+        jax.extend.core.concrete_or_error(None, tracer)
+    except sys.modules["jax"].errors.ConcretizationTypeError:
+        return True
+    return False
 
 
 def call(name: str, spec: OpSpec, arguments: dict[str, Any]) -> Any:

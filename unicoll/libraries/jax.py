@@ -83,11 +83,11 @@ def _differentiate(run: Callable[[list[Any]], tuple[list[Any], Callable]], input
 
 def _zero_like(x: Any) -> Any:
     """The gradient of an input that gets none: zeros, of dtype float0 for an integer array."""
-    jax = _jax()
-    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-        return jax.numpy.zeros(x.shape, x.dtype)
     import numpy as np
 
+    jax = _jax()
+    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+        return jax.device_put(np.zeros(x.shape, x.dtype))  # placed, not made by jnp.zeros: that compiles per shape
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 

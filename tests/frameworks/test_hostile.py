@@ -1,0 +1,92 @@
+"""Hostile callers with Paddle tensors and JAX arrays, on gloo and on mpi: a soak with new
+routing every step (gradients right, resident memory flat, no handle kept), a second thread,
+outputs that alias inputs, a dropped Task, an ended session's graph and handle, and every
+operator's gradient through each library's autograd on mpi (gloo's run in test_paddle.py and
+test_jax.py). A rank that raises or exits mid-step: tests/processes/test_faults.py."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("paddle")
+pytest.importorskip("jax")
+
+from helpers.frameworks import jax_gradients, paddle_gradients  # noqa: E402
+from helpers.gradients import OPS  # noqa: E402
+from helpers.joined_attacks import aliasing_and_tasks, soak, stale_session, threads  # noqa: E402
+from helpers.several import SESSION, Case, share  # noqa: E402
+from unicoll.backends.mpi.mpi import MpiFactory  # noqa: E402
+
+LIBRARIES = ("paddle", "jax")
+GROWTH_LIMIT = 64 * 2**20
+MPI_REASON = MpiFactory().probe()
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
+
+
+def _cases(backend: str) -> list[Case]:
+    cases = [Case(f"soak {library}", soak, (library,)) for library in LIBRARIES]
+    cases += [Case(f"threads {library}", threads, (library,)) for library in LIBRARIES]
+    cases.append(Case("aliasing and tasks", aliasing_and_tasks))
+    if backend == "mpi":
+        cases += [Case("paddle gradients", paddle_gradients), Case("jax gradients", jax_gradients)]
+    return cases
+
+
+WORLDS = {
+    backend: share(backend, 2, _cases(backend), timeout=240)
+    for backend in ("gloo", "mpi")
+    if backend == "gloo" or MPI_REASON is None
+}
+
+STALE = {
+    backend: share(backend, 2, [Case("stale session", stale_session, (backend,))], last=True) for backend in WORLDS
+}
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_soak_with_new_routing_every_step(backend: str, library: str) -> None:
+    for rank, seen in enumerate(SESSION.results(WORLDS[backend], f"soak {library}")):
+        assert seen["right"] > 0 and seen["handles_kept"] == 0, seen
+        assert seen["growth"] < GROWTH_LIMIT, f"rank {rank}: resident memory grew by {seen['growth'] / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_thread_is_refused(backend: str, library: str) -> None:
+    outcomes = SESSION.results(WORLDS[backend], f"threads {library}")
+    assert all(seen["gathered"] == (library, [0.0, 1.0]) for seen in outcomes), outcomes
+    assert outcomes[0]["main"] == (
+        "RuntimeError: alltoall_single: thread 'MainThread' called it while thread 'worker' is inside all_gather; "
+        "unicoll's collectives must be issued from one thread at a time, in the same order on every rank"
+    )
+    assert outcomes[0]["refused_after_s"] < 0.1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aliasing_and_tasks(backend: str) -> None:
+    for rank, seen in enumerate(SESSION.results(WORLDS[backend], "aliasing and tasks")):
+        assert seen == {
+            "aliased_is_x": True,
+            "aliased_right": True,
+            "after_dropped_task": [3.0, 3.0, 3.0],
+            "waited_is_y": True,
+        }, rank
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_ended_sessions_graph_and_handle_raise(backend: str) -> None:
+    for seen in SESSION.results(STALE[backend], "stale session"):
+        assert "its session ended at finalize()" in seen["backward"], seen
+        assert "its session ended at finalize()" in seen["combine"], seen
+        assert seen["after"] == [2.0, 2.0]
+
+
+@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_gradients_on_mpi(library: str) -> None:
+    for report in SESSION.results(WORLDS["mpi"], f"{library} gradients"):
+        expected = {op: "ok" for op in OPS}
+        if library == "paddle":
+            expected = {f"{op}-{mode}": "ok" for op in OPS for mode in ("sync", "async")}
+        assert report == expected
