@@ -6,16 +6,21 @@ test_jax.py). A rank that raises or exits mid-step: tests/processes/test_faults.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("paddle")
-pytest.importorskip("jax")
+from helpers.frameworks import jax_gradients, paddle_gradients
+from helpers.gradients import OPS
+from helpers.joined_attacks import aliasing_and_tasks, soak, stale_session, threads
+from helpers.several import SESSION, Case, share
+from unicoll.backends.mpi.mpi import MpiFactory
 
-from helpers.frameworks import jax_gradients, paddle_gradients  # noqa: E402
-from helpers.gradients import OPS  # noqa: E402
-from helpers.joined_attacks import aliasing_and_tasks, soak, stale_session, threads  # noqa: E402
-from helpers.several import SESSION, Case, share  # noqa: E402
-from unicoll.backends.mpi.mpi import MpiFactory  # noqa: E402
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("paddle") is None or importlib.util.find_spec("jax") is None,
+    reason="paddle or jax is not installed (pip install 'unicoll[paddle,jax]')",
+)
+"""(Paddle and JAX are imported by the ranks only: this process stays free of them.)"""
 
 LIBRARIES = ("paddle", "jax")
 GROWTH_LIMIT = 64 * 2**20

@@ -4,21 +4,39 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-paddle = pytest.importorskip("paddle")
+from helpers.frameworks import (
+    GLOBAL,
+    SCATTERED,
+    X,
+    paddle_errors_and_in_place,
+    paddle_gradients,
+    paddle_worked_examples,
+)
+from helpers.gradients import OPS
+from helpers.several import SESSION, Case, share
 
-import unicoll as uc  # noqa: E402
-from helpers.frameworks import GLOBAL, SCATTERED, X, paddle_gradients, paddle_worked_examples  # noqa: E402
-from helpers.gradients import OPS  # noqa: E402
-from helpers.several import SESSION, Case, share  # noqa: E402
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("paddle") is None or importlib.util.find_spec("jax") is None,
+    reason="paddle or jax is not installed (pip install 'unicoll[paddle,jax]')",
+)
+"""(Paddle is imported by the ranks only: this process stays free of it.)"""
 
 GRADIENTS = share("gloo", 3, [Case("paddle: gradients", paddle_gradients)])
-EXAMPLES = share("gloo", 2, [Case("paddle: worked examples", paddle_worked_examples)])
+EXAMPLES = share(
+    "gloo",
+    2,
+    [
+        Case("paddle: worked examples", paddle_worked_examples),
+        Case("paddle: errors and in place", paddle_errors_and_in_place),
+    ],
+)
 
 
 def test_every_operator_has_paddle_gradients() -> None:
@@ -43,50 +61,32 @@ def test_the_worked_examples_with_paddle_tensors() -> None:
 
 
 def test_errors_name_paddle_types() -> None:
-    uc.init("gloo")
-    try:
-        x = paddle.ones([4, 2])
-        with pytest.raises(TypeError, match=r"global_scatter: local_count: expected a paddle\.Tensor of dtype int32 "
-                           r"or int64, got paddle\.Tensor float32 \(4,\) on cpu"):  # fmt: skip
-            uc.global_scatter(x, paddle.ones([1]).expand([4]), [4])
-        with pytest.raises(ValueError, match=r"global_scatter: x: .*got paddle\.Tensor float32 \(\) on cpu"):
-            uc.global_scatter(paddle.to_tensor(1.0), [1], [1])
-        leaf = paddle.ones([3], dtype="float32")
-        leaf.stop_gradient = False
-        with pytest.raises(ValueError, match=r"all_reduce: tensor: .*under paddle\.no_grad\(\).*a leaf paddle\.Tensor"):
-            uc.all_reduce(leaf)
-        jnp = pytest.importorskip("jax.numpy")
-        with pytest.raises(TypeError, match=r"global_scatter: arguments: expected arrays of one library .*got "
-                           r"paddle\.Tensor and jax\.Array"):  # fmt: skip
-            uc.global_scatter(x, jnp.array([4]), [4])
-        with pytest.raises(TypeError, match=r"moe\.dispatch: missing a required argument: 'experts_per_rank'"):
-            uc.moe.dispatch(x, paddle.zeros([4, 1], dtype="int64"))
-        with pytest.raises(TypeError, match=r"all_reduce: multiple values for argument 'tensor'"):
-            uc.all_reduce(x, tensor=x)
-        with pytest.raises(TypeError, match=r"alltoall_single: got an unexpected keyword argument 'splits'"):
-            uc.alltoall_single(None, x, splits=[2, 2])
-        with paddle.no_grad():
-            assert uc.all_reduce(leaf) is leaf
-        np.testing.assert_array_equal(leaf.numpy(), [1.0, 1.0, 1.0])
-    finally:
-        uc.finalize()
+    for seen in SESSION.results(EXAMPLES, "paddle: errors and in place"):
+        assert seen["float counts"] == (
+            "TypeError: global_scatter: local_count: expected a paddle.Tensor of dtype int32 or int64, "
+            "got paddle.Tensor float32 (4,) on cpu"
+        )
+        assert re.fullmatch(
+            r"ValueError: global_scatter: x: .*got paddle\.Tensor float32 \(\) on cpu", seen["scalar x"]
+        )
+        assert re.fullmatch(r"ValueError: all_reduce: tensor: .*under paddle\.no_grad\(\).*a leaf paddle\.Tensor.*",
+                            seen["leaf in place"])  # fmt: skip
+        assert re.fullmatch(r"TypeError: global_scatter: arguments: expected arrays of one library .*got "
+                            r"paddle\.Tensor and jax\.Array", seen["two libraries"])  # fmt: skip
+        assert seen["missing"] == "TypeError: moe.dispatch: missing a required argument: 'experts_per_rank'"
+        assert seen["twice"] == "TypeError: all_reduce: multiple values for argument 'tensor'"
+        assert seen["unknown"] == "TypeError: alltoall_single: got an unexpected keyword argument 'splits'"
+        assert seen["no_grad is leaf"] and seen["no_grad values"] == [2.0, 2.0, 2.0]
 
 
 def test_in_place_results_and_tasks() -> None:
-    """all_reduce fills the caller's tensor and records the change in Paddle's autograd; a
-    Task's wait() hands back Paddle tensors."""
-    uc.init("gloo")
-    try:
-        leaf = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
-        y = leaf * 3
-        assert uc.all_reduce(y) is y and y.numpy().tolist() == [3.0, 6.0]
-        (y * y).sum().backward()
-        assert leaf.grad.numpy().tolist() == [18.0, 36.0]
-        task = uc.all_gather(None, paddle.to_tensor([[5, 6]], dtype="int32"), sync_op=False)
-        gathered = task.wait()
-        assert isinstance(gathered, paddle.Tensor) and gathered.numpy().tolist() == [[5, 6]]
-    finally:
-        uc.finalize()
+    """all_reduce fills the caller's tensor and records the change in Paddle's autograd (2
+    ranks: y = 3 leaf summed, and the sum of both ranks' 2 y for y's gradient); a Task's
+    wait() hands back Paddle tensors."""
+    for seen in SESSION.results(EXAMPLES, "paddle: errors and in place"):
+        assert seen["in place is y"] and seen["in place values"] == [6.0, 12.0]
+        assert seen["in place grad"] == [72.0, 144.0]
+        assert seen["task"] == ("Tensor", "paddle.int32", [[0, 6], [1, 6]])
 
 
 def test_import_unicoll_imports_neither_paddle_nor_jax() -> None:

@@ -62,7 +62,8 @@ JOINED = ("paddle", "jax")
 """The libraries that join through torch (unicoll.libraries): their arrays travel as torch
 tensors, so the matrix runs their cases synchronously, on the world group and the default
 stream only (those variants are torch's transfers, which the matrix covers; tests/frameworks
-covers their Tasks)."""
+covers their Tasks), and one variant of each operator and dtype per world size, each variant
+in turn as the world grows (:func:`_in_turn`)."""
 
 FILLS_OUTPUTS = {"alltoall_single": ("out",), "alltoall": ("lists", "arrays"), "all_gather": ("array", "filled_list"),
                  "reduce_scatter": ("out",)}  # fmt: skip
@@ -161,6 +162,7 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         for library in sorted(caps.libraries)
         if not (library == "jax" and variant in FILLS_OUTPUTS.get(op, ()))
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
+        if library not in JOINED or _in_turn(variant, _runnable(caps, op, library, dtype), dtype, world_size)
         for sync in ((True,) if library in JOINED else (True, False))
         for stream in (streams if sync and library not in JOINED else (None,))
         for subgroup in ((False,) if library in JOINED else (False, True))
@@ -173,8 +175,30 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         for library in sorted(caps.libraries)
         if library not in JOINED or (sync and not subgroup)
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
+        if library not in JOINED or _in_turn(f"E{experts}-k{k}", JOINED_MOE_VARIANTS, dtype, world_size)
     ]
     return operators + topk
+
+
+JOINED_MOE_VARIANTS = tuple(f"E{e}-k{k}" for e, k, sync, subgroup in MOE_VARIANTS if sync and not subgroup)
+
+
+def _runnable(caps: Capabilities, op: str, library: str, dtype: str) -> tuple[str, ...]:
+    """The variants of ``op`` that run on ``library``'s arrays of ``dtype`` (JAX's cannot be
+    filled; a reduction must be one the backend has for the dtype)."""
+    return tuple(
+        v for v in VARIANTS[op]
+        if not (library == "jax" and v in FILLS_OUTPUTS.get(op, ())) and _reduction(caps, op, v, dtype, ()) != ""
+    )  # fmt: skip
+
+
+def _in_turn(variant: str, variants: tuple[str, ...], dtype: str, world_size: int) -> bool:
+    """Whether ``variant`` is the one of ``variants`` a joined library runs for ``dtype`` in a
+    world of ``world_size``: the dtypes start at different variants and the world size moves
+    each on by one, so every variant runs (on 1 to 4 ranks, an operator of more than 4
+    variants runs each with some dtype)."""
+    start = zlib.crc32(dtype.encode())
+    return variants[(start + world_size) % len(variants)] == variant
 
 
 def _reduction(caps: Capabilities, op: str, variant: str, dtype: str, salt: tuple) -> str | None:

@@ -90,6 +90,48 @@ def paddle_worked_examples(rank: int) -> dict[str, list]:
     )
 
 
+def _raised(call) -> str:
+    """The error ``call()`` raised, as ``Type: message``, or "returned"."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def paddle_errors_and_in_place(rank: int) -> dict[str, object]:
+    """Bad Paddle calls, each refused before anything is sent (the messages they raise); an
+    all_reduce that fills the caller's tensor, recorded in Paddle's autograd; a Task whose
+    wait() hands back a Paddle tensor."""
+    import jax
+    import paddle
+
+    x = paddle.ones([4, 2])
+    leaf = paddle.ones([3], dtype="float32")
+    leaf.stop_gradient = False
+    seen: dict[str, object] = {
+        "float counts": _raised(lambda: uc.global_scatter(x, paddle.ones([1]).expand([4]), [4])),
+        "scalar x": _raised(lambda: uc.global_scatter(paddle.to_tensor(1.0), [1], [1])),
+        "leaf in place": _raised(lambda: uc.all_reduce(leaf)),
+        "two libraries": _raised(lambda: uc.global_scatter(x, jax.device_put(np.array([4])), [4])),
+        "missing": _raised(lambda: uc.moe.dispatch(x, paddle.zeros([4, 1], dtype="int64"))),
+        "twice": _raised(lambda: uc.all_reduce(x, tensor=x)),
+        "unknown": _raised(lambda: uc.alltoall_single(None, x, splits=[2, 2])),
+    }
+    with paddle.no_grad():
+        seen["no_grad is leaf"] = uc.all_reduce(leaf) is leaf
+    seen["no_grad values"] = leaf.numpy().tolist()
+    grown = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
+    y = grown * 3
+    seen["in place is y"] = uc.all_reduce(y) is y
+    seen["in place values"] = y.numpy().tolist()
+    (y * y).sum().backward()
+    seen["in place grad"] = grown.grad.numpy().tolist()
+    gathered = uc.all_gather(None, paddle.to_tensor([[rank, 6]], dtype="int32"), sync_op=False).wait()
+    seen["task"] = (type(gathered).__name__, str(gathered.dtype), gathered.numpy().tolist())
+    return seen
+
+
 # -- JAX ---------------------------------------------------------------------------------------
 
 
@@ -219,3 +261,21 @@ def jax_moe_training(rank: int, steps: int = 3) -> dict[str, list]:
     return dict(losses=losses, dense_losses=dense_losses, router=np.asarray(r_par).tolist(),
                 dense_router=np.asarray(d_router).tolist(), experts=np.asarray(e_par).tolist(),
                 dense_experts=np.asarray(d_experts[mine]).tolist())  # fmt: skip
+
+
+def jax_refusals(rank: int) -> dict[str, object]:
+    """JAX arrays are never filled in place (an in-place operator returns a new array), ids of
+    the wrong dtype and operators inside jax.jit other than the static MoE ones are refused."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.arange(4.0)
+    y = uc.all_reduce(x)
+    return {
+        "filled": _raised(lambda: uc.alltoall_single(jnp.zeros(4), x)),
+        "all_reduce": (isinstance(y, jax.Array) and y is not x, np.asarray(y).tolist(), np.asarray(x).tolist()),
+        "float ids": _raised(
+            lambda: uc.moe.dispatch_static(x[:, None], jnp.zeros((4, 1)), experts_per_rank=1, capacity=4)
+        ),
+        "jit": _raised(lambda: jax.jit(lambda x: uc.global_scatter(x, [4], [4]))(x)),
+    }

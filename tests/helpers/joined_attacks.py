@@ -16,7 +16,7 @@ import unicoll as uc
 from unicoll import carry, entry
 from unicoll.arrays import library_of
 
-SOAK_STEPS, SOAK_WARMUP = 120, 20
+SOAK_STEPS, SOAK_WARMUP = 80, 10
 TOKENS, HIDDEN, K, EXPERTS = 512, 128, 2, 2
 
 
