@@ -135,6 +135,14 @@ def paddle_errors_and_in_place(rank: int) -> dict[str, object]:
 # -- JAX ---------------------------------------------------------------------------------------
 
 
+def _placed(values, dtype):
+    """``values`` as a jax.Array of ``dtype``, cast by numpy and placed (``jnp.asarray`` with a
+    dtype compiles a conversion once per shape: milliseconds apiece)."""
+    import jax
+
+    return jax.device_put(np.asarray(values, dtype))
+
+
 def jax_gradients(rank: int) -> dict[str, str]:
     """Each operator on jax.Array under jax.grad (custom_vjp): values and this rank's gradient
     against the reference; moe.dispatch and combine to the tokens and the weights."""
@@ -145,21 +153,21 @@ def jax_gradients(rank: int) -> dict[str, str]:
     for index, op in enumerate(OPS):
         if op == "moe":
             a = _moe_world(world, index)
-            ids, ws = jnp.asarray(a["ids"][rank], dtype=jnp.int32), jnp.asarray(a["ws"][rank], dtype=jnp.float32)
+            ids, ws = _placed(a["ids"][rank], np.int32), _placed(a["ws"][rank], np.float32)
 
             def loss(x, w, ids=ids, a=a, ws=ws):
                 rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=a["experts"])
                 factors = jnp.arange(1, rows.shape[0] + 1, dtype=rows.dtype)[:, None]
                 return (uc.moe.combine(rows * factors, handle) * ws).sum()
 
-            x, w = (jnp.asarray(a[key][rank], dtype=jnp.float32) for key in ("xs", "weights"))
+            x, w = (_placed(a[key][rank], np.float32) for key in ("xs", "weights"))
             grad_x, grad_w = jax.grad(loss, argnums=(0, 1))(x, w)
             np.testing.assert_allclose(np.asarray(grad_x), a["grads_x"][rank], rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(np.asarray(grad_w), a["grads_w"][rank], rtol=1e-4, atol=1e-5)
             report[op] = "ok"
             continue
         a = _world_inputs(op, world, seed=index)
-        x, ws = jnp.asarray(a["xs"][rank], dtype=jnp.float32), jnp.asarray(a["ws"][rank], dtype=jnp.float32)
+        x, ws = _placed(a["xs"][rank], np.float32), _placed(a["ws"][rank], np.float32)
         y = forward(op, x, a, rank, True, jnp.concatenate)
         assert isinstance(y, jax.Array), f"{op}: {type(y).__name__}"
         grad = jax.grad(lambda x, op=op, a=a, ws=ws: (forward(op, x, a, rank, True, jnp.concatenate) * ws).sum())(x)
@@ -177,10 +185,9 @@ def jax_static_in_jit(rank: int) -> str:
 
     world, experts, tokens, k, hidden = uc.get_world_size(), 2, 6, 2, 3
     rng = np.random.default_rng(rank)
-    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype=jnp.float32)
-    ids = jnp.asarray(np.where(rng.random((tokens, k)) < 0.2, -1, rng.integers(0, world * experts, (tokens, k))),
-                      dtype=jnp.int32)  # fmt: skip
-    w = jnp.asarray(rng.random((tokens, k)), dtype=jnp.float32)
+    x = _placed(rng.standard_normal((tokens, hidden)), np.float32)
+    ids = _placed(np.where(rng.random((tokens, k)) < 0.2, -1, rng.integers(0, world * experts, (tokens, k))), np.int32)
+    w = _placed(rng.random((tokens, k)), np.float32)
     for capacity in (2, tokens * k):
 
         def step(x, w, capacity=capacity):
@@ -226,9 +233,9 @@ def jax_moe_training(rank: int, steps: int = 3) -> dict[str, list]:
     world, experts_per_rank, tokens, hidden, k, lr = uc.get_world_size(), 2, 8, 4, 2, 0.1
     total = world * experts_per_rank
     init = np.random.default_rng(0)
-    router = jnp.asarray(init.standard_normal((hidden, total)), dtype=jnp.float32)
-    all_experts = jnp.asarray(init.standard_normal((total, hidden, hidden)) / 2, dtype=jnp.float32)
-    xs = [jnp.asarray(np.random.default_rng(100 + r).standard_normal((tokens, hidden)), dtype=jnp.float32)
+    router = _placed(init.standard_normal((hidden, total)), np.float32)
+    all_experts = _placed(init.standard_normal((total, hidden, hidden)) / 2, np.float32)
+    xs = [_placed(np.random.default_rng(100 + r).standard_normal((tokens, hidden)), np.float32)
           for r in range(world)]  # fmt: skip
     targets = [jnp.tanh(x[:, ::-1]) for x in xs]
     mine = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
