@@ -1,5 +1,5 @@
 """The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks, one spawned world per
-backend and size. A backend that cannot run here is skipped with the reason."""
+backend and size, two worlds at a time. A backend that cannot run here is skipped with the reason."""
 
 from __future__ import annotations
 
@@ -25,7 +25,13 @@ def _params():
 
 @pytest.fixture(scope="module")
 def worlds() -> Worlds:
-    return Worlds()
+    """Every usable world, started at once, two at a time, the largest first."""
+    started = Worlds(parallel=2)
+    for w in sorted(WORLD_SIZES, reverse=True):
+        for backend in CPU_BACKENDS:
+            if FACTORIES[backend].probe() is None:
+                started.start((backend, w), run_cases, w, MATRIX[backend, w], backend=backend, timeout=240)
+    return started
 
 
 @pytest.mark.parametrize(("backend", "w", "group"), list(_params()))
