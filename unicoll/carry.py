@@ -71,18 +71,18 @@ class _Binder:
         self.name, self.signature = name, inspect.signature(eager)
         parameters = self.signature.parameters.values()
         self.names = tuple(p.name for p in parameters)
+        self.known = frozenset(self.names)
         self.positional = tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
         self.defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
 
     def __call__(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         given = dict(zip(self.positional, args))
-        if len(args) <= len(self.positional) and given.keys().isdisjoint(kwargs):
+        if len(args) <= len(self.positional) and given.keys().isdisjoint(kwargs) and kwargs.keys() <= self.known:
             given.update(kwargs)
-            if len(given) + len(self.defaults) >= len(self.names) and given.keys() <= set(self.names):
-                try:
-                    return {name: given[name] if name in given else self.defaults[name] for name in self.names}
-                except KeyError:  # a required parameter not given
-                    pass
+            try:
+                return {name: given[name] if name in given else self.defaults[name] for name in self.names}
+            except KeyError:  # a required parameter not given
+                pass
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:

@@ -90,7 +90,7 @@ def paddle_worked_examples(rank: int) -> dict[str, list]:
     )
 
 
-def _raised(call) -> str:
+def raised(call) -> str:
     """The error ``call()`` raised, as ``Type: message``, or "returned"."""
     try:
         call()
@@ -110,13 +110,13 @@ def paddle_errors_and_in_place(rank: int) -> dict[str, object]:
     leaf = paddle.ones([3], dtype="float32")
     leaf.stop_gradient = False
     seen: dict[str, object] = {
-        "float counts": _raised(lambda: uc.global_scatter(x, paddle.ones([1]).expand([4]), [4])),
-        "scalar x": _raised(lambda: uc.global_scatter(paddle.to_tensor(1.0), [1], [1])),
-        "leaf in place": _raised(lambda: uc.all_reduce(leaf)),
-        "two libraries": _raised(lambda: uc.global_scatter(x, jax.device_put(np.array([4])), [4])),
-        "missing": _raised(lambda: uc.moe.dispatch(x, paddle.zeros([4, 1], dtype="int64"))),
-        "twice": _raised(lambda: uc.all_reduce(x, tensor=x)),
-        "unknown": _raised(lambda: uc.alltoall_single(None, x, splits=[2, 2])),
+        "float counts": raised(lambda: uc.global_scatter(x, paddle.ones([1]).expand([4]), [4])),
+        "scalar x": raised(lambda: uc.global_scatter(paddle.to_tensor(1.0), [1], [1])),
+        "leaf in place": raised(lambda: uc.all_reduce(leaf)),
+        "two libraries": raised(lambda: uc.global_scatter(x, jax.device_put(np.array([4])), [4])),
+        "missing": raised(lambda: uc.moe.dispatch(x, paddle.zeros([4, 1], dtype="int64"))),
+        "twice": raised(lambda: uc.all_reduce(x, tensor=x)),
+        "unknown": raised(lambda: uc.alltoall_single(None, x, splits=[2, 2])),
     }
     with paddle.no_grad():
         seen["no_grad is leaf"] = uc.all_reduce(leaf) is leaf
@@ -280,10 +280,10 @@ def jax_refusals(rank: int) -> dict[str, object]:
     x = jnp.arange(4.0)
     y = uc.all_reduce(x)
     return {
-        "filled": _raised(lambda: uc.alltoall_single(jnp.zeros(4), x)),
+        "filled": raised(lambda: uc.alltoall_single(jnp.zeros(4), x)),
         "all_reduce": (isinstance(y, jax.Array) and y is not x, np.asarray(y).tolist(), np.asarray(x).tolist()),
-        "float ids": _raised(
+        "float ids": raised(
             lambda: uc.moe.dispatch_static(x[:, None], jnp.zeros((4, 1)), experts_per_rank=1, capacity=4)
         ),
-        "jit": _raised(lambda: jax.jit(lambda x: uc.global_scatter(x, [4], [4]))(x)),
+        "jit": raised(lambda: jax.jit(lambda x: uc.global_scatter(x, [4], [4]))(x)),
     }

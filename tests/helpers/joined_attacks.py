@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import unicoll as uc
+from helpers.frameworks import raised
 from unicoll import carry, entry
 from unicoll.arrays import library_of
 
@@ -98,14 +99,6 @@ def _array(library: str, values: list[float]):
     return jax.device_put(np.asarray(values, np.float32))
 
 
-def _outcome(call) -> str:
-    try:
-        call()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "returned"
-
-
 def threads(rank: int, library: str) -> dict[str, object]:
     """Rank 0's worker thread sits inside all_gather of the library's arrays (the other rank
     joins late) while rank 0's main thread calls alltoall_single on them: refused at once,
@@ -122,7 +115,7 @@ def threads(rank: int, library: str) -> dict[str, object]:
         while not entry._lock.locked():
             time.sleep(0.001)
         start = time.monotonic()
-        results["main"] = _outcome(lambda: uc.alltoall_single(None, _array(library, [1.0, 2.0])))
+        results["main"] = raised(lambda: uc.alltoall_single(None, _array(library, [1.0, 2.0])))
         results["refused_after_s"] = time.monotonic() - start
     else:
         time.sleep(0.5)
@@ -166,8 +159,8 @@ def stale_session(rank: int, backend: str) -> dict[str, str]:
     uc.finalize()
     uc.init(backend)
     seen = {
-        "backward": _outcome(lambda: graph.sum().backward()),
-        "combine": _outcome(lambda: uc.moe.combine(rows, handle)),
+        "backward": raised(lambda: graph.sum().backward()),
+        "combine": raised(lambda: uc.moe.combine(rows, handle)),
         "after": np.asarray(uc.all_reduce(paddle.ones([2])).numpy()).tolist(),
     }
     return seen
