@@ -20,7 +20,7 @@
 #
 # The steps, the most valuable first, each under its own time limit in seconds. A step that runs
 # over is stopped (SIGINT, as Ctrl-C, so that pytest still writes its report; SIGKILL 10 s later)
-# and recorded as a timeout, and the rest still run. The limits add up to 720 s, more than the
+# and recorded as a timeout, and the rest still run. The limits add up to 780 s, more than the
 # whole run may take, since most steps end well within theirs (the first run on an H100 took
 # 320 s); no step starts, or runs on, past GPU_CHECK_SECONDS (default 570) from the start, so
 # the summary is written within the call's 600 s:
@@ -34,6 +34,8 @@
 #   gpu-tests                 110  pytest -m gpu in the other files (autograd, streams, device counts),
 #                                  the example tests left to the example steps
 #   compile-cuda               55  pytest -m gpu tests/compile/test_compile.py (the compiled MoE layer on CUDA)
+#   jax-gpu                    60  pytest -m gpu tests/frameworks/test_jax_gpu.py: JAX arrays on the GPU through
+#                                  both backends, their gradients, the static MoE operators inside jax.jit
 #   example-moe-<backend>      20  examples/moe_dispatch.py --backend <backend> on one rank (both backends)
 #   example-train-<backend>    20  examples/train_moe.py --backend <backend> on one rank (both backends)
 #   reorder-torch, -cupy       15  benchmarks/gpu_reorder.py --library torch|cupy
@@ -173,8 +175,10 @@ for backend in torch-nccl cupy-nccl; do
     pytest_step "conformance-$backend" 60 -m gpu tests/system/test_conformance_gpu.py -k "$backend"
 done
 pytest_step gpu-tests 110 -m gpu tests --ignore=tests/system/test_conformance_gpu.py --ignore=tests/compile/test_compile.py \
-    --continue-on-collection-errors -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
+    --ignore=tests/frameworks/test_jax_gpu.py --continue-on-collection-errors \
+    -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
 pytest_step compile-cuda 55 -m gpu tests/compile/test_compile.py
+pytest_step jax-gpu 60 -m gpu tests/frameworks/test_jax_gpu.py
 
 for backend in torch-nccl cupy-nccl; do
     for example in moe:moe_dispatch train:train_moe; do

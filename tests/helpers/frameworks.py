@@ -287,3 +287,20 @@ def jax_refusals(rank: int) -> dict[str, object]:
         ),
         "jit": raised(lambda: jax.jit(lambda x: uc.global_scatter(x, [4], [4]))(x)),
     }
+
+
+def jax_on_the_gpu(rank: int) -> dict[str, object]:
+    """JAX arrays on this rank's GPU (JAX's default device there) through a GPU backend: an
+    eager call's result stays on the GPU, and every gradient and the static operators inside
+    jax.jit check as on the host (the cases above, with JAX's default device a GPU)."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return {"skip": f"JAX {jax.__version__} has no GPU here (default backend {jax.default_backend()!r})"}
+    x = _placed(np.arange(6.0).reshape(3, 2), np.float32)
+    y = uc.all_reduce(x)
+    return {
+        "all_reduce": (np.asarray(y).tolist(), sorted(d.platform for d in y.devices())),
+        "gradients": jax_gradients(rank),
+        "static in jit": jax_static_in_jit(rank),
+    }

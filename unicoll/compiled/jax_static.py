@@ -103,7 +103,12 @@ def _exchange(rows: Any, group: Any) -> Any:
     def host(block: np.ndarray) -> np.ndarray:
         block = np.ascontiguousarray(block)
         bits = block.view(np.float16) if block.dtype.name == "bfloat16" else block  # numpy has no bfloat16: bits
-        return locked.alltoall_single(None, bits, group=group).view(block.dtype)
+        if runtime.state("moe.dispatch_static").backend.host_memory:
+            return locked.alltoall_single(None, bits, group=group).view(block.dtype)
+        import torch  # a device transport moves device arrays: the block goes to this rank's GPU and back
+
+        sent = torch.from_numpy(np.require(bits, requirements="W")).to(f"cuda:{torch.cuda.current_device()}")
+        return locked.alltoall_single(None, sent, group=group).cpu().numpy().view(block.dtype)
 
     def transfer(a: Any) -> Any:
         return jax.experimental.io_callback(host, jax.ShapeDtypeStruct(a.shape, a.dtype), a, ordered=True)
