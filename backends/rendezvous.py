@@ -136,23 +136,25 @@ def _join_new_store(addr: str, port: int, world_size: int, timeout: float, deadl
     global _joined
     while True:
         _await_listener(addr, port, deadline)
-        store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=remaining(deadline)))
-        store.set_timeout(timedelta(seconds=min(_SESSION_WAIT_S, remaining(deadline))))
+        store = session = closed = None
         try:
+            store = dist.TCPStore(addr, port, world_size, False, timedelta(seconds=remaining(deadline)))
+            store.set_timeout(timedelta(seconds=min(_SESSION_WAIT_S, remaining(deadline))))
             session = store.get(_SESSION_KEY)
-        except RuntimeError:  # torch's store errors: the store closed, or no name yet
-            session = None
+        except RuntimeError as exc:  # torch's store errors: no name yet, or the store closed under us
+            closed = str(exc)  # (rank 0 leaving the session this rank finalized: "Connection reset by peer")
         if session is not None and session != _joined:
             _joined = session
             store.set_timeout(timedelta(seconds=timeout))
             return store
         del store
         if time.monotonic() + _POLL_S >= deadline:
-            why = (
-                "never named its session (is it unicoll's rank 0?)"
-                if session is None
-                else "still belongs to the session this rank finalized (rank 0 has not called init() again)"
-            )
+            if session is not None:
+                why = "still belongs to the session this rank finalized (rank 0 has not called init() again)"
+            else:
+                why = "never named its session (is it unicoll's rank 0?)"
+                if closed:
+                    why += f"; the last attempt ended with: {closed}"
             raise TransportTimeoutError(f"rendezvous: rank 0's store at {addr}:{port} {why}; timed out")
         time.sleep(_POLL_S)
 

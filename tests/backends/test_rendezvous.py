@@ -92,6 +92,28 @@ def test_dropping_the_store_frees_the_port(port) -> None:
     listen(ADDR, port).close()
 
 
+def test_a_store_that_resets_the_connection_is_tried_again(port, monkeypatch) -> None:
+    """Rank 0 closing the store of the session being left while a rank's client registers with
+    it resets that connection in the client's constructor (torch's DistNetworkError): the rank
+    connects again until rank 0's new store takes it."""
+    import torch.distributed as dist
+
+    host = open_store(0, 2, 5, _soon())
+    made = []
+
+    def resetting_twice(*args: Any, **kwargs: Any) -> Any:
+        made.append(args)
+        if len(made) <= 2:
+            raise dist.DistNetworkError("Connection reset by peer")
+        return real(*args, **kwargs)
+
+    real = dist.TCPStore
+    monkeypatch.setattr(dist, "TCPStore", resetting_twice)
+    guest = open_store(1, 2, 5, _soon())
+    assert len(made) == 3
+    assert share_bytes(host.store, "id", b"new") == share_bytes(guest.store, "id", None) == b"new"
+
+
 @pytest.mark.parametrize("raw", ["0", "99999", "-1", "http"])
 def test_a_port_out_of_range_is_refused_at_once(port, monkeypatch, raw) -> None:
     """Before, port 0 let rank 0 listen on a port nobody knew and the others wait out the timeout."""
