@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 from helpers.frameworks import jax_gradients, paddle_gradients
 from helpers.gradients import OPS
-from helpers.joined_attacks import aliasing_and_tasks, soak, stale_session, threads
+from helpers.joined_attacks import aliasing_and_tasks, disagreement, soak, stale_session, threads
 from helpers.several import SESSION, Case, share
 from unicoll.backends.mpi.mpi import MpiFactory
 
@@ -41,6 +42,15 @@ WORLDS = {
     backend: share(backend, 2, _cases(backend), timeout=240)
     for backend in ("gloo", "mpi")
     if backend == "gloo" or MPI_REASON is None
+}
+
+CHECKED = {"gloo": ("paddle", 3), "mpi": ("jax", 2)}
+"""Each backend's check-mode world of the session (helpers/several.py) and the library it
+attacks there (the other library's imports spared)."""
+DISAGREEING = {
+    backend: share(backend, size, [Case(f"disagreement {library}", disagreement, (library,))], check=True)
+    for backend, (library, size) in CHECKED.items()
+    if backend in WORLDS
 }
 
 STALE = {
@@ -95,3 +105,14 @@ def test_gradients_on_mpi(library: str) -> None:
         if library == "paddle":
             expected = {f"{op}-{mode}": "ok" for op in OPS for mode in ("sync", "async")}
         assert report == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_that_disagree_get_the_same_error(backend: str) -> None:
+    """In check mode, with Paddle tensors (gloo) or JAX arrays (mpi): counts that disagree end
+    in CrossRankMismatchError on every rank; NaN and inf survive a max; the next call is right."""
+    library, size = CHECKED[backend]
+    for seen in SESSION.results(DISAGREEING[backend], f"disagreement {library}"):
+        assert seen["mismatch"] == "CrossRankMismatchError", seen
+        np.testing.assert_array_equal(seen["nan max"], [np.nan, 1.0, np.inf])  # NaN equal to NaN here
+        assert seen["after"] == [float(size)]

@@ -164,3 +164,20 @@ def stale_session(rank: int, backend: str) -> dict[str, str]:
         "after": np.asarray(uc.all_reduce(paddle.ones([2])).numpy()).tolist(),
     }
     return seen
+
+
+def disagreement(rank: int, library: str) -> dict[str, object]:
+    """In check mode: ranks whose counts disagree (rank 1 expects one row more from rank 0
+    than rank 0 sends) get the same error on every rank, before anything is sent; NaN and inf
+    pass through a max; the next call is right."""
+    world, experts = uc.get_world_size(), 2
+    local = np.ones(world * experts, np.int64)
+    glob = np.asarray(uc.exchange_counts(local))
+    if rank == 1:
+        glob[0] += 1
+    x = _array(library, [float(v) for v in range(int(local.sum()) * 2)]).reshape(-1, 2)
+    return {
+        "mismatch": raised(lambda: uc.global_scatter(x, local, glob)).split(":")[0],
+        "nan max": np.asarray(uc.all_reduce(_array(library, [np.nan, 1.0, np.inf]), op="max")).tolist(),
+        "after": np.asarray(uc.all_reduce(_array(library, [1.0]))).tolist(),
+    }
