@@ -1,17 +1,28 @@
-"""Check mode: the ranks verify each other's arguments before an operator moves any data.
+"""The ranks compare their calls before an operator moves any data: the handshake, and check mode.
 
-With ``init(check=True)`` or ``UNICOLL_CHECK=1``, every operator (``exchange_counts`` and
-``barrier`` included) first all-gathers a small integer description of each rank's call
-(operator, issuing thread, the call's number in its group, dtype, trailing shape, counts or
-split sizes, and for the reductions and broadcast the reduction, the rows and the source) and every rank runs
-the same comparison on the same data, so a mismatch raises the same
-:class:`~unicoll.errors.CrossRankMismatchError` on every rank instead of a hang, a crash or
-garbage. Rank numbers in the messages are positions in the group. The cost is one small
-all-gather (two for global_scatter/global_gather, whose count length depends on E, so the
-lengths are compared before the counts travel).
+Before every operator (``exchange_counts``, ``barrier`` and every backward pass included) the
+ranks all-gather one small record of fixed size, the same size for every entry point, so ranks
+that call different operators still pair up and learn it: the entry point, the call's number on
+its group, dtype, trailing shape, the operator's own scalars (reduction, source, rows,
+experts_per_rank, capacity, overflow, the dispatch a handle came from) and, per peer, what this
+rank sends it and expects from it (split sizes, rows, or a digest of each block of MoE counts).
+Every rank runs the same comparison on the same records, so a disagreement raises the same
+:class:`~unicoll.errors.CrossRankMismatchError` on every rank, before a row moves, instead of a
+crash, a hang or wrong rows; the ranks are in step again afterwards. Where a call exchanges split
+sizes or row counts anyway (``alltoall_single`` without ``out_split_sizes``, ``all_gather``
+into a new array or an empty list), the record carries them, so the handshake costs nothing
+more there.
 
-``new_group`` is checked whether check mode is on or not (:func:`verify_new_group`): it is
-rare, and ranks that disagree on a group's members would otherwise pair up wrongly.
+The **handshake** runs on the host backends unless turned off (``init(handshake=False)`` or
+``UNICOLL_HANDSHAKE=0``); **check mode** (``init(check=True)`` or ``UNICOLL_CHECK=1``) runs it
+on every backend and adds what costs more or is legal without it: the issuing threads' names,
+and the static mode's expert ids read on the host. Rank numbers in the messages are positions in
+the group. Counts of the MoE operators travel as digests; where two blocks differ, a second
+exchange brings the counts themselves, to name the expert.
+
+``new_group`` is compared whether the ranks compare their calls or not
+(:func:`verify_new_group`): it is rare, and ranks that disagree on a group's members would
+otherwise pair up wrongly.
 """
 
 from __future__ import annotations
@@ -55,30 +66,37 @@ if TYPE_CHECKING:
 #: Every entry point check mode describes, by its index in the header: those with a spec, their
 #: backward passes, then barrier and new_group.
 ENTRY_POINTS: tuple[str, ...] = (*SPECS, *(f"{name} (backward)" for name in SPECS), "barrier", "new_group")
+_ENTRY_NUMBERS = {name: i for i, name in enumerate(ENTRY_POINTS)}
+_DTYPE_NUMBERS = {name: i for i, name in enumerate(DTYPES)}
 
 MAX_TRAILING_DIMS = 8
 # header: entry point, issuing thread, call number, dtype, number of trailing dims, the dims (padded with -1),
-# payload length
+# length of the counts; then the operator's scalars; then two slots per peer
 _HEADER = 5 + MAX_TRAILING_DIMS + 1
 _DIMS = slice(4, 5 + MAX_TRAILING_DIMS)
+_SCALARS = 6
 _UNKNOWN = -1
 _NO_ROWS = np.empty(0, np.int64)
 """What barrier describes as its rows: none, of int64."""
+OVERFLOWS = ("drop", "error")
+"""The static mode's overflow settings, by their number in the record."""
 
 
 _calls: weakref.WeakKeyDictionary[Group, int] = weakref.WeakKeyDictionary()
-"""How many collectives this rank has entered on each group, in check mode."""
+"""How many collectives this rank has entered on each group, while the ranks compare their calls."""
 
 
 def count_call(group: Group) -> None:
-    """Note that this rank entered a collective on ``group`` (check mode only), before its
-    arguments are read: a rank that skips a call after a local error is then found out."""
+    """Note that this rank entered a collective on ``group`` (while the ranks compare their
+    calls), before its arguments are read: a rank that skips a call after a local error is then
+    found out."""
     _calls[group] = _calls.get(group, 0) + 1
 
 
 def call_number(group: Group) -> int:
-    """The number of the collective this rank entered last on ``group`` (check mode only): the
-    same on every rank once its check passed, so it names that call across the ranks."""
+    """The number of the collective this rank entered last on ``group`` (while the ranks compare
+    their calls): the same on every rank once its comparison passed, so it names that call
+    across the ranks."""
     return _calls.get(group, 0)
 
 
@@ -87,22 +105,24 @@ def _thread_tag() -> int:
     return zlib.crc32(threading.current_thread().name.encode())
 
 
-def _header(op: str, group: Group, x: object, payload: int) -> np.ndarray:
+def _header(op: str, group: Group, x: object, length: int, thread: bool) -> list[int]:
     trailing = tuple(x.shape[1:])
     if len(trailing) > MAX_TRAILING_DIMS:
-        raise ValueError(f"{op}: check mode supports at most {MAX_TRAILING_DIMS} trailing dimensions, got {trailing}")
+        raise ValueError(
+            f"{op}: the ranks compare at most {MAX_TRAILING_DIMS} trailing dimensions of rows, got {trailing}"
+        )
     dims = list(trailing) + [_UNKNOWN] * (MAX_TRAILING_DIMS - len(trailing))
-    entry, dtype = ENTRY_POINTS.index(op), DTYPES.index(dtype_name(x))
-    number = _calls.get(group, 0)
-    return np.array([entry, _thread_tag(), number, dtype, len(trailing), *dims, payload], dtype=np.int64)
+    entry, dtype = _ENTRY_NUMBERS[op], _DTYPE_NUMBERS[dtype_name(x)]
+    tag = _thread_tag() if thread else 0
+    return [entry, tag, _calls.get(group, 0), dtype, len(trailing), *dims, length]
 
 
 def _fail(op: str, message: str) -> CrossRankMismatchError:
-    return CrossRankMismatchError(f"{op}: ranks disagree (check mode): {message}")
+    return CrossRankMismatchError(f"{op}: ranks disagree: {message}")
 
 
 def _compare_headers(op: str, headers: np.ndarray) -> None:
-    """Call number, entry point, thread, dtype, trailing shape and payload length must agree."""
+    """Call number, entry point, thread, dtype, trailing shape and length of counts must agree."""
     first = headers[0]
     for c in range(1, len(headers)):
         h = headers[c]
@@ -126,31 +146,63 @@ def _compare_headers(op: str, headers: np.ndarray) -> None:
         if not np.array_equal(h[_DIMS], first[_DIMS]):
             shape = lambda row: tuple(int(d) for d in row[5 : 5 + row[4]])  # noqa: E731
             raise _fail(op, f"rank 0's rows have trailing shape {shape(first)} but rank {c}'s have {shape(h)}")
-        if h[-1] != first[-1]:
-            raise _fail(op, f"rank 0 passes {first[-1]} counts or sizes but rank {c} passes {h[-1]}")
+        if h[_HEADER - 1] != first[_HEADER - 1]:
+            raise _fail(op, f"rank 0 passes {first[_HEADER - 1]} counts or sizes but rank {c} passes {h[_HEADER - 1]}")
+
+
+class Records:
+    """Every rank's record of one call, after their headers agreed: ``scalars`` (W, 6), and the
+    per-peer slots ``sends`` and ``expects`` (W, W) (row c: what rank c sends to, and expects
+    from, each rank)."""
+
+    def __init__(self, gathered: np.ndarray, world: int) -> None:
+        self.scalars = gathered[:, _HEADER : _HEADER + _SCALARS]
+        self.sends = gathered[:, _HEADER + _SCALARS : _HEADER + _SCALARS + world]
+        self.expects = gathered[:, _HEADER + _SCALARS + world :]
 
 
 def _gather(
-    backend: Backend, group: Group, x: object, op: str, payload: np.ndarray, inline: bool, length: int | None = None
-) -> np.ndarray:
-    """Every rank's payload, after checking that the headers agree; shape ``(W, len(payload))``.
+    backend: Backend,
+    group: Group,
+    x: object,
+    op: str,
+    *,
+    scalars: Sequence[int] = (),
+    sends: Sequence[int] | np.ndarray | None = None,
+    expects: Sequence[int] | np.ndarray | None = None,
+    length: int = 0,
+    thread: bool = False,
+) -> Records:
+    """Every rank's record of this call, gathered in one exchange of fixed size (a header, six
+    scalars and two slots per peer: the same size for every entry point), after checking that
+    the headers agree. ``length``: the number of counts the call passes; ``thread``: compare the
+    issuing threads' names (check mode)."""
+    world = group.world_size
+    record = np.full(_HEADER + _SCALARS + 2 * world, _UNKNOWN, np.int64)
+    record[:_HEADER] = _header(op, group, x, length, thread)
+    record[_HEADER : _HEADER + len(scalars)] = scalars
+    if sends is not None:
+        record[_HEADER + _SCALARS : _HEADER + _SCALARS + world] = sends
+    if expects is not None:
+        record[_HEADER + _SCALARS + world :] = expects
+    gathered = backend.gather_ints(record, group)
+    _calls[group] = int(gathered[:, 2].max())  # ranks whose counts of calls differ are in step again after the error
+    _compare_headers(op, gathered[:, :_HEADER])
+    return Records(gathered, world)
 
-    The first exchange has the same size for every entry point (a header and ``2 * W``
-    slots), so ranks that call different operators still pair up and learn it. An ``inline``
-    payload (at most ``2 * W`` values) travels in those slots; any other (the MoE counts,
-    whose length depends on E) follows in a second exchange once the ranks agree on its
-    length. ``length`` overrides the length the header states (default: the payload's).
-    """
-    slots = np.full(2 * group.world_size, _UNKNOWN, np.int64)
-    if inline:
-        slots[: payload.size] = payload
-    header = _header(op, group, x, payload.size if length is None else length)
-    first = backend.gather_ints(np.concatenate([header, slots]), group)
-    _calls[group] = int(first[:, 2].max())  # ranks whose counts of calls differ are in step again after the error
-    _compare_headers(op, first[:, :_HEADER])
-    if inline:
-        return first[:, _HEADER : _HEADER + payload.size]
-    return backend.gather_ints(payload, group)
+
+_MIX = tuple(np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def digests(counts: np.ndarray, world: int) -> np.ndarray:
+    """One int64 per rank's block of ``counts`` (``world`` blocks of equal length): equal blocks
+    give equal digests; blocks that differ anywhere give different ones but with odds of 2**-64."""
+    blocks = counts.reshape(world, -1).astype(np.uint64)
+    mixed = blocks * _MIX[1] + np.arange(blocks.shape[1], dtype=np.uint64) * _MIX[0]
+    mixed ^= mixed >> np.uint64(31)
+    mixed *= _MIX[2]
+    mixed ^= mixed >> np.uint64(29)
+    return mixed.sum(axis=1, dtype=np.uint64).view(np.int64)
 
 
 def _scatter_mismatch(r: int, c: int, e: int, expects: int, sends: int) -> str:
@@ -168,20 +220,26 @@ def _moe(
     rows: object = None,
     handle: Handle | None = None,
 ) -> None:
-    """Rank r's global_count against every rank c's local_count; ``mismatch(r, c, e, expects,
-    sends)`` words a disagreement. ``rows`` default to the call's ``x``; with a ``handle``, its
-    counts are compared, and first the number of the dispatch that made it (handles of two
-    dispatches may have equal counts)."""
+    """Rank r's global_count against every rank c's local_count: digests of each rank's blocks
+    in the record, and the counts themselves in a second exchange where two digests differ, to
+    name the expert; ``mismatch(r, c, e, expects, sends)`` words a disagreement. ``rows`` default
+    to the call's ``x``; with a ``handle``, its counts are compared, and first the number of the
+    dispatch that made it (handles of two dispatches may have equal counts)."""
     world = call.W
     local_count, global_count = (call.local_count, call.global_count) if handle is None else handle.counts()
-    number = [] if handle is None else [handle.dispatch_number]
-    payload = np.concatenate([local_count, global_count, number])
-    gathered = _gather(call.backend, call.group, call.x if rows is None else rows, op, payload, inline=False)
+    scalars = () if handle is None else (handle.dispatch_number,)
+    records = _gather(
+        call.backend, call.group, call.x if rows is None else rows, op, scalars=scalars,
+        sends=digests(local_count, world), expects=digests(global_count, world),
+        length=local_count.size + global_count.size, thread=call.check,
+    )  # fmt: skip
     if handle is not None:
         dispatched = lambda row: f"passes the handle of the dispatch that was collective number {row[0]} on this group"  # noqa: E731
-        _agree(op, gathered[:, -1:], dispatched)
-        gathered = gathered[:, :-1]
-    local, glob = gathered[:, : gathered.shape[1] // 2], gathered[:, gathered.shape[1] // 2 :]
+        _agree(op, records.scalars[:, :1], dispatched)
+    if np.array_equal(records.expects, records.sends.T):
+        return
+    gathered = call.backend.gather_ints(np.concatenate([local_count, global_count]), call.group)
+    local, glob = gathered[:, : local_count.size], gathered[:, local_count.size :]
     experts = local.shape[1] // world
     for r in range(world):  # rank r receives (scatter) or returns (gather) rows of rank c
         for c in range(world):
@@ -199,27 +257,32 @@ def _global_gather(op: str, call: Call) -> None:
     _moe(op, call, _gather_mismatch)
 
 
-def _alltoall_single(op: str, call: Call, in_splits: list[int], out_splits: list[int] | None) -> None:
-    world = call.W
-    out = np.full(world, _UNKNOWN, np.int64) if out_splits is None else np.array(out_splits, np.int64)
-    sizes = _gather(call.backend, call.group, call.in_tensor, op, np.concatenate([in_splits, out]), inline=True)
-    sent, received = sizes[:, :world], sizes[:, world:]
-    for r in range(world):
-        for c in range(world):
-            expects, sends = received[r, c], sent[c, r]
+def _pairs(op: str, records: Records) -> None:
+    """Every rank's known expectation from each peer (not -1) equal to what that peer sends it."""
+    for r in range(len(records.sends)):
+        for c in range(len(records.sends)):
+            expects, sends = records.expects[r, c], records.sends[c, r]
             if expects != _UNKNOWN and expects != sends:
                 raise _fail(op, f"rank {r} expects {expects} row(s) from rank {c}, but rank {c} sends {sends}")
 
 
-def _all_gather(op: str, call: Call, rows: list[int] | None) -> None:
-    world, here = call.W, int(call.tensor.shape[0])
-    expected = np.full(world, _UNKNOWN, np.int64) if rows is None else np.array(rows, np.int64)
-    sizes = _gather(call.backend, call.group, call.tensor, op, np.concatenate([[here], expected]), inline=True)
-    sends, expects = sizes[:, 0], sizes[:, 1:]
-    for r in range(world):
-        for c in range(world):
-            if expects[r, c] != _UNKNOWN and expects[r, c] != sends[c]:
-                raise _fail(op, f"rank {r} expects {expects[r, c]} row(s) from rank {c}, but rank {c} sends {sends[c]}")
+def _alltoall_single(op: str, call: Call, in_splits: list[int], out_splits: list[int] | None) -> list[int]:
+    """The split sizes every rank sends and expects, paired; returns the rows this rank receives
+    from each rank (the exchange of ``out_splits`` where they are None)."""
+    records = _gather(
+        call.backend, call.group, call.in_tensor, op, sends=in_splits, expects=out_splits, thread=call.check
+    )
+    _pairs(op, records)
+    return records.sends[:, call.group.rank].tolist()
+
+
+def _all_gather(op: str, call: Call, rows: list[int] | None) -> list[int]:
+    """The rows every rank sends and expects from each, paired; returns every rank's rows (the
+    exchange of ``rows`` where they are None)."""
+    here = int(call.tensor.shape[0])
+    records = _gather(call.backend, call.group, call.tensor, op, sends=[here] * call.W, expects=rows, thread=call.check)
+    _pairs(op, records)
+    return records.sends[:, 0].tolist()
 
 
 def _agree(op: str, values: np.ndarray, what: Callable[[np.ndarray], str]) -> None:
@@ -236,41 +299,48 @@ def _reduction(row: np.ndarray) -> str:
 def _all_reduce(op: str, call: Call) -> None:
     """The same reduction of the same number of rows everywhere (dtype and trailing shape are
     in the header)."""
-    payload = np.array([REDUCE_OPS.index(call.op), call.tensor.shape[0]], np.int64)
-    _agree(op, _gather(call.backend, call.group, call.tensor, op, payload, inline=True), _reduction)
+    scalars = (REDUCE_OPS.index(call.op), call.tensor.shape[0])
+    records = _gather(call.backend, call.group, call.tensor, op, scalars=scalars, thread=call.check)
+    _agree(op, records.scalars[:, :2], _reduction)
 
 
 def _reduce_scatter(op: str, call: Call, rows: list[int]) -> None:
     """The same reduction and the same blocks of rows everywhere."""
-    payload = np.array([REDUCE_OPS.index(call.op), *rows], np.int64)
-    values = _gather(call.backend, call.group, call.tensor, op, payload, inline=True)
+    scalars = (REDUCE_OPS.index(call.op),)
+    records = _gather(call.backend, call.group, call.tensor, op, scalars=scalars, sends=rows, thread=call.check)
+    values = np.concatenate([records.scalars[:, :1], records.sends], axis=1)
     _agree(op, values, lambda row: f"reduces with {REDUCE_OPS[row[0]]!r} blocks of {row[1:].tolist()} rows")
 
 
 def _broadcast(op: str, call: Call) -> None:
     """The same source and the same number of rows everywhere."""
-    payload = np.array([call.src, call.tensor.shape[0]], np.int64)
-    values = _gather(call.backend, call.group, call.tensor, op, payload, inline=True)
-    _agree(op, values, lambda row: f"broadcasts {row[1]} rows from position {row[0]}")
+    scalars = (call.src, call.tensor.shape[0])
+    records = _gather(call.backend, call.group, call.tensor, op, scalars=scalars, thread=call.check)
+    _agree(op, records.scalars[:, :2], lambda row: f"broadcasts {row[1]} rows from position {row[0]}")
 
 
 def _exchange_counts(op: str, call: Call) -> None:
     """Every rank passes as many counts (the all-to-all of counts of different lengths would
     crash gloo and read garbage on MPI)."""
     counts = call.local_count
-    _gather(call.backend, call.group, counts, op, _NO_ROWS, inline=True, length=counts.size)
+    _gather(call.backend, call.group, counts, op, length=counts.size, thread=call.check)
+
+
+def _given(op: str, values: np.ndarray, names: Sequence[str], shown: Callable[[int], object] = int) -> None:
+    """Each column of ``values`` (W rows), the parameter ``names[i]``, equal on every rank."""
+    for c in range(1, len(values)):
+        for i, name in enumerate(names):
+            mine, theirs = values[0, i], values[c, i]
+            if theirs != mine:
+                raise _fail(op, f"rank 0 passes {name}={shown(mine)} but rank {c} passes {shown(theirs)}")
 
 
 def _moe_dispatch(op: str, call: Call) -> None:
     """Every rank passes the same experts_per_rank and capacity (the counts are exchanged by
     the call itself, so they agree by construction)."""
-    mine = np.array([call.experts_per_rank, _UNKNOWN if call.capacity is None else call.capacity], np.int64)
-    given = _gather(call.backend, call.group, call.x, op, mine, inline=True)
-    for c in range(1, call.W):
-        for i, name in enumerate(("experts_per_rank", "capacity")):
-            if given[c, i] != given[0, i]:
-                shown = lambda v: "None" if v == _UNKNOWN else int(v)  # noqa: E731
-                raise _fail(op, f"rank 0 passes {name}={shown(given[0, i])} but rank {c} passes {shown(given[c, i])}")
+    scalars = (call.experts_per_rank, _UNKNOWN if call.capacity is None else call.capacity)
+    records = _gather(call.backend, call.group, call.x, op, scalars=scalars, thread=call.check)
+    _given(op, records.scalars, ("experts_per_rank", "capacity"), lambda v: "None" if v == _UNKNOWN else int(v))
 
 
 def _moe_redispatch(op: str, call: Call) -> None:
@@ -283,37 +353,37 @@ def _moe_combine(op: str, call: Call) -> None:
     _moe(op, call, _gather_mismatch, call.y, call.handle)
 
 
-def _exchanged(call: Call, rows: object, op: str, payload: np.ndarray) -> np.ndarray:
-    """:func:`_gather` of a small payload, inline where it fits in the first exchange."""
-    return _gather(call.backend, call.group, rows, op, payload, inline=payload.size <= 2 * call.W)
-
-
 def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
-    """Every rank passes the same experts_per_rank, capacity and k, and expert ids from -1 to
-    W * experts_per_rank - 1 (outside check mode, other ids are dropped slots: finding them
-    reads the ids on the host, which only check mode does). ``topk_idx``: the caller's ids."""
-    ids = np.asarray(on_host(topk_idx), dtype=np.int64)
+    """Every rank passes the same experts_per_rank, capacity and overflow; in check mode also
+    expert ids from -1 to W * experts_per_rank - 1 (outside it, other ids are dropped slots:
+    finding them reads the ids on the host). ``topk_idx``: the caller's ids. k (topk_idx's
+    columns) may differ: each rank routes its own tokens."""
     experts = call.W * call.experts_per_rank
-    bad = np.flatnonzero((ids < -1) | (ids >= experts))
-    where = [-1, -1, -1] if bad.size == 0 else [int(ids.flat[bad[0]]), *divmod(int(bad[0]), ids.shape[1])]
-    payload = np.array([call.experts_per_rank, call.capacity, ids.shape[1], *where], np.int64)
-    given = _exchanged(call, call.x, op, payload)
-    for c in range(1, call.W):
-        for i, name in enumerate(("experts_per_rank", "capacity", "k (topk_idx's columns)")):
-            if given[c, i] != given[0, i]:
-                raise _fail(op, f"rank 0 passes {name}={given[0, i]} but rank {c} passes {given[c, i]}")
+    where = [_UNKNOWN] * 3
+    if call.check:
+        ids = np.asarray(on_host(topk_idx), dtype=np.int64)
+        bad = np.flatnonzero((ids < -1) | (ids >= experts))
+        if bad.size:
+            where = [int(ids.flat[bad[0]]), *divmod(int(bad[0]), ids.shape[1])]
+    scalars = (call.experts_per_rank, call.capacity, OVERFLOWS.index(call.overflow), *where)
+    records = _gather(call.backend, call.group, call.x, op, scalars=scalars, thread=call.check)
+    _given(op, records.scalars, ("experts_per_rank", "capacity"))
+    _given(op, records.scalars[:, 2:3], ("overflow",), lambda v: repr(OVERFLOWS[v]))
     for c in range(call.W):
-        if given[c, 4] != -1:
-            raise _fail(op, f"rank {c} passes expert id {given[c, 3]} at topk_idx[{given[c, 4]}, {given[c, 5]}], "
-                        f"outside -1 .. {experts - 1} (W * experts_per_rank - 1)")  # fmt: skip
+        bad_row = records.scalars[c, 4]
+        if bad_row != _UNKNOWN:
+            where = f"topk_idx[{bad_row}, {records.scalars[c, 5]}]"
+            raise _fail(op, f"rank {c} passes expert id {records.scalars[c, 3]} at {where}, outside -1 .. "
+                        f"{experts - 1} (W * experts_per_rank - 1)")  # fmt: skip
 
 
 def _moe_static_handle(op: str, call: Call, rows: object) -> None:
     """Every rank passes the handle of the same static dispatch."""
     h = call.handle
-    given = _exchanged(call, rows, op, np.array([h.dispatch_number, h.experts_per_rank, h.capacity], np.int64))
-    _agree(op, given, lambda row: f"passes the handle of the dispatch that was collective number {row[0]} on this "
-           f"group (experts_per_rank={row[1]}, capacity={row[2]})")  # fmt: skip
+    scalars = (h.dispatch_number, h.experts_per_rank, h.capacity)
+    records = _gather(call.backend, call.group, rows, op, scalars=scalars, thread=call.check)
+    _agree(op, records.scalars[:, :3], lambda row: f"passes the handle of the dispatch that was collective number "
+           f"{row[0]} on this group (experts_per_rank={row[1]}, capacity={row[2]})")  # fmt: skip
 
 
 #: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``.
@@ -335,36 +405,41 @@ CHECKS: dict[OpSpec, Callable[..., None]] = {
 }
 
 
-def verify(spec: OpSpec, call: Call, **resolved: object) -> None:
-    """Run the cross-rank check of ``spec`` for a prepared ``call``; raises on every rank alike.
+def verify(spec: OpSpec, call: Call, **resolved: object) -> list[int] | None:
+    """Compare the ranks' calls of ``spec`` (a prepared ``call``, on the ranks that compare their
+    calls: :attr:`Call.compare`); raises on every rank alike, before anything is sent.
 
     ``resolved`` carries what the front end derived locally: for alltoall_single the
     ``in_splits`` and the ``out_splits`` it will use (None when they are exchanged), for
     all_gather the ``rows`` it expects from each rank (None when they are exchanged), for
-    reduce_scatter the ``rows`` of each position's block.
+    reduce_scatter the ``rows`` of each position's block. Returns, for alltoall_single, the
+    rows this rank receives from each rank, and for all_gather every rank's rows (what the
+    records exchanged); None for the others.
     """
-    CHECKS[spec.checked_as or spec](spec.name, call, **resolved)
+    return CHECKS[spec.checked_as or spec](spec.name, call, **resolved)
 
 
 def verify_backward(op: str, backend: Backend, group: Group, grad: object, forward: int) -> None:
-    """Check mode for the backward pass ``op`` (``"<operator> (backward)"``) of the call that was
-    collective number ``forward`` on ``group``: the ranks are all in the backward pass of that
-    same call, with gradients of one dtype and trailing shape. A rank whose autograd graph
-    lacks the call (it skipped an expert that received no rows, say) is then found at its next
-    collective, by every rank, instead of pairing its peers' backward with another transfer.
-    Counts as a collective of its own."""
+    """The comparison for the backward pass ``op`` (``"<operator> (backward)"``) of the call
+    that was collective number ``forward`` on ``group``: the ranks are all in the backward pass
+    of that same call, with gradients of one dtype and trailing shape. A rank whose autograd
+    graph lacks the call (it skipped an expert that received no rows, say) is then found at its
+    next collective, by every rank, instead of pairing its peers' backward with another
+    transfer. Counts as a collective of its own."""
     count_call(group)
-    numbers = _gather(backend, group, grad, op, np.array([forward], np.int64), inline=True)
-    _agree(op, numbers, lambda row: f"is in the backward pass of its collective number {row[0]} on this group")
+    records = _gather(backend, group, grad, op, scalars=(forward,))
+    _agree(op, records.scalars[:, :1], lambda row: f"is in the backward pass of its collective number {row[0]} on "
+           "this group")  # fmt: skip
 
 
 def verify_barrier(backend: Backend, group: Group) -> None:
-    """Check mode for ``barrier``: every rank of ``group`` is in a barrier, not another operator."""
-    _gather(backend, group, _NO_ROWS, "barrier", _NO_ROWS, inline=True)
+    """The comparison for ``barrier``: every rank of ``group`` is in a barrier, not another operator."""
+    _gather(backend, group, _NO_ROWS, "barrier")
 
 
 def verify_new_group(backend: Backend, world: Group, members: Sequence[int] | None) -> None:
-    """Compare the ranks of a new group across the world (always, check mode or not).
+    """Compare the ranks of a new group across the world (always, whether the ranks compare
+    their calls or not).
 
     ``members`` is this rank's sorted list, or None when it was invalid here (that rank then
     raises its own error, and the others raise CrossRankMismatchError naming it). Raises
@@ -374,7 +449,7 @@ def verify_new_group(backend: Backend, world: Group, members: Sequence[int] | No
     if members is not None:
         mask[:] = 0
         mask[list(members)] = 1
-    masks = _gather(backend, world, _NO_ROWS, "new_group", mask, inline=True)
+    masks = _gather(backend, world, _NO_ROWS, "new_group", sends=mask).sends
     invalid = [c for c in range(world.world_size) if masks[c, 0] == _UNKNOWN]
     if members is None:
         return

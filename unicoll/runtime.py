@@ -30,6 +30,7 @@ from .session import end_session
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
 CHECK_ENV_VAR = "UNICOLL_CHECK"
+HANDSHAKE_ENV_VAR = "UNICOLL_HANDSHAKE"
 DEFAULT_TIMEOUT = 300.0
 MIN_TIMEOUT = 1e-3
 """The shortest timeout: the transports' stores count in milliseconds."""
@@ -43,8 +44,14 @@ class _State:
     world: Group
     timeout: float
     check: bool
+    handshake: bool
     #: The validator's memory of the calls it accepted in this session (unicoll.memory).
     memory: CallMemory = field(default_factory=CallMemory)
+
+    @property
+    def compare(self) -> bool:
+        """Whether the ranks compare their calls before moving data: the handshake, or check mode."""
+        return self.check or self.handshake
 
 
 _state: _State | None = None
@@ -92,25 +99,39 @@ def _timeout_setting(timeout: float | None) -> float:
     return float(timeout)
 
 
-def _check_setting(check: bool | None) -> bool:
-    if check is not None:
-        if not isinstance(check, bool):
-            raise TypeError(f"unicoll.init: check: expected True, False or None, got {check!r}")
-        return check
-    raw = os.environ.get(CHECK_ENV_VAR, "0")
+def _switch_setting(name: str, given: bool | None, env_var: str, default: str) -> bool | None:
+    """An on/off setting of ``init``: ``given``, else ``$env_var`` (0 or 1, false or true), else
+    None (unset or empty: ``default`` says what that means)."""
+    if given is not None:
+        if not isinstance(given, bool):
+            raise TypeError(f"unicoll.init: {name}: expected True, False or None, got {given!r}")
+        return given
+    raw = os.environ.get(env_var, "")
     setting = raw.strip().lower()
     if setting not in ("0", "1", "false", "true", ""):
-        raise ValueError(f"unicoll.init: ${CHECK_ENV_VAR}: expected 0 or 1 (or false or true; empty is 0), got {raw!r}")
-    return setting in ("1", "true")
+        raise ValueError(
+            f"unicoll.init: ${env_var}: expected 0 or 1 (or false or true; empty is {default}), got {raw!r}"
+        )
+    return None if setting == "" else setting in ("1", "true")
 
 
-def init(backend: str | None = None, *, timeout: float | None = None, check: bool | None = None) -> None:
+def init(
+    backend: str | None = None,
+    *,
+    timeout: float | None = None,
+    check: bool | None = None,
+    handshake: bool | None = None,
+) -> None:
     """Join the job: start the backend and the world group.
 
     ``backend``: ``"gloo"``, ``"torch-nccl"``, ``"cupy-nccl"``, ``"mpi"``, a registered name, ``"auto"``
     or None (then ``$UNICOLL_BACKEND``, else ``"auto"``). ``timeout``: seconds every
-    operator may take (default ``$UNICOLL_TIMEOUT`` or 300). ``check``: compare the ranks'
-    arguments before every operator (default ``$UNICOLL_CHECK``, off). On the torch backends an
+    operator may take (default ``$UNICOLL_TIMEOUT`` or 300). ``handshake``: the ranks compare
+    what each call will move before it moves, so ranks that disagree get
+    :class:`~unicoll.CrossRankMismatchError` instead of a crash or wrong rows (default
+    ``$UNICOLL_HANDSHAKE``, else on for the host backends, gloo and mpi, and off for the GPU
+    backends). ``check``: the handshake on every backend, and the issuing threads' names and
+    the static mode's expert ids compared too (default ``$UNICOLL_CHECK``, off). On the torch backends an
     already initialized torch.distributed default group is adopted; otherwise the default
     group is created, so raw torch.distributed calls work beside unicoll.
 
@@ -127,14 +148,15 @@ def init(backend: str | None = None, *, timeout: float | None = None, check: boo
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"unicoll.init: backend: expected a backend name (a str) or None, got {type(backend).__name__}")
     seconds = _timeout_setting(timeout)
-    checking = _check_setting(check)
+    checking = bool(_switch_setting("check", check, CHECK_ENV_VAR, "0"))
+    shaking = _switch_setting("handshake", handshake, HANDSHAKE_ENV_VAR, "the backend's default")
     name = registry.resolve(backend)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if not 0 <= rank < world_size:
         raise ValueError(f"unicoll.init: $RANK: expected 0 <= RANK < WORLD_SIZE ({world_size}), got {rank}")
     started = registry.registered()[name](rank=rank, world_size=world_size, timeout=seconds)
     world = Group(tuple(range(started.world_size)), None, started.rank, next(_sessions))
-    _state = _State(started, world, seconds, checking)
+    _state = _State(started, world, seconds, checking, started.host_memory if shaking is None else shaking)
     atexit.register(finalize)  # a process that exits without finalize() still shuts down cleanly
 
 
@@ -266,7 +288,7 @@ def new_group(ranks: Sequence[int]) -> Group:
     >>> pair = uc.new_group([0, 1])   # doctest: +SKIP
     """
     current = state("new_group")
-    if current.check:
+    if current.compare:
         count_call(current.world)
     try:
         members, error = _members(ranks, current.world.world_size), None
@@ -299,9 +321,9 @@ def barrier(group: Group | None = None) -> None:
     """Block until every rank of ``group`` reaches the barrier."""
     resolved = resolve_group(group, "barrier")
     current = state("barrier")
-    if current.check:
+    if current.compare:
         count_call(resolved)
     with translated("barrier", resolved, current.timeout):
-        if current.check:
+        if current.compare:
             verify_barrier(current.backend, resolved)
         current.backend.barrier(resolved)

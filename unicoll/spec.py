@@ -59,7 +59,8 @@ class Call:
     """The prepared arguments of one call, as :func:`unicoll.validate.prepare` returns them.
 
     Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
-    ``timeout`` and whether ``check`` mode is on; the other fields are the parameters of the
+    ``timeout``, whether the ranks ``compare`` their calls before moving data (the handshake or
+    check mode) and whether ``check`` mode is on; the other fields are the parameters of the
     entry points (counts as host int64 arrays), None where the entry point has no such parameter,
     and ``plan``: what the spec's :attr:`OpSpec.plan` derived from them.
     """
@@ -68,6 +69,7 @@ class Call:
     group: Group
     backend: Backend
     timeout: float
+    compare: bool
     check: bool
     x: Any = None
     local_count: np.ndarray | None = None
@@ -96,8 +98,8 @@ class Call:
     plan: Any = None
 
     def copy(self) -> Call:
-        """A shallow copy: the same values in a new call (check mode's calls, and each call
-        the memory of accepted calls serves in check mode, are copies)."""
+        """A shallow copy: the same values in a new call (the calls the ranks compare, and each
+        call the memory of accepted calls serves then, are copies)."""
         return Call(*_CALL_FIELDS(self))
 
 

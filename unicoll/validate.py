@@ -28,17 +28,17 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     dictionary lookups. The memory of accepted calls keeps copies of counts, never the
     caller's arrays, and is bounded by :data:`unicoll.memory.MAX_BYTES`. A
     remembered call is shared and must not be changed, and it carries no arrays: operators
-    read their arrays from ``arguments`` (in check mode the call carries them, for
-    :mod:`unicoll.check`).
+    read their arrays from ``arguments`` (where the ranks compare their calls, the call carries
+    them, for :mod:`unicoll.check`).
 
     Raises NotInitializedError before ``init``, TypeError/ValueError for a bad argument.
     """
     state = runtime.state(spec.name)
     given = arguments["group"]
     group = state.world if given is None else runtime.resolve_group(given, spec.name)
-    if state.check:
+    if state.compare:
         count_call(group)
-    parts = [spec, group]
+    parts = [spec, group, state.check, state.handshake]  # a remembered call carries the settings it was read with
     for name, sign in spec.signed:  # a loop: a comprehension costs a call more (Python 3.11)
         parts.append(sign(arguments[name]))
     key = tuple(parts)
@@ -51,7 +51,7 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
         call = _read_call(spec, arguments, state, group)
         missed = memory.missed[spec] = memory.missed.get(spec, 0) + 1
         if None not in key and (missed < _STREAK or missed % _STREAK == 0):
-            kept = _frozen(call.copy() if state.check else call, spec)  # check mode returns the arrays too
+            kept = _frozen(call.copy() if state.compare else call, spec)  # a compared call returns the arrays too
             memory.accepted.put(key, kept, _remembered_bytes(kept, spec))
         return call
     missed = memory.missed.get(spec)
@@ -60,7 +60,7 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
             memory.missed[spec] = missed - _CREDIT
         else:
             del memory.missed[spec]
-    if not state.check:
+    if not state.compare:
         return accepted
     call = accepted.copy()
     for name in spec.passed_through:
@@ -70,7 +70,7 @@ def prepare(spec: OpSpec, arguments: dict[str, Any]) -> Call:
 
 def read_only(spec: OpSpec, arguments: dict[str, Any]) -> Call:
     """``arguments`` read and checked for ``spec`` as :func:`prepare` reads them, for a call
-    that is traced, not run now (``jax.jit``): not counted in check mode, not remembered."""
+    that is traced, not run now (``jax.jit``): not counted, not remembered."""
     state = runtime.state(spec.name)
     given = arguments["group"]
     group = state.world if given is None else runtime.resolve_group(given, spec.name)
@@ -139,7 +139,8 @@ def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) 
     if spec.in_capabilities and spec.name not in backend.capabilities.ops:
         raise NotImplementedError(f"{spec.name}: backend {backend.name!r} does not provide this operator")
     caps, op, name = backend.capabilities, spec.name, backend.name
-    call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout, check=state.check)
+    call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout, compare=state.compare,
+                check=state.check)  # fmt: skip
     for param, read in spec.readers:
         setattr(call, param, read(op, param, arguments[param], caps, name))
     for rule in spec.rules:

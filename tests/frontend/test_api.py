@@ -26,7 +26,7 @@ PUBLIC = {
     "reference": None,
     "moe": None,
     "testing": None,
-    "init": "(backend=None, *, timeout=None, check=None)",
+    "init": "(backend=None, *, timeout=None, check=None, handshake=None)",
     "finalize": "()",
     "is_initialized": "()",
     "get_rank": "(group=None)",

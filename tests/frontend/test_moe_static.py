@@ -207,11 +207,16 @@ def _capacities_disagree(rank: int) -> str:
     return message if rows.shape == (E, uc.get_world_size() * 2, 3) else "the next call failed"
 
 
-@pytest.mark.parametrize(("backend", "world"), [("gloo", 3), ("mpi", 2)])
-def test_ranks_with_different_capacities_get_the_same_error(backend: str, world: int) -> None:
-    messages = uc.testing.spawn(_capacities_disagree, world, backend=backend)
+@pytest.mark.parametrize(("backend", "world", "handshake"), [("gloo", 3, "1"), ("mpi", 2, "1"), ("gloo", 2, "0")])
+def test_ranks_with_different_capacities_get_the_same_error(backend: str, world: int, handshake: str) -> None:
+    """The handshake finds it first; without it, the capacities told beside the counts do."""
+    messages = uc.testing.spawn(_capacities_disagree, world, backend=backend, env={"UNICOLL_HANDSHAKE": handshake})
     told = ", ".join(f"rank {c}: {2 + c}" for c in range(world))
-    assert messages == [f"moe.dispatch_static: capacity: expected the same capacity on every rank, got {told}"] * world
+    expected = {
+        "1": "moe.dispatch_static: ranks disagree: rank 0 passes capacity=2 but rank 1 passes 3",
+        "0": f"moe.dispatch_static: capacity: expected the same capacity on every rank, got {told}",
+    }
+    assert messages == [expected[handshake]] * world
 
 
 _DEVICE_PATH = Capabilities(

@@ -52,9 +52,11 @@ def _env(backend: str, check: bool, timeout: float) -> dict[str, str]:
     return {**os.environ, "UNICOLL_BACKEND": backend, "UNICOLL_TIMEOUT": str(timeout), "UNICOLL_CHECK": str(int(check))}
 
 
-def run_world(fault: str, backend: str = "gloo", *, check: bool = False, timeout: float = TIMEOUT) -> World:
-    """Run inject.py FAULT as 2 ranks under `unicoll run` (`--mpi` for mpi)."""
-    return finish_world(start_world(fault, backend, check=check, timeout=timeout))
+def run_world(
+    fault: str, backend: str = "gloo", *, check: bool = False, timeout: float = TIMEOUT, env: dict | None = None
+) -> World:
+    """Run inject.py FAULT as 2 ranks under `unicoll run` (`--mpi` for mpi), ``env`` added."""
+    return finish_world(start_world(fault, backend, check=check, timeout=timeout, env=env))
 
 
 def start_world(
@@ -113,7 +115,7 @@ def finish(procs: list[subprocess.Popen]) -> World:
 
 def test_mismatched_counts_in_check_mode_fail_on_every_rank() -> None:
     world = run_world("mismatch-checked", check=True)
-    expected = "global_scatter: ranks disagree (check mode): rank 1 expects 2 row(s) from rank 0 for expert 1, but rank 0 sends 1"
+    expected = "global_scatter: ranks disagree: rank 1 expects 2 row(s) from rank 0 for expert 1, but rank 0 sends 1"
     for rank in (0, 1):
         (record,) = world.reports[rank]
         assert record["error"] == "CrossRankMismatchError", world.output
@@ -124,10 +126,28 @@ def test_mismatched_counts_in_check_mode_fail_on_every_rank() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_counts_without_check_mode(backend) -> None:
-    """What docs/reliability.md says: a receiver that expects more rows than its peer sends
-    gets the rows sent and leaves the rest unwritten, on both backends; one that expects fewer
-    is aborted by gloo (SIGABRT in gloo's network thread), and gets the first rows on mpi."""
+    """The handshake: both mismatches raise CrossRankMismatchError on both ranks, within the
+    timeout, and the process lives on."""
     world = run_world("mismatch-unchecked", backend)
+    expected = [
+        "alltoall_single: ranks disagree: rank 1 expects 3 row(s) from rank 0, but rank 0 sends 2",
+        "alltoall_single: ranks disagree: rank 1 expects 1 row(s) from rank 0, but rank 0 sends 2",
+    ]
+    for rank in (0, 1):
+        assert [(r["error"], r["message"]) for r in world.reports[rank]] == [
+            ("CrossRankMismatchError", message) for message in expected
+        ], world.output
+        assert all(r["seconds"] < TIMEOUT for r in world.reports[rank])
+    assert world.codes == [0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_counts_with_the_handshake_off(backend) -> None:
+    """What docs/reliability.md says turning the handshake off risks: a receiver that expects
+    more rows than its peer sends gets the rows sent and leaves the rest unwritten, on both
+    backends; one that expects fewer is aborted by gloo (SIGABRT in gloo's network thread), and
+    gets the first rows on mpi."""
+    world = run_world("mismatch-unchecked", backend, env={"UNICOLL_HANDSHAKE": "0"})
     own_rows = [[104.0, 105.0], [106.0, 107.0]]  # what rank 1 keeps of its own rows
     more, *fewer = world.reports[1]
     assert (more["error"], more["expected"]) == (None, 3), world.output
@@ -216,7 +236,12 @@ def test_peer_killed_under_mpiexec_stops_the_job() -> None:
     assert killed["at"] > start
 
 
-ABSENT_PEERS = [("peer-absent", "all_gather", TIMEOUT), ("peer-absent-async", "alltoall_single", 2)]
+ABSENT_PEERS = [
+    ("peer-absent", "all_gather", TIMEOUT, {}),
+    # the handshake: an asynchronous call returns its Task once the peers' records are in
+    ("peer-absent-async", "alltoall_single", TIMEOUT, {}),
+    ("peer-absent-async", "alltoall_single", 2, {"UNICOLL_HANDSHAKE": "0"}),  # Task.wait(timeout=2) times it
+]
 
 
 def test_peer_that_never_calls_times_out(tmp_path) -> None:
@@ -224,8 +249,8 @@ def test_peer_that_never_calls_times_out(tmp_path) -> None:
     most of its time waiting out its timeout."""
     started = [
         # INJECT_DONE: the absent peer leaves once rank 0 has its error
-        (fault, op, bound, start_world(fault, env={"INJECT_DONE": str(tmp_path / f"{fault}.done")}))
-        for fault, op, bound in ABSENT_PEERS
+        (fault, op, bound, start_world(fault, env={"INJECT_DONE": str(tmp_path / f"{i}.done"), **env}))
+        for i, (fault, op, bound, env) in enumerate(ABSENT_PEERS)
     ]
     worlds = [(fault, op, bound, finish_world(proc)) for fault, op, bound, proc in started]
     for fault, op, bound, world in worlds:
@@ -242,7 +267,7 @@ def test_peer_that_never_calls_times_out(tmp_path) -> None:
 def test_wait_with_timeout_0_polls(backend) -> None:
     """``Task.wait(timeout=0)`` on a call the peer makes 1 s later raises at once, and a later
     ``wait()`` still returns the result."""
-    world = run_world("poll", backend)
+    world = run_world("poll", backend, env={"UNICOLL_HANDSHAKE": "0"})  # with it, the call waits for the peer's record
     polled, waited, result = world.reports[0]
     assert polled["error"] == "CollectiveTimeoutError", world.output
     assert polled["message"] == (

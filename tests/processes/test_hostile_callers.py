@@ -81,7 +81,7 @@ def disagreements(rank: int) -> dict[str, str]:
     return seen
 
 
-CHECKED = "CrossRankMismatchError: {op}: ranks disagree (check mode): "
+CHECKED = "CrossRankMismatchError: {op}: ranks disagree: "
 NEW_GROUP_MESSAGES = {
     "new_group lists": ["CrossRankMismatchError: new_group: ranks: expected the same ranks on every rank of the world, got [0, 1] on rank 0 and [1, 2] on rank 1"] * 3,
     "new_group invalid on one rank": [

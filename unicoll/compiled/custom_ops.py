@@ -96,7 +96,7 @@ def _run_backward(op: str, group: int, grad: torch.Tensor, backward: Callable[..
     state = runtime.state(f"{op} (backward)")
     found = group_of(group)
     grp = state.world if found is None else found
-    forward = _UNNUMBERED if state.check else None
+    forward = _UNNUMBERED if state.compare else None
 
     def bound(native: Any) -> Any:
         return backward(state.backend, grp, native, *saved)

@@ -106,7 +106,7 @@ def layout(
     call = prepare(MOE_DISPATCH, arguments)
     routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
     with translated(MOE_DISPATCH.name, call.group, call.timeout):
-        if call.check:
+        if call.compare:
             verify(MOE_DISPATCH, call)
         global_count = call.backend.exchange_ints(routing.local_count.copy(), call.group)
     return routing.local_count, global_count, routing.send_tokens, routing.slot_rows
@@ -148,7 +148,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
     def issue() -> Pending:
         nonlocal plan, number
-        if call.check:
+        if call.compare:
             verify(MOE_DISPATCH, call)
             number = call_number(grp)
         plan = moe_plan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
@@ -172,7 +172,7 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     plan, routing = handle.plan, handle.routing
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(MOE_REDISPATCH, call)
         native = backend.to_native(x)
         return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op, routing.send_tokens)
@@ -207,7 +207,7 @@ def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePl
     library = library_of(y)
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(spec, call)
         return _sent_back(backend, backend.to_native(y), plan, grp, not call.sync_op, call.sync_op, routing)
 
@@ -369,7 +369,7 @@ def _combine_with_autograd(spec: OpSpec, call: Call, y: Any, routing: Routing, p
     backend, grp = call.backend, call.group
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(spec, call)
         return backend.global_gather(backend.to_native(y), plan, grp, not call.sync_op, call.sync_op)
 

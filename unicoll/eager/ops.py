@@ -2,7 +2,7 @@
 back the caller's kind. Plain functions, which the floors above run under the lock.
 
 Every operator follows the same path: :func:`unicoll.validate.prepare` checks the call on
-this rank before anything is sent, check mode (when on) compares the ranks' arguments, the
+this rank before anything is sent, the handshake (or check mode) compares the ranks' calls, the
 backend issues the transfer on its native arrays,
 and :func:`_run` returns the result (``sync_op=True``) or a :class:`~unicoll.Task`,
 converting back to the caller's array library and, for torch tensors that require grad,
@@ -79,8 +79,9 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
 
 
 def _guarded(op: str, call: Call, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """:func:`guarded` for the forward call ``call`` (numbered in check mode: prepare counted it)."""
-    forward = call_number(call.group) if call.check else None
+    """:func:`guarded` for the forward call ``call`` (numbered where the ranks compare their calls:
+    prepare counted it)."""
+    forward = call_number(call.group) if call.compare else None
     return guarded(op, call.backend, call.group, call.timeout, forward, backward)
 
 
@@ -195,6 +196,39 @@ def autograd_state(x: Any) -> str:
     return "a view of a leaf" if x._base is not None and x._base.is_leaf else "recorded"
 
 
+def _written(op: str, param: str, out: Any) -> None:
+    """Before anything is sent: refuse an output array autograd would have to record (a torch
+    tensor that requires grad, with grad mode on: an output filled in place records no
+    gradient), and move the version counter of a torch tensor this call will write, as torch's
+    own in-place operators do, so that a backward pass that saved it raises instead of reading
+    the new values."""
+    if library_of(out) != "torch":
+        return
+    import torch
+
+    if out.requires_grad and torch.is_grad_enabled():
+        expected = (
+            "a tensor that does not require grad (an output filled in place records no gradient; "
+            "pass None for a result that does)"
+        )
+        raise bad_input(op, param, expected, f"{describe(out)} that requires grad")
+    torch.autograd.graph.increment_version(out)
+
+
+def _fillable_list(op: str, param: str, entries: list) -> None:
+    """Before anything is sent: refuse a list of outputs that autograd could not fill (a leaf
+    that requires grad, with grad mode on) or whose entries overlap (one would overwrite
+    another's rows). Entries that autograd records are filled by copies it records."""
+    for i, entry in enumerate(entries):
+        if autograd_state(entry) == "a leaf":
+            expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
+            raise bad_input(op, f"{param}[{i}]", expected, f"a leaf {describe(entry)} that requires grad")
+        for j in range(i):
+            if overlaps(entry, entries[j]):
+                expected = f"arrays that do not share memory with each other (entry {j} does)"
+                raise bad_input(op, f"{param}[{i}]", expected, f"{describe(entry)} overlapping entry {j}")
+
+
 def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """How to finish an in-place operator: return ``x``, recorded in autograd when ``recorded``."""
     if not recorded:
@@ -212,11 +246,11 @@ def _moe(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     forward, backward = getattr(backend, spec.name), _MOE_BACKWARD[spec.name]
 
     finish = _functional(spec.name, call, x, lambda g: backward(backend, grp, g, plan))
-    if call.sync_op and not call.check:  # the steady state of a loop: no closure to issue, no Task
+    if call.sync_op and not call.compare:  # the steady state of a loop: no closure to issue, no Task
         return finish(_now(spec.name, call, forward, backend.to_native(x), plan, grp, False, call.use_calc_stream))
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(spec, call)
         return forward(backend.to_native(x), plan, grp, not call.sync_op, call.use_calc_stream)
 
@@ -331,10 +365,12 @@ def alltoall(
     call = prepare(ALLTOALL, arguments)
     out, given = out_tensor_or_tensor_list, in_tensor_or_tensor_list
     sent = array_namespace(*given).concat(given, axis=0) if isinstance(given, list) else given
-    if call.check:  # a call of its own (prepare copies it in check mode): compared as alltoall_single's rows
+    if call.compare:  # a call of its own (prepare copies a compared one): compared as alltoall_single's rows
         call.in_tensor = sent
     if not isinstance(out, list):
+        _written(ALLTOALL.name, "out_tensor_or_tensor_list", out)
         return _rows_to_peers(ALLTOALL, call, out, sent, sync_op, use_calc_stream)[0]
+    _fillable_list(ALLTOALL.name, "out_tensor_or_tensor_list", out)
     into_list = lambda result, rows: _fill_list(out, result, rows)  # noqa: E731
     return _rows_to_peers(ALLTOALL, call, None, sent, sync_op, use_calc_stream, into_list)[0]
 
@@ -361,7 +397,9 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     call = prepare(ALLTOALL_SINGLE, arguments)
     out_tensor, in_tensor = arguments["out_tensor"], arguments["in_tensor"]
     sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
-    if out_tensor is not None and sync_op and not call.check:  # the steady state of a loop: no closures, no Task
+    if out_tensor is not None:
+        _written(ALLTOALL_SINGLE.name, "out_tensor", out_tensor)
+    if out_tensor is not None and sync_op and not call.compare:  # the steady state of a loop: no closures, no Task
         backend, grp = call.backend, call.group
         in_splits, out_splits = call.plan
         try:  # into a given output, base.Backend.alltoall_single is the alltoallv primitive: called directly
@@ -394,9 +432,10 @@ def _rows_to_peers(
 
     def issue() -> Pending:
         nonlocal out_splits
-        if call.check:
-            verify(spec, call, in_splits=in_splits, out_splits=out_splits)
-        if out_splits is None:
+        if call.compare:  # the ranks' records carry the split sizes each rank sends
+            received = verify(spec, call, in_splits=in_splits, out_splits=out_splits)
+            out_splits = received if out_splits is None else out_splits
+        elif out_splits is None:
             out_splits = backend.exchange_ints(np.array(in_splits, dtype=np.int64), grp).tolist()
         return _issue_alltoall(backend, out_tensor, in_tensor, out_splits, in_splits, grp, not sync_op, use_calc_stream)
 
@@ -467,6 +506,10 @@ def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     grp, target, tensor = call.group, arguments["tensor_or_tensor_list"], arguments["tensor"]
     sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
     rows_here = int(tensor.shape[0])
+    if isinstance(target, list):
+        _fillable_list(ALL_GATHER.name, "tensor_or_tensor_list", target)
+    elif target is not None:
+        _written(ALL_GATHER.name, "tensor_or_tensor_list", target)
     if isinstance(target, list) and target:
         rows = [int(t.shape[0]) for t in target]
     elif target is None or isinstance(target, list):
@@ -476,9 +519,9 @@ def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
 
     def issue() -> Pending:
         nonlocal rows
-        if call.check:
-            verify(ALL_GATHER, call, rows=rows)
-        if rows is None:
+        if call.compare:  # the ranks' records carry the rows each rank sends
+            rows = verify(ALL_GATHER, call, rows=rows)
+        elif rows is None:
             rows = backend.gather_ints(np.array([rows_here], dtype=np.int64), grp)[:, 0].tolist()
         out = target if target is not None and not isinstance(target, list) else None
         out_native = None if out is None else backend.to_native(out)
@@ -567,10 +610,12 @@ def _in_place_collective(
     call = prepare(spec, arguments)
     tensor = arguments["tensor"]
     recorded = _recorded(spec.name, call, tensor, reduction, True, state)
+    if state is None and not recorded:  # a recorded change moves the version counter as autograd records it
+        _written(spec.name, "tensor", tensor)
     target = tensor if state is None else _copy(tensor)
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(spec, call)
         return transfer(call, call.backend.to_native(target), not arguments["sync_op"])
 
@@ -620,9 +665,11 @@ def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
     out, tensor, op, sync_op = arguments["out"], arguments["tensor"], arguments["op"], arguments["sync_op"]
     backend, grp = call.backend, call.group
     rows = call.split_sizes.tolist() if call.split_sizes is not None else even_split(tensor.shape[0], call.W)
+    if out is not None:
+        _written(REDUCE_SCATTER.name, "out", out)
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(REDUCE_SCATTER, call, rows=rows)
         out_native = None if out is None else backend.to_native(out)
         return backend.reduce_scatter(
@@ -694,7 +741,7 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
     call = prepare(EXCHANGE_COUNTS, dict(local_count=local_count, group=group))
     backend, grp = call.backend, call.group
     with translated(EXCHANGE_COUNTS.name, grp, call.timeout):
-        if call.check:
+        if call.compare:
             verify(EXCHANGE_COUNTS, call)
         # a copy: a remembered call's counts are read-only, and a transport may wrap them in a tensor
         received = backend.exchange_ints(call.local_count.copy(), grp)

@@ -49,7 +49,7 @@ def dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
     def issue() -> Pending:
         nonlocal plan, got, number
-        if call.check:
+        if call.compare:
             verify(MOE_DISPATCH_STATIC, call, topk_idx=arguments["topk_idx"])
             number = call_number(grp)
         if call.overflow == "error":
@@ -106,7 +106,7 @@ def redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     routing, plan = handle.layout
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(MOE_REDISPATCH_STATIC, call)
         return _scatter(call, x, routing, plan)
 

@@ -126,7 +126,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
     def issue() -> Pending:
         nonlocal number
-        if call.check:
+        if call.compare:
             verify(MOE_DISPATCH_STATIC, call, topk_idx=arguments["topk_idx"])
             number = call_number(grp)
         if call.overflow == "error":
@@ -156,7 +156,7 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     outgoing = send_rows(xp, x, handle.layout)
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(MOE_REDISPATCH_STATIC, call)
         return _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
 
@@ -176,7 +176,7 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     outgoing = source_major(xp, y, handle.world, handle.experts_per_rank)
 
     def issue() -> Pending:
-        if call.check:
+        if call.compare:
             verify(MOE_COMBINE_STATIC, call)
         return _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
 
