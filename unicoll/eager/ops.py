@@ -159,6 +159,9 @@ def broadcast_backward(backend: Backend, group: Group, grad: Any, src: int) -> A
     return total
 
 
+_CHANGEABLE = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
+"""What an operator that writes a tensor in place expects of it under autograd."""
+
 _DIFFERENTIABLE = ("sum", "avg")
 """The reductions whose result has a gradient here."""
 
@@ -176,8 +179,7 @@ def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool
         expected = "'sum' or 'avg' for a tensor that requires grad (max, min and prod have no gradient here)"
         raise bad_input(op, "op", expected, repr(reduction))
     if in_place and state != "recorded":
-        expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
-        raise bad_input(op, "tensor", expected, f"{state} {describe(x)} that requires grad")
+        raise bad_input(op, "tensor", _CHANGEABLE, f"{state} {describe(x)} that requires grad")
     return True
 
 
@@ -221,8 +223,7 @@ def _fillable_list(op: str, param: str, entries: list) -> None:
     another's rows). Entries that autograd records are filled by copies it records."""
     for i, entry in enumerate(entries):
         if autograd_state(entry) == "a leaf":
-            expected = "a tensor autograd lets change in place (for a leaf that requires grad: under torch.no_grad())"
-            raise bad_input(op, f"{param}[{i}]", expected, f"a leaf {describe(entry)} that requires grad")
+            raise bad_input(op, f"{param}[{i}]", _CHANGEABLE, f"a leaf {describe(entry)} that requires grad")
         for j in range(i):
             if overlaps(entry, entries[j]):
                 expected = f"arrays that do not share memory with each other (entry {j} does)"
