@@ -224,9 +224,15 @@ class Backend(ABC):
         return self.take_rows(x, index, rows_over(lent, x, len(index))), lent
 
     def _lend(self, like: Any, rows: int) -> np.ndarray | None:
-        """A buffer the workspace lends for ``rows`` rows like ``like``'s, or None (see :meth:`scratch_rows`)."""
+        """A buffer the workspace lends for ``rows`` rows like ``like``'s, or None (see
+        :meth:`scratch_rows`; fewer bytes are counted as a loan all the same)."""
+        if self.workspace is None:
+            return None
         nbytes = rows * row_bytes(like)
-        return None if self.workspace is None or nbytes < FROM_BYTES else self.workspace.lend(nbytes)
+        if nbytes < FROM_BYTES:
+            self.workspace.count_fresh(nbytes)
+            return None
+        return self.workspace.lend(nbytes)
 
     def give_back(self, *buffers: np.ndarray | None) -> None:
         """Return the buffers :meth:`scratch_rows` lent (None: nothing was lent)."""

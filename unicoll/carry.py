@@ -24,7 +24,8 @@ from typing import Any
 
 from .arrays import describe, library_of
 from .errors import bad_input
-from .libraries import ArrayLibrary, carrying, joined
+from .kinds import ROUTER_IDS
+from .libraries import ArrayLibrary, array_type, carrying, joined
 from .routing import Handle
 from .spec import SPECS, OpSpec
 from .static_layout import StaticHandle
@@ -105,8 +106,9 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
     libraries = {lib.name: lib for _, lib in arrays}
     if len(libraries) > 1:
         given = " and ".join(lib.array_type for lib in libraries.values())
-        raise bad_input(name, "arguments", "arrays of one library (or torch tensors beside them)", given, TypeError)
+        raise bad_input(name, "arguments", "arrays of one joined library", given, TypeError)
     (library,) = libraries.values()
+    _refuse_others(spec, arguments, library)
     if library.name == "jax":
         from .compiled import jax_static
 
@@ -120,7 +122,7 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
         return run.result(run([])[0])
     if arguments.get("sync_op") is False and library.name == "jax":
         raise bad_input(name, "sync_op", "True for arrays that jax.grad traces", "False")
-    return run.result(library.differentiate(run, inputs))
+    return run.result(library.differentiate(run, inputs, name))
 
 
 def _arrays(arguments: dict[str, Any]) -> tuple[list[str], list[tuple[Any, ArrayLibrary]]]:
@@ -138,6 +140,21 @@ def _arrays(arguments: dict[str, Any]) -> tuple[list[str], list[tuple[Any, Array
         if len(arrays) > count or type(value) is list:
             held.append(name)
     return held, arrays
+
+
+def _refuse_others(spec: OpSpec, arguments: dict[str, Any], library: ArrayLibrary) -> None:
+    """TypeError for an array of another library (numpy, torch, cupy) where the operator takes
+    the call's arrays, beside ``library``'s (counts and moe.dispatch's ids, read on the host, may
+    be of any library): its carriers are torch tensors, so the validator could not tell a torch
+    tensor from one of them."""
+    for name, value in arguments.items():
+        kind = spec.kinds[name]
+        if not (kind.passed_through or kind is ROUTER_IDS):
+            continue
+        for v in value if type(value) is list else (value,):
+            if library_of(v) not in (None, library.name):
+                expected = f"{array_type(library.name)} (the library of the call's other arrays)"
+                raise bad_input(spec.name, name, expected, describe(v), TypeError)
 
 
 def _differentiable(library: ArrayLibrary, value: Any) -> bool:
@@ -170,6 +187,7 @@ class _Run:
         self.origins: dict[int, Any] = {}  # carrier id -> the caller's array, for messages
         self.filled: dict[int, Any] = {}  # carrier (or carrier list) id -> the caller's output it fills
         self.in_place: dict[int, Any] = {}  # recorded copy id -> the caller's array its values go back to
+        self.like: Any = None  # the first array carried: results come back on its device
         self.carried = dict(self.arguments)
         for name in self.held:
             self.carried[name] = self._carry(name, self.arguments[name], given)
@@ -177,16 +195,24 @@ class _Run:
             self.leaves.append(_handle_weights[self.arguments["handle"]][1])
         with carrying(self.origins):
             self.returned = self.locked(**self.carried)
+        for written in self._written():  # accepted and issued: its outputs are (being) written
+            self.library.mark_written(written)
         if isinstance(self.returned, Task):
             return [], _no_backward
         return self._linked(self.returned)
+
+    def _written(self) -> list[Any]:
+        """The caller's arrays the call writes in place: those filled through their memory, and
+        those whose values a recorded copy's come back to."""
+        filled = [part for value in self.filled.values() for part in (value if type(value) is list else [value])]
+        return [*filled, *self.in_place.values()]
 
     def _linked(self, returned: Any) -> tuple[list[Any], Callable[[list[Any]], list[Any]]]:
         """The differentiable outputs of ``returned`` (torch tensors autograd records) as the
         caller's arrays, and their backward: ``torch.autograd.grad`` over the carriers."""
         self.tensors = [t for t in _tensors(returned) if t.requires_grad]
         outputs = [self._own(t) for t in self.tensors]
-        tensors, leaves, library = self.tensors, self.leaves, self.library
+        tensors, leaves, library, like = self.tensors, self.leaves, self.library, self.like
 
         def backward(grads: list[Any]) -> list[Any]:
             import torch
@@ -199,7 +225,7 @@ class _Run:
                 [t for t, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, retain_graph=True
             ))  # fmt: skip
             given = [None if leaf is None else next(computed) for leaf in leaves]
-            return [None if g is None else library.from_torch(g) for g in given]
+            return [None if g is None else library.from_torch(g, like) for g in given]
 
         return outputs, backward
 
@@ -213,7 +239,7 @@ class _Run:
     def _waited(self, returned: Any) -> Any:
         """A Task's result as the caller gets it, linked in the library's autograd now."""
         if self.inputs:
-            outputs = self.library.differentiate(lambda values: self._linked(returned), self.inputs)
+            outputs = self.library.differentiate(lambda values: self._linked(returned), self.inputs, self.spec.name)
         else:
             outputs = self._linked(returned)[0]
         return self._back(returned, dict(zip(map(id, self.tensors), outputs)))
@@ -247,7 +273,7 @@ class _Run:
         copy recorded in place (its values copied back), else a new one over its memory."""
         original = self.in_place.get(id(tensor))
         if original is None:
-            return self.library.from_torch(tensor)
+            return self.library.from_torch(tensor, self.like)
         self.library.to_torch(original).copy_(tensor.detach())
         return original
 
@@ -267,7 +293,14 @@ class _Run:
         if kind.fills and not kind.in_place and not library.writable:
             expected = f"None ({library.array_type} cannot be filled in place: the operator returns a new array)"
             raise bad_input(self.spec.name, name, expected, describe(value), TypeError)
-        carrier = library.to_torch(given.get(id(value), value))
+        devices = library.device_count(value)
+        if devices > 1:
+            expected = f"{array_type(library.name)} on one device"
+            raise bad_input(self.spec.name, name, expected, f"{describe(value)} sharded over {devices} devices")
+        source = given.get(id(value), value)
+        if self.like is None:
+            self.like = source
+        carrier = library.to_torch(source)
         self.origins[id(carrier)] = value
         if id(value) in given:
             if kind.fills and library.is_leaf(value):

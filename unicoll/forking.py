@@ -65,11 +65,16 @@ def _exit_status() -> int:
 
 
 def _exit_now() -> None:
-    """Flush the standard streams and leave at once with :func:`_exit_status`, even when a
-    flush fails."""
+    """Leave at once with :func:`_exit_status` (:func:`exit_at_once`)."""
+    exit_at_once(_exit_status())
+
+
+def exit_at_once(status: int) -> None:
+    """Flush the standard streams and end this process with ``status`` through ``os._exit``
+    (no further exit handlers, no teardown, no waiting for threads), even when a flush fails."""
     try:
         for stream in (sys.stdout, sys.stderr):
             if stream is not None and not stream.closed:
                 stream.flush()
     finally:
-        os._exit(_exit_status())
+        os._exit(status)

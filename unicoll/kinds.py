@@ -373,6 +373,7 @@ ROUTER_IDS = Kind(
     "(tokens, k) with k >= 1. Never read on the host.",
     read=_read_router_ids,
     sign=_sign_array,
+    passed_through=True,
 )
 """The router's global expert ids, ``(tokens, k)``, left where they are (the static-shape MoE operators)."""
 

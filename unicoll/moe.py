@@ -11,7 +11,9 @@ handle are in docs/semantics.md ("`moe.dispatch` and `moe.combine`").
 blocks of a fixed capacity per (expert, source rank), the valid counts as an array on x's
 device, no value of a device array read to the host, so a step needs no synchronization and
 torch.compile (or a CUDA graph) captures it without dynamic shapes; on gloo and mpi only the
-valid rows travel (docs/semantics.md, "The static-shape mode").
+valid rows travel (docs/semantics.md, "The static-shape mode"). Inside ``jax.jit`` they run as
+host callbacks, and ``jit_errors()`` makes a step that failed in one raise unicoll's own
+exception in place of JAX's ``JaxRuntimeError``.
 
 >>> import unicoll as uc
 >>> rows, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, topk_weights, experts_per_rank=2)  # doctest: +SKIP
@@ -27,6 +29,7 @@ from .face import moe_dispatch as dispatch
 from .face import moe_dispatch_static as dispatch_static
 from .face import moe_redispatch as redispatch
 from .face import moe_redispatch_static as redispatch_static
+from .libraries.jax import jit_errors
 from .routing import Handle
 from .static_layout import StaticHandle
 
@@ -37,6 +40,7 @@ __all__ = [
     "combine_static",
     "dispatch",
     "dispatch_static",
+    "jit_errors",
     "redispatch",
     "redispatch_static",
 ]

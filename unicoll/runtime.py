@@ -7,6 +7,10 @@ MPI instead), the backend from its argument or
 
 A child forked from an initialized process forgets the parent's session without touching it
 (:func:`_forget_in_child`, :mod:`unicoll.forking`): unicoll refuses to run there, at once.
+
+An exception that ends the program of a rank with peers ends it at once, even while other
+threads run that are not daemons (:func:`_uncaught`): the interpreter would wait for them before
+its exit, and the peers with it, in their collectives, until the timeout.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 
 from . import forking, registry
 from .backends.base import Backend
@@ -138,7 +145,7 @@ def init(
     >>> import unicoll as uc
     >>> uc.init("gloo")            # doctest: +SKIP
     """
-    global _state
+    global _state, _previous_excepthook
     if _forked_from is not None:
         raise RuntimeError(_forked_message("unicoll.init"))
     if _state is not None:
@@ -158,6 +165,8 @@ def init(
     world = Group(tuple(range(started.world_size)), None, started.rank, next(_sessions))
     _state = _State(started, world, seconds, checking, started.host_memory if shaking is None else shaking)
     atexit.register(finalize)  # a process that exits without finalize() still shuts down cleanly
+    if sys.excepthook is not _uncaught:  # once per process: the hook it replaces stays the one it calls
+        _previous_excepthook, sys.excepthook = sys.excepthook, _uncaught
 
 
 def finalize() -> None:
@@ -173,6 +182,32 @@ def finalize() -> None:
         state, _state = _state, None
         end_session(state.world.session, _FINALIZED)
         state.backend.finalize()
+
+
+def _uncaught(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+    """``sys.excepthook`` from the first :func:`init` on: the hook it replaced (which prints the
+    exception); then, for an exception that ends the program (the interpreter has set
+    ``sys.last_value`` to it) while this rank has peers and another thread that is not a daemon
+    runs, the exit handlers at once (``finalize()``, and on mpi ``MPI_Abort``) and ``os._exit``
+    with status 1 (130 for ``KeyboardInterrupt``), instead of waiting for that thread first."""
+    _previous_excepthook(kind, value, traceback)
+    main = threading.main_thread()
+    if (
+        value is not getattr(sys, "last_value", None)
+        or threading.current_thread() is not main
+        or sys.flags.interactive  # a prompt comes next: python -i, or the interactive interpreter (below)
+        or hasattr(sys, "ps1")
+        or _state is None
+        or _state.world.world_size == 1
+        or not any(thread is not main and not thread.daemon and thread.is_alive() for thread in threading.enumerate())
+    ):
+        return
+    atexit._run_exitfuncs()
+    forking.exit_at_once(130 if isinstance(value, KeyboardInterrupt) else 1)
+
+
+_previous_excepthook = sys.excepthook
+"""The ``sys.excepthook`` that :func:`_uncaught` replaced, which it calls first."""
 
 
 def _forget_in_child() -> None:

@@ -723,6 +723,17 @@ MOE_COMBINE = OpSpec(
 
 # -- the static-shape MoE operators: shapes known from (tokens, k, C, W, E, hidden) alone ----------
 
+MAX_STATIC_ROWS = 2**31 - 1
+"""The most rows a static-shape dispatch's blocks hold on each rank (W * experts_per_rank *
+capacity), checked before anything is allocated or sent: each is indexed in the layout (int32
+under JAX without ``jax_enable_x64``), and MPI counts rows in C ints."""
+
+_STATIC_ROWS_RULE = Rule(
+    "capacity", f"at most {MAX_STATIC_ROWS} rows in each rank's blocks (W * experts_per_rank * capacity, W = {{W}})",
+    lambda c: None if c.W * c.experts_per_rank * c.capacity <= MAX_STATIC_ROWS
+    else f"{c.capacity} (W * experts_per_rank * capacity = {c.W * c.experts_per_rank * c.capacity})",
+)  # fmt: skip
+
 
 MOE_DISPATCH_STATIC = OpSpec(
     name="moe.dispatch_static",
@@ -759,6 +770,7 @@ MOE_DISPATCH_STATIC = OpSpec(
         _IDS_ROWS_RULE,
         Rule("topk_idx", "the library and device of x", _same_place_as_x("topk_idx"), TypeError),
         *_WEIGHTS_RULES,
+        _STATIC_ROWS_RULE,
     ),
     backward="to x: the rows' gradients sent back (the even all-to-all back, alltoall_single's backward) and "
     "summed over each token's kept slots; padding rows and dropped slots get none",

@@ -25,7 +25,11 @@ had lent at once over its last :data:`WINDOW` loans: a step whose rows need more
 :data:`MAX_BYTES` at once keeps them for the next step, as a step does again and again in a
 training loop, and a workspace never keeps more than what was in use at its recent peak (a
 loan dropped unreturned, a Task never waited for, stops counting once it is garbage); after
-:data:`WINDOW` loans of smaller steps, the bound is back to :data:`MAX_BYTES`.
+:data:`WINDOW` loans of smaller steps, the bound is back to :data:`MAX_BYTES`, and so are the
+buffers kept. Every loan counts, one of fewer than :data:`FROM_BYTES` too, which the caller
+makes from fresh memory and only reports (:meth:`Workspace.count_fresh`); and a kept buffer
+serves only a loan of at least about half its size, so a large step's buffers never serve a
+smaller step's loans, which would keep them lent, counted at the peak, step after step.
 
 Buffers are numpy ``uint8`` arrays, made by numpy, which asks the kernel for huge pages for
 arrays this large, so even a first use faults in a fraction of the pages.
@@ -107,17 +111,40 @@ class Workspace:
 
     def lend(self, nbytes: int) -> np.ndarray:
         """A 1-D ``uint8`` buffer of at least ``nbytes`` bytes (contents undefined), the caller's
-        alone until it gives it back: the smallest kept one that is large enough, else a new one."""
+        alone until it gives it back: the smallest kept one that is large enough and at most
+        twice the size of a new one, else a new one.
+
+        >>> ws = Workspace(max_bytes=2**30)
+        >>> large = ws.lend(2**24); ws.give_back(large)
+        >>> ws.lend(2**22) is large, ws.lend(2**23 + 1) is large   # not for a loan of a quarter
+        (False, True)
+        """
+        largest = 2 * _rounded(nbytes)
         with self._lock:
-            self._keep_freed()
-            fitting = [i for i, buffer in enumerate(self._free) if buffer.nbytes >= nbytes]
+            self._take_freed()
+            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.nbytes <= largest]
             buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes)) if fitting else None
         if buffer is None:
             buffer = np.empty(_rounded(nbytes), dtype=np.uint8)
         with self._lock:
             self._lent[id(buffer)] = buffer
-            self._peaks.append(sum(lent.nbytes for lent in self._lent.values()))
+            self._counted(0)
         return buffer
+
+    def count_fresh(self, nbytes: int) -> None:
+        """Count a loan of ``nbytes`` that the caller makes from fresh memory instead (fewer than
+        :data:`FROM_BYTES`): it takes its place in the window all the same, so that steps too
+        small to borrow bring the bound, and the buffers kept, back down.
+
+        >>> ws = Workspace(max_bytes=2**20)
+        >>> ws.give_back(ws.lend(2**24))
+        >>> for _ in range(WINDOW):
+        ...     ws.count_fresh(1000)
+        >>> ws.bound, ws.kept_bytes
+        (1048576, 0)
+        """
+        with self._lock:
+            self._counted(nbytes)
 
     def lend_until_freed(self, nbytes: int) -> np.ndarray:
         """A 1-D ``uint8`` array of ``nbytes`` bytes (contents undefined) for a result: its
@@ -148,17 +175,32 @@ class Workspace:
         with self._lock:
             self._lent.pop(id(buffer), None)
             self._free.append(buffer)
-            self._keep_freed()
+            self._take_freed()
+            self._trim()
 
-    def _keep_freed(self) -> None:
-        """Keep the buffers that results gave back, then drop the oldest kept buffers while
-        the workspace holds more than its bound. The results' finalizers only append to a
+    def _counted(self, nbytes: int) -> None:
+        """Record the bytes lent at once after a loan (``nbytes`` more than the buffers lent
+        now), then keep to the bound."""
+        self._take_freed()
+        lent = sum(buffer.nbytes for buffer in self._lent.values()) if self._lent else 0
+        self._peaks.append(nbytes + lent)
+        self._trim()
+
+    def _take_freed(self) -> None:
+        """Keep the buffers that results gave back. The results' finalizers only append to a
         deque: they may run in any thread, at any allocation, this one's included."""
         while self._freed:
             buffer = self._freed.popleft()
             self._lent.pop(id(buffer), None)
             self._free.append(buffer)
-        kept, bound = sum(buffer.nbytes for buffer in self._free), self.bound
+
+    def _trim(self) -> None:
+        """Drop the oldest kept buffers while the workspace holds more than its bound (which is
+        at least :attr:`max_bytes`: the window is read only past that)."""
+        kept = sum(buffer.nbytes for buffer in self._free)
+        if kept <= self.max_bytes:
+            return
+        bound = self.bound
         while kept > bound:
             kept -= self._free.pop(0).nbytes
 

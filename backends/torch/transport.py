@@ -399,10 +399,14 @@ class TorchDistBackend(Backend):
         """Close the watch, then destroy the process groups this backend made (the default
         group with them when it made that too).
 
-        A transfer that a wait gave up on (its peer gone) may still hold a thread of gloo until
-        gloo's own timeout, and destroying its process group would wait for that thread: such
-        groups are unregistered but never freed (:func:`~unicoll.forking.keep_forever`), so
-        neither this call nor the process's exit waits out the timeout.
+        A transfer that a wait gave up on (its peer gone, its timeout run out) may still hold a
+        thread of gloo until gloo's own timeout, and destroying its process group would wait for
+        that thread: such groups are unregistered but never freed
+        (:func:`~unicoll.forking.keep_forever`), so neither this call nor the process's exit waits
+        out the timeout. The transfer itself is never freed either: its thread would otherwise
+        free its tensors when it ends, which takes the interpreter's lock, and once the
+        interpreter has begun to shut down that aborts the process (see
+        :mod:`~unicoll.backends.torch.workers`).
         """
         if self._watch is not None:
             self._watch.close()
@@ -414,8 +418,9 @@ class TorchDistBackend(Backend):
         self._listen_fd = None  # closed with the store
         if not dist.is_initialized():
             return
-        if any(not work.is_completed() for work in self._given_up):
-            for handle in (world, *groups):
+        running = [work for work in self._given_up if not work.is_completed()]
+        if running:
+            for handle in (world, *groups, *running):
                 keep_forever(handle)
         self._given_up = []
         if self._owns_default_group:

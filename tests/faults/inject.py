@@ -5,7 +5,7 @@
 
 FAULT is one of: mismatch-checked, mismatch-unchecked, peer-exits, peer-killed, peer-absent,
 peer-absent-async, poll, init, init-absent, raises-mid-step:LIB, exits-mid-step:LIB (LIB: paddle or
-jax). Each rank reports the error it got (type, message)
+jax), raises-beside-thread. Each rank reports the error it got (type, message)
 and how long after the faulty call it came; the misbehaving rank reports what it did instead.
 ``init`` only starts the backend, timed (for worlds in which some rank never starts);
 ``init-absent`` does so too, but rank 1 never calls ``init`` (it starts MPI, on mpi).
@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch.distributed  # noqa: F401  (imported before the clock starts: init times the rendezvous, not imports)
@@ -142,6 +143,21 @@ def mid_step(rank: int, fault: str) -> None:
         timed(step)
 
 
+def raises_beside_thread(rank: int, x: np.ndarray) -> None:
+    """Rank 1 raises while a thread that is not a daemon runs (a ThreadPoolExecutor's, with a
+    minute of work); rank 0 waits for it in all_reduce meanwhile, and lets the error it gets
+    there end it."""
+    if rank == 0:
+        report(action="waits in all_reduce")
+        uc.all_reduce(x)
+        report(action="returned")  # not reached
+        return
+    time.sleep(0.3)  # rank 0 is in all_reduce by then
+    ThreadPoolExecutor(1).submit(time.sleep, 60)
+    report(action="raises", at=time.time())
+    raise KeyError("the expert table has no entry 7")
+
+
 def init_absent() -> None:
     """Rank 0 starts the backend while rank 1 runs, having started MPI on mpi, but never calls init."""
     if os.environ.get("RANK", os.environ.get("PMI_RANK")) == "1":
@@ -204,6 +220,8 @@ def main(fault: str) -> None:
         poll(rank, x)
     elif fault.startswith(("raises-mid-step:", "exits-mid-step:")):
         mid_step(rank, fault)
+    elif fault == "raises-beside-thread":
+        raises_beside_thread(rank, x)
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

@@ -4,14 +4,28 @@ conformance matrix runs them too (tests/system/test_conformance.py)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers.frameworks import jax_gradients, jax_moe_training, jax_refusals, jax_static_in_jit
+from helpers.frameworks import (
+    jax_gradients,
+    jax_jit_ended_session,
+    jax_jit_errors,
+    jax_moe_training,
+    jax_refusals,
+    jax_static_in_jit,
+)
 from helpers.gradients import OPS
 from helpers.several import SESSION, Case, share
+from unicoll.launch.local import free_port, world_env
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("jax") is None, reason="jax is not installed (pip install 'unicoll[jax]')"
@@ -26,7 +40,14 @@ WORLD = share(
         Case("jax: static in jit", jax_static_in_jit),
         Case("jax: moe training", jax_moe_training),
         Case("jax: refusals", jax_refusals),
+        Case("jax: errors in jit", jax_jit_errors),
     ],
+)
+ENDED = share("gloo", 2, [Case("jax: jit of an ended session", jax_jit_ended_session, ("gloo",))], last=True)
+
+OVERFLOW = (
+    "moe.dispatch_static: capacity: expected room for every slot (overflow='error'): at least 4, got 2: rank 0 "
+    "routes 4 slots to expert 0 (2 of its slots would be dropped)"
 )
 
 
@@ -60,3 +81,77 @@ def test_jax_arrays_are_never_filled_in_place() -> None:
             "TypeError: moe.dispatch_static: topk_idx: expected a jax.Array of dtype int32"
         )
         assert seen["jit"].startswith("TypeError: global_scatter: inside jax.jit only")
+
+
+def test_errors_inside_jit_are_unicolls_own_inside_jit_errors() -> None:
+    """overflow="error" inside jax.jit: JAX's JaxRuntimeError by itself; inside
+    uc.moe.jit_errors() the eager call's ValueError, with JAX's error as its cause."""
+    for seen in SESSION.results(WORLD, "jax: errors in jit"):
+        assert seen["eager"] == f"ValueError: {OVERFLOW}"
+        assert seen["jit"] == "JaxRuntimeError"
+        assert seen["caught"] == f"ValueError: {OVERFLOW} (from JaxRuntimeError)"
+        assert seen["roomy"] == "returned"
+
+
+def test_a_jitted_step_of_an_ended_session_raises_its_error() -> None:
+    """A jitted step traced before finalize(), inside uc.moe.jit_errors(): NotInitializedError
+    before init(), the ended session's ValueError after it; traced again, it runs."""
+    ended = (
+        "moe.dispatch_static: group: expected a group of the running session (jax.clear_caches() traces a jax.jit "
+        "step again), got the one the step was traced with: its session ended at finalize()"
+    )
+    for rank, seen in enumerate(SESSION.results(ENDED, "jax: jit of an ended session")):
+        assert seen["finalized"] == (
+            "NotInitializedError: moe.dispatch_static: unicoll is not initialized: call unicoll.init() first "
+            "(from JaxRuntimeError)"
+        )
+        assert seen["ended"].startswith(f"ValueError: {ended}") and seen["ended"].endswith("(from JaxRuntimeError)")
+        assert seen["traced again"] == ["[[4, 4]]", "[[0, 0]]"][rank]
+
+
+@functools.cache
+def _two_devices_world() -> dict[int, dict]:
+    """helpers.frameworks.jax_devices_and_a_lost_peer on 2 gloo ranks with two JAX CPU devices
+    each, started without a launcher (rank 1 exits mid-step): each rank's report."""
+    port, tests = free_port(), str(Path(__file__).parents[1])
+    env = {**os.environ, "UNICOLL_BACKEND": "gloo", "UNICOLL_TIMEOUT": "30", "PYTHONPATH": tests,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
+    code = "from helpers.frameworks import jax_devices_and_a_lost_peer as run; run()"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**env, **world_env(rank, 2, "127.0.0.1", port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()  # none left behind by a failure (a no-op for a rank that exited)
+    reports = [json.loads(line) for output in outputs for line in output.splitlines() if line.startswith("{")]
+    assert len(reports) == 2, "\n".join(outputs)
+    return {report["rank"]: report for report in reports}
+
+
+def test_results_come_back_on_the_jax_device_of_the_inputs() -> None:
+    """Arrays on cpu:1 (of two JAX CPU devices): all_reduce's result and jax.grad's gradient
+    come back there, not on JAX's default device; a sharded array is refused."""
+    for seen in _two_devices_world().values():
+        assert seen["all_reduce"] == "{CpuDevice(id=1)}"
+        assert seen["grad"] == ["{CpuDevice(id=1)}", [4.0] * 4]  # x in both ranks' gather, times 2
+        assert seen["sharded"] == (
+            "ValueError: all_reduce: tensor: expected a jax.Array on one device, got jax.Array float32 (4,) on cpu "
+            "sharded over 2 devices"
+        )
+
+
+def test_a_peer_lost_inside_jit_is_caught_as_peer_lost_error() -> None:
+    """Rank 1 exits after the dispatch of a jitted step: rank 0's step, inside
+    uc.moe.jit_errors(), raises PeerLostError naming combine_static (JAX's error its cause)."""
+    step = _two_devices_world()[0]["step"]
+    assert step.startswith("PeerLostError: moe.combine_static on Group(ranks=[0, 1]): a peer is gone"), step
+    assert step.endswith("(from JaxRuntimeError)")

@@ -15,6 +15,7 @@ from helpers.frameworks import (
     GLOBAL,
     SCATTERED,
     X,
+    paddle_backward_twice,
     paddle_errors_and_in_place,
     paddle_gradients,
     paddle_worked_examples,
@@ -35,6 +36,7 @@ EXAMPLES = share(
     [
         Case("paddle: worked examples", paddle_worked_examples),
         Case("paddle: errors and in place", paddle_errors_and_in_place),
+        Case("paddle: backward twice", paddle_backward_twice),
     ],
 )
 
@@ -71,8 +73,13 @@ def test_errors_name_paddle_types() -> None:
         )
         assert re.fullmatch(r"ValueError: all_reduce: tensor: .*under paddle\.no_grad\(\).*a leaf paddle\.Tensor.*",
                             seen["leaf in place"])  # fmt: skip
-        assert re.fullmatch(r"TypeError: global_scatter: arguments: expected arrays of one library .*got "
-                            r"paddle\.Tensor and jax\.Array", seen["two libraries"])  # fmt: skip
+        assert seen["two libraries"] == (
+            "TypeError: global_scatter: arguments: expected arrays of one joined library, got paddle.Tensor and jax.Array"
+        )
+        assert seen["torch ids"] == (
+            "TypeError: moe.dispatch_static: topk_idx: expected a paddle.Tensor (the library of the call's other "
+            "arrays), got torch int64 (4, 1) on cpu"
+        )
         assert seen["missing"] == "TypeError: moe.dispatch: missing a required argument: 'experts_per_rank'"
         assert seen["twice"] == "TypeError: all_reduce: multiple values for argument 'tensor'"
         assert seen["unknown"] == "TypeError: alltoall_single: got an unexpected keyword argument 'splits'"
@@ -81,12 +88,29 @@ def test_errors_name_paddle_types() -> None:
 
 def test_in_place_results_and_tasks() -> None:
     """all_reduce fills the caller's tensor and records the change in Paddle's autograd (2
-    ranks: y = 3 leaf summed, and the sum of both ranks' 2 y for y's gradient); a Task's
-    wait() hands back Paddle tensors."""
+    ranks: y = 3 leaf summed, and the sum of both ranks' 2 y for y's gradient); a tensor a
+    backward saved and an operator then wrote makes that backward raise, as Paddle's in-place
+    operators do; a Task's wait() hands back Paddle tensors."""
     for seen in SESSION.results(EXAMPLES, "paddle: errors and in place"):
         assert seen["in place is y"] and seen["in place values"] == [6.0, 12.0]
         assert seen["in place grad"] == [72.0, 144.0]
         assert seen["task"] == ("Tensor", "paddle.int32", [[0, 6], [1, 6]])
+        for name, error in seen["saved, then written"].items():  # before: no error, a.grad 6.0 where it is 3.0
+            assert error.startswith("RuntimeError: (PermissionDenied) Tensor '' used in gradient computation "
+                                    "has been modified by an inplace operation"), (name, error)  # fmt: skip
+
+
+def test_a_second_backward_through_an_operator_is_refused() -> None:
+    """backward(retain_graph=True) twice through all_gather: Paddle 3.3.1's PyLayer would crash
+    the rank (SIGSEGV, the world failing); the second is refused instead, as the PyLayer's
+    error, and the next graph's backward is right (2 ranks: x in both gathers)."""
+    refused = (
+        "all_gather: backward through it ran already: a second backward() through the same graph "
+        "(retain_graph=True) is not supported by Paddle's PyLayer"
+    )
+    for seen in SESSION.results(EXAMPLES, "paddle: backward twice"):
+        assert seen["first"] == [4.0, 4.0] and seen["after"] == [6.0, 6.0]
+        assert seen["second"].startswith(f"OSError: (External) RuntimeError: {refused}"), seen["second"]
 
 
 def test_import_unicoll_imports_neither_paddle_nor_jax() -> None:

@@ -140,3 +140,18 @@ def test_float_tensor_counts_get_the_counts_error(dtype: torch.dtype) -> None:
     counts = torch.tensor([4], dtype=dtype)
     with pytest.raises(TypeError, match="global_scatter: local_count: expected a torch tensor of dtype int32 or int64"):
         uc.global_scatter(np.arange(4.0), counts, counts)
+
+
+def test_a_remembered_static_dispatch_keeps_no_router_ids() -> None:
+    """moe.dispatch_static's topk_idx stays the caller's array (never read into a copy): the
+    remembered call, and the call the memory serves, let it go with the caller's last reference."""
+    uc.init("gloo")
+    x = torch.ones(4, 3)
+    for _ in range(2):  # remembered, then served
+        ids = torch.zeros(4, 2, dtype=torch.int64)
+        uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=8)
+        dead = weakref.ref(ids)
+        del ids
+        gc.collect()
+        assert dead() is None
+    assert len(_memory()) == 1

@@ -57,6 +57,7 @@ MOE = {
     "overflow='drop')",
     "redispatch_static": "(x, handle, *, sync_op=True)",
     "combine_static": "(y, handle, *, sync_op=True)",
+    "jit_errors": "()",
 }
 
 

@@ -20,6 +20,16 @@ from helpers.several import SESSION, Case, SharedWorlds, World, share
 W = 2  # the world the table below is written for
 X = np.arange(8, dtype=np.float32).reshape(4, 2)
 IDS = np.array([[0, 1], [3, -1], [2, 2], [-1, -1]])  # top-2 expert ids for X's rows, E = 2
+_STATIC_ROWS = (
+    "moe.dispatch_static: capacity: expected at most 2147483647 rows in each rank's blocks "
+    "(W * experts_per_rank * capacity, W = 2)"
+)
+
+
+def _static(capacity: object) -> object:
+    """moe.dispatch_static of X with ``capacity`` (E = 2)."""
+    return uc.moe.dispatch_static(X, IDS, experts_per_rank=2, capacity=capacity)
+
 
 # (label, the bad call, exception type, words the message must contain)
 BAD_CALLS = [
@@ -162,6 +172,23 @@ BAD_CALLS = [
      TypeError, ["moe.dispatch: experts_per_rank:", "an int", "bool"]),
     ("negative capacity", lambda: uc.moe.dispatch(X, IDS, experts_per_rank=2, capacity=-1),
      ValueError, ["moe.dispatch: capacity:", "non-negative", "got -1"]),
+    ("static capacity of 2**31 rows", lambda: _static(2**29),
+     ValueError, [f"{_STATIC_ROWS}, got 536870912 (W * experts_per_rank * capacity = 2147483648)"]),
+    ("static capacity 2**31", lambda: _static(2**31), ValueError, [f"{_STATIC_ROWS}, got 2147483648 ("]),
+    ("static capacity 2**40", lambda: _static(2**40), ValueError, [f"{_STATIC_ROWS}, got 1099511627776 ("]),
+    ("static capacity 2**63", lambda: _static(2**63), ValueError, [f"{_STATIC_ROWS}, got 9223372036854775808 ("]),
+    ("static capacity 2**64", lambda: _static(2**64), ValueError, [f"{_STATIC_ROWS}, got 18446744073709551616 ("]),
+    ("static capacity int64", lambda: _static(np.int64(2**40)), ValueError, [f"{_STATIC_ROWS}, got 1099511627776 ("]),
+    ("static capacity uint64", lambda: _static(np.uint64(2**63)),
+     ValueError, [f"{_STATIC_ROWS}, got 9223372036854775808 ("]),
+    ("static capacity -1", lambda: _static(-1),
+     ValueError, ["moe.dispatch_static: capacity: expected a non-negative int, got -1"]),
+    ("static capacity 1.5", lambda: _static(1.5),
+     TypeError, ["moe.dispatch_static: capacity: expected an int, got float 1.5"]),
+    ("static capacity True", lambda: _static(True),
+     TypeError, ["moe.dispatch_static: capacity: expected an int, got bool True"]),
+    ("static capacity numpy bool", lambda: _static(np.bool_(True)),
+     TypeError, ["moe.dispatch_static: capacity: expected an int, got numpy bool"]),
     ("combine without a handle", lambda: uc.moe.combine(X, "handle"),
      TypeError, ["moe.combine: handle:", "a handle returned by moe.dispatch", "str"]),
     ("redispatch without a handle", lambda: uc.moe.redispatch(X, None),
@@ -237,6 +264,30 @@ def test_operator_before_init() -> None:
             call()
     with pytest.raises(ValueError):  # also catchable as ValueError, as torch.distributed raises
         uc.all_gather(None, X)
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_static_capacities_on_one_rank() -> None:
+    """W = 1, E = 1: each rank's blocks are capacity rows, so 2**31 is one too many; refused
+    before anything is allocated (before: MemoryError, OverflowError, or at 2**63 a
+    CrossRankMismatchError between a rank and itself)."""
+    uc.init("gloo")
+    bound = "expected at most 2147483647 rows in each rank's blocks (W * experts_per_rank * capacity, W = 1)"
+    for capacity, error, message in [
+        (2**31, ValueError, f"{bound}, got 2147483648 (W * experts_per_rank * capacity = 2147483648)"),
+        (2**40, ValueError, f"{bound}, got 1099511627776 ("),
+        (2**63, ValueError, f"{bound}, got 9223372036854775808 ("),
+        (2**64, ValueError, f"{bound}, got 18446744073709551616 ("),
+        (np.int64(2**31), ValueError, f"{bound}, got 2147483648 ("),
+        (np.uint64(2**64 - 1), ValueError, f"{bound}, got 18446744073709551615 ("),
+        (-1, ValueError, "expected a non-negative int, got -1"),
+        (1.5, TypeError, "expected an int, got float 1.5"),
+        (True, TypeError, "expected an int, got bool True"),
+    ]:
+        with pytest.raises(error, match=re.escape(f"moe.dispatch_static: capacity: {message}")):
+            uc.moe.dispatch_static(X, IDS, experts_per_rank=1, capacity=capacity)
+    rows, _, _ = uc.moe.dispatch_static(X, IDS, experts_per_rank=1, capacity=0)
+    assert rows.shape == (1, 0, 2)
 
 
 def near_twins_of_accepted_calls(rank: int) -> list:

@@ -14,6 +14,8 @@ import torch
 
 import unicoll as uc
 from helpers.several import SESSION, Case, share
+from unicoll import runtime
+from unicoll.backends.host import host_rows, row_bytes
 from unicoll.workspace import FROM_BYTES, WINDOW, Workspace
 
 # -- the workspace alone ---------------------------------------------------------------------
@@ -36,7 +38,7 @@ def test_the_bound_drops_the_oldest_buffers() -> None:
         buffers.append(ws.lend(size << 16))
         ws.give_back(buffers[-1])
     assert ws.bound == 4 << 16 and ws.kept_bytes == 4 << 16  # the newest; the three before went
-    assert ws.lend(1 << 16) is buffers[-1]
+    assert ws.lend(3 << 16) is buffers[-1]
 
 
 def test_the_bound_follows_the_most_lent_at_once_and_comes_back_down() -> None:
@@ -51,7 +53,43 @@ def test_the_bound_follows_the_most_lent_at_once_and_comes_back_down() -> None:
         ws.give_back(buffer)
     for _ in range(WINDOW):  # steps of one loan at a time: the peak leaves the window
         ws.give_back(ws.lend(1 << 10))
-    assert ws.bound == 1 << 20 and ws.kept_bytes == 1 << 20  # the one buffer those loans use
+    assert ws.bound == 1 << 16 and ws.kept_bytes == 1 << 16  # the one buffer those loans use, of their size
+
+
+_LARGE = 3 << 23
+"""A step of 3 loans of 8 MiB at once: past the bound of the tests below (buffers made, never touched)."""
+
+
+def _large_step(ws: Workspace) -> None:
+    """Lend :data:`_LARGE` at once, then give it all back: the workspace keeps it for the next step."""
+    step = [ws.lend(_LARGE // 3) for _ in range(3)]
+    for buffer in step:
+        ws.give_back(buffer)
+    assert ws.kept_bytes == _LARGE > ws.max_bytes
+
+
+@pytest.mark.parametrize("small", [FROM_BYTES // 8, 2 * FROM_BYTES], ids=["below FROM_BYTES", "above FROM_BYTES"])
+def test_smaller_steps_bring_the_kept_bytes_back_under_the_bound(small: int) -> None:
+    """After a large step, WINDOW smaller ones (host rows as the backends make them, dropped at
+    once as a step's results are): the workspace keeps no more than its bound again. Before,
+    rows below FROM_BYTES never counted, and larger ones were lent the large step's buffers,
+    whose size then stood as the peak: the large step's 24 MiB stayed."""
+    ws = Workspace(max_bytes=4 << 20)
+    _large_step(ws)
+    like = np.empty((0, 1024), np.float32)
+    for _ in range(WINDOW):
+        host_rows(like, small // row_bytes(like), ws)
+    assert ws.bound == ws.max_bytes and ws.kept_bytes <= ws.max_bytes
+
+
+def test_a_small_loan_is_not_handed_a_large_buffer() -> None:
+    """Before, a loan took the smallest kept buffer large enough, however large: a small step
+    after a large one held the large step's buffers, and counted their size as its peak."""
+    ws = Workspace(max_bytes=4 << 20)
+    _large_step(ws)
+    small = ws.lend(FROM_BYTES)
+    assert small.nbytes == FROM_BYTES and ws.kept_bytes == _LARGE  # a new buffer of its own size
+    assert ws.lend(_LARGE // 3).nbytes == _LARGE // 3  # a loan of the large step's size gets one of them
 
 
 def test_a_loan_dropped_unreturned_stops_counting_toward_the_bound() -> None:
@@ -207,13 +245,46 @@ def _gradients(rank: int) -> list[str]:
     return failures
 
 
+def _kept_after_smaller_steps(rank: int) -> list[int]:
+    """A MoE step past the workspace's bound (lowered to 8 MiB here, so the step needs only 8 MiB
+    of dispatched rows), then WINDOW steps below FROM_BYTES; again, then WINDOW steps above it
+    but within the bound. The workspace's kept bytes after each large step and after each run
+    of smaller steps (results dropped at once, as a training loop drops a step's rows)."""
+    workspace = runtime.state("test").backend.workspace
+    default, workspace.max_bytes = workspace.max_bytes, 8 << 20
+    rng, kept = np.random.default_rng(rank), []
+    try:
+        for smaller in (64, 768):  # 128 KiB and 1.5 MiB of dispatched rows
+            for tokens, steps in ((4096, 1), (smaller, WINDOW)):
+                x = np.ones((tokens, 256), np.float32)
+                ids = rng.integers(0, 2 * uc.get_world_size(), (tokens, 2))
+                for _ in range(steps):
+                    rows, _, handle = uc.moe.dispatch(x, ids, experts_per_rank=2)
+                    uc.moe.combine(rows, handle)
+                kept.append(workspace.kept_bytes)
+    finally:
+        workspace.max_bytes = default
+    return kept
+
+
 STEPS = {backend: share(backend, 2, [Case("workspace: steps", _steps)]) for backend in ("gloo", "mpi")}
+KEPT = {backend: share(backend, 2, [Case("workspace: smaller steps", _kept_after_smaller_steps)])
+        for backend in ("gloo", "mpi")}  # fmt: skip
 GRADIENTS = share("gloo", 2, [Case("workspace: gradients", _gradients)])
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_moe_steps_through_the_workspace_match_the_reference(backend: str) -> None:
     assert SESSION.results(STEPS[backend], "workspace: steps") == [[], []]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_smaller_moe_steps_bring_the_kept_bytes_back_under_the_bound(backend: str) -> None:
+    """Before, steps below FROM_BYTES never trimmed the workspace, and larger ones were lent the
+    large step's buffers: its rows stayed kept until finalize()."""
+    for large, small, large_again, larger in SESSION.results(KEPT[backend], "workspace: smaller steps"):
+        assert large > 8 << 20 and large_again > 8 << 20  # kept for the next step of that size
+        assert small <= 8 << 20 and larger <= 8 << 20
 
 
 def test_moe_gradients_through_the_workspace() -> None:

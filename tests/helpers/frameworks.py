@@ -1,9 +1,13 @@
 """Cases for Paddle tensors and JAX arrays on real processes: every differentiable operator's
 gradient through the library's own autograd against the whole-world reference (the inputs of
-helpers.gradients), docs/semantics.md's worked examples written with Paddle tensors, and a
-small top-k MoE layer trained with JAX inside jax.jit against a dense single-process model."""
+helpers.gradients), docs/semantics.md's worked examples written with Paddle tensors, a small
+top-k MoE layer trained with JAX inside jax.jit against a dense single-process model, and the
+errors of jitted steps, with the rank program of a world whose peer exits mid-step."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 
@@ -105,15 +109,18 @@ def paddle_errors_and_in_place(rank: int) -> dict[str, object]:
     wait() hands back a Paddle tensor."""
     import jax
     import paddle
+    import torch
 
     x = paddle.ones([4, 2])
     leaf = paddle.ones([3], dtype="float32")
     leaf.stop_gradient = False
+    torch_ids = torch.zeros((4, 1), dtype=torch.int64)
     seen: dict[str, object] = {
         "float counts": raised(lambda: uc.global_scatter(x, paddle.ones([1]).expand([4]), [4])),
         "scalar x": raised(lambda: uc.global_scatter(paddle.to_tensor(1.0), [1], [1])),
         "leaf in place": raised(lambda: uc.all_reduce(leaf)),
         "two libraries": raised(lambda: uc.global_scatter(x, jax.device_put(np.array([4])), [4])),
+        "torch ids": raised(lambda: uc.moe.dispatch_static(x, torch_ids, experts_per_rank=1, capacity=4)),
         "missing": raised(lambda: uc.moe.dispatch(x, paddle.zeros([4, 1], dtype="int64"))),
         "twice": raised(lambda: uc.all_reduce(x, tensor=x)),
         "unknown": raised(lambda: uc.alltoall_single(None, x, splits=[2, 2])),
@@ -127,8 +134,39 @@ def paddle_errors_and_in_place(rank: int) -> dict[str, object]:
     seen["in place values"] = y.numpy().tolist()
     (y * y).sum().backward()
     seen["in place grad"] = grown.grad.numpy().tolist()
+    seen["saved, then written"] = {}  # a tensor a backward saved, then written by an operator
+    for name, write in {
+        "all_reduce": lambda buf: uc.all_reduce(buf),
+        "broadcast": lambda buf: uc.broadcast(buf, 1),
+        "alltoall_single": lambda buf: uc.alltoall_single(buf, paddle.ones([2])),
+        "all_gather": lambda buf: uc.all_gather([buf, paddle.zeros([2])], paddle.ones([2])),
+        "saved non-leaf": lambda buf: uc.all_reduce(buf),
+    }.items():
+        a = paddle.to_tensor([1.0, 2.0], stop_gradient=False)
+        buf = paddle.to_tensor([3.0, 3.0], stop_gradient=name != "saved non-leaf") * 1.0
+        loss = (a * buf).sum()
+        write(buf)
+        seen["saved, then written"][name] = raised(loss.backward)
     gathered = uc.all_gather(None, paddle.to_tensor([[rank, 6]], dtype="int32"), sync_op=False).wait()
     seen["task"] = (type(gathered).__name__, str(gathered.dtype), gathered.numpy().tolist())
+    return seen
+
+
+def paddle_backward_twice(rank: int) -> dict[str, object]:
+    """backward(retain_graph=True) twice through all_gather: the first gradient, the second
+    backward's error (Paddle 3.3.1's PyLayer crashes the process there unless refused), and a
+    new graph's gradient after it."""
+    import paddle
+
+    x = paddle.ones([2], dtype="float32")
+    x.stop_gradient = False
+    loss = (uc.all_gather(None, x * 1.0) * 2.0).sum()
+    loss.backward(retain_graph=True)
+    seen: dict[str, object] = {"first": x.grad.numpy().tolist()}
+    seen["second"] = raised(lambda: loss.backward(retain_graph=True))
+    x.clear_gradient()
+    (uc.all_gather(None, x * 1.0) * 3.0).sum().backward()
+    seen["after"] = x.grad.numpy().tolist()
     return seen
 
 
@@ -287,6 +325,88 @@ def jax_refusals(rank: int) -> dict[str, object]:
         ),
         "jit": raised(lambda: jax.jit(lambda x: uc.global_scatter(x, [4], [4]))(x)),
     }
+
+
+def _caught(call, error: type[Exception]) -> str:
+    """``call()`` inside uc.moe.jit_errors(): the ``error`` it raised, as ``Type: message (from
+    the type of its cause)``, or "returned"."""
+    try:
+        with uc.moe.jit_errors():
+            call()
+    except error as exc:
+        return f"{type(exc).__name__}: {exc} (from {type(exc.__cause__).__name__})"
+    return "returned"
+
+
+def jax_jit_errors(rank: int) -> dict[str, str]:
+    """overflow="error" inside jax.jit: what the jitted step raises by itself (JAX's error), and
+    inside uc.moe.jit_errors() (the eager call's ValueError); a step that succeeds there returns."""
+    import jax
+
+    x, ids = _placed(np.ones((4, 2)), np.float32), _placed(np.zeros((4, 1)), np.int32)
+    step = jax.jit(lambda x: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=2, overflow="error")[0])
+    roomy = jax.jit(lambda x: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=4, overflow="error")[0])
+    return {
+        "eager": raised(lambda: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=2, overflow="error")),
+        "jit": raised(lambda: step(x)).split(":")[0],
+        "caught": _caught(lambda: step(x), ValueError),
+        "roomy": _caught(lambda: roomy(x), ValueError),
+    }
+
+
+def jax_jit_ended_session(rank: int, backend: str) -> dict[str, str]:
+    """A jitted step traced in a session that finalize() ended, inside uc.moe.jit_errors(): run
+    before init() and after it, then traced again (jax.clear_caches())."""
+    import jax
+
+    x, ids = _placed(np.ones((4, 2)), np.float32), _placed(np.zeros((4, 1)), np.int32)
+    step = jax.jit(lambda x: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=4)[1])
+    step(x)
+    uc.finalize()
+    seen = {"finalized": _caught(lambda: step(x), uc.NotInitializedError)}
+    uc.init(backend)
+    seen["ended"] = _caught(lambda: step(x), ValueError)
+    jax.clear_caches()
+    seen["traced again"] = str(np.asarray(step(x)).tolist())
+    return seen
+
+
+def jax_devices_and_a_lost_peer() -> None:
+    """The program of each rank of a gloo world of 2 with two JAX CPU devices
+    (``XLA_FLAGS=--xla_force_host_platform_device_count=2``): what an operator and a gradient
+    on ``cpu:1`` come back on, a sharded array's error; then rank 1 exits after the dispatch of
+    a jitted top-1 step, and rank 0's step, inside uc.moe.jit_errors(), catches PeerLostError.
+    Each rank prints one JSON line."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    uc.init()
+    rank, (_, second) = uc.get_rank(), jax.devices()
+    x1 = jax.device_put(np.arange(4.0, dtype=np.float32), second)
+    sharded = jax.device_put(x1, NamedSharding(Mesh(np.array(jax.devices()), ("a",)), PartitionSpec("a")))
+    grad = jax.grad(lambda x: (uc.all_gather(None, x) * 2.0).sum())(x1)
+    seen: dict[str, object] = {
+        "rank": rank,
+        "all_reduce": str(uc.all_reduce(x1).devices()),
+        "grad": (str(grad.devices()), np.asarray(grad).tolist()),
+        "sharded": raised(lambda: uc.all_reduce(sharded)),
+    }
+    x, ids = _placed(np.ones((4, 2)), np.float32), _placed(np.zeros((4, 1)), np.int32)
+    if rank == 1:
+        jax.jit(lambda x: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=4)[0])(x).block_until_ready()
+        print(json.dumps(seen), flush=True)
+        os._exit(0)
+
+    def step(x):
+        rows, _, handle = uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=4)
+        return uc.moe.combine_static(rows * 2.0, handle)
+
+    try:
+        with uc.moe.jit_errors():
+            jax.jit(step)(x)
+    except uc.PeerLostError as exc:
+        seen["step"] = f"{type(exc).__name__}: {exc} (from {type(exc.__cause__).__name__})"
+    print(json.dumps(seen), flush=True)
 
 
 def jax_on_the_gpu(rank: int) -> dict[str, object]:

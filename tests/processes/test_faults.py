@@ -353,3 +353,20 @@ def test_launcher_stops_the_world_and_names_the_failing_rank(tmp_path) -> None:
     assert done.returncode == 3
     assert "rank 1 failed with exit code 3; stopped the other ranks" in done.stderr
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_raises_beside_a_running_thread_ends_the_world_at_once(backend) -> None:
+    """Rank 1 raises while a ThreadPoolExecutor's thread (not a daemon) has a minute of work, and
+    rank 0 waits for it in all_reduce: the world ends within seconds, and `unicoll run` names
+    rank 1. Before, rank 1's interpreter waited for that thread before its exit (MPI_Abort on
+    mpi), and the world waited the whole timeout: on gloo, rank 0's timeout then ended it, and
+    `unicoll run` named rank 0."""
+    world = run_world("raises-beside-thread", backend, timeout=30)
+    ended = time.time()
+    (fault,) = world.reports[1]
+    assert world.reports[0] == [{"rank": 0, "action": "waits in all_reduce"}], world.output
+    assert world.codes == [1], world.output
+    assert "unicoll run: rank 1 failed with exit code 1" in world.output
+    assert "KeyError: 'the expert table has no entry 7'" in world.output
+    assert ended - fault["at"] < 10, world.output  # the timeout is 30 s, the thread's work 60 s

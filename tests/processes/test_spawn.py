@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,6 +21,36 @@ def report(rank: int, name: str) -> tuple:
 def test_results_in_rank_order_with_env() -> None:
     out = uc.testing.spawn(report, 3, "UNICOLL_TEST_MARK", backend="gloo", env={"UNICOLL_TEST_MARK": "here"})
     assert out == [(r, "gloo", 3, "here") for r in range(3)]
+
+
+SCRIPT = """
+import os
+import sys
+
+import unicoll as uc
+
+
+def where(rank, offset):
+    return rank + offset, uc.get_backend(), os.path.basename(os.getcwd()), sys.argv[1:]
+
+
+if __name__ == "__main__":
+    print(uc.testing.spawn(where, 2, 10, backend=sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_function_of_the_running_script(backend: str, tmp_path) -> None:
+    """``fn`` defined in the script that calls spawn (``__main__``), run from its folder: each
+    rank imports the script as multiprocessing's children do, with the parent's argv and working
+    directory (before, on mpi: "the MPI job exited with code 1")."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "job.py", backend], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path.name
+    assert done.stdout.strip() == str([(10, backend, folder, [backend]), (11, backend, folder, [backend])])
 
 
 def threads(rank: int) -> tuple[str | None, int]:

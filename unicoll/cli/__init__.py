@@ -94,7 +94,12 @@ def _run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return mpirun.run(args.nprocs, argv, mpiexec=args.mpiexec)
+        try:
+            mpiexec = mpirun.find_mpiexec(args.mpiexec)
+        except FileNotFoundError as exc:  # --mpiexec names no executable, or no MPI launcher is installed
+            print(exc, file=sys.stderr)
+            return 2
+        return mpirun.run(args.nprocs, argv, mpiexec=mpiexec)
     if args.mpiexec is not None:
         print("unicoll run: --mpiexec needs --mpi", file=sys.stderr)
         return 2

@@ -10,18 +10,28 @@ differentiates itself, and the rows and counts travel in even all-to-alls, each 
 gradient back the same way (alltoall_single's backward with W equal blocks). The ranks run their
 callbacks in program order, so every rank must run the same jitted steps; ``jax.grad`` through
 them equals the eager operators' gradients.
+
+A callback that fails raises what the eager operator raises (a lost peer's PeerLostError naming
+the operator, the ended session's ValueError); JAX hands the caller a ``JaxRuntimeError`` with
+its text, and :func:`unicoll.libraries.jax.jit_errors` raises the exception itself again.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import runtime
+from ..backends.base import Backend
+from ..eager import ops
 from ..eager.static_host import refuse_drops
 from ..entry import exclusive_as
+from ..errors import CommunicationError, TransportError, bad_input, reported, translated
+from ..group import Group
+from ..libraries.jax import failed_in_callback
 from ..spec import OpSpec
 from ..static_layout import (
     StaticHandle,
@@ -35,7 +45,6 @@ from ..static_layout import (
     sum_slots,
 )
 from ..validate import read_only
-from . import locked
 
 _STATIC = ("moe.dispatch_static", "moe.redispatch_static", "moe.combine_static")
 
@@ -76,39 +85,73 @@ def call(name: str, spec: OpSpec, arguments: dict[str, Any]) -> Any:
     if name == "moe.dispatch_static":
         return _dispatch(xp, call, arguments)
     if name == "moe.redispatch_static":
-        rows = _exchange(send_rows(xp, arguments["x"], handle.layout), call.group)
+        rows = _exchange(name, send_rows(xp, arguments["x"], handle.layout), call.group)
         return expert_major(xp, rows, handle.world, handle.experts_per_rank)
-    back = _exchange(source_major(xp, arguments["y"], handle.world, handle.experts_per_rank), call.group)
+    back = _exchange(name, source_major(xp, arguments["y"], handle.world, handle.experts_per_rank), call.group)
     return sum_slots(xp, back, handle.layout, handle.weights)
 
 
 def _dispatch(xp: Any, call: Any, arguments: dict[str, Any]) -> tuple[Any, Any, StaticHandle]:
-    world, experts, capacity = call.W, call.experts_per_rank, call.capacity
+    world, experts, capacity, name = call.W, call.experts_per_rank, call.capacity, "moe.dispatch_static"
     x, weights = arguments["x"], arguments["topk_weights"]
     layout = static_layout(xp, arguments["topk_idx"], world * experts, capacity)
     if call.overflow == "error":
         _refuse_drops(layout.demand, call.group, capacity)
-    rows = expert_major(xp, _exchange(send_rows(xp, x, layout), call.group), world, experts)
-    valid, before = counts_in(xp, _exchange(counts_out(xp, layout, world, experts), call.group), world, experts)
+    rows = expert_major(xp, _exchange(name, send_rows(xp, x, layout), call.group), world, experts)
+    counts = _exchange(name, counts_out(xp, layout, world, experts), call.group)
+    valid, before = counts_in(xp, counts, world, experts)
     handle = StaticHandle(call.group, experts, capacity, weights, x, (valid, before, layout.demand), layout.kept,
                           layout, -1)  # fmt: skip
     return rows, valid, handle
 
 
-def _exchange(rows: Any, group: Any) -> Any:
-    """The even all-to-all of ``rows`` (W equal blocks) as an ordered host callback, whose
-    gradient travels back the same way."""
+def _host(name: str, group: Group, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body(backend, *arrays)`` as a host callback of the operator ``name`` on ``group``: under
+    the lock, refused once the session the step was traced in ended, a lost peer or a timeout
+    reported as the eager operator reports it; what it raises is remembered for
+    :func:`~unicoll.libraries.jax.jit_errors`."""
+
+    @exclusive_as(name)
+    def run(*arrays: Any) -> Any:
+        state = runtime.state(name)
+        if group.ended is not None:
+            expected = "a group of the running session (jax.clear_caches() traces a jax.jit step again)"
+            raise bad_input(name, "group", expected, f"the one the step was traced with: {group.ended}")
+        try:
+            with translated(name, group, state.timeout):
+                return body(state.backend, *arrays)
+        except CommunicationError as exc:  # alltoall_single's: named after the operator, as eager calls are
+            if not isinstance(exc.__cause__, TransportError):
+                raise
+            raise reported(exc.__cause__, name, group, state.timeout) from exc.__cause__
+
+    def host(*arrays: Any) -> Any:
+        failed_in_callback(None)
+        try:
+            return run(*arrays)
+        except Exception as exc:
+            failed_in_callback(exc)
+            raise
+
+    return host
+
+
+def _exchange(name: str, rows: Any, group: Group) -> Any:
+    """The even all-to-all of ``rows`` (W equal blocks) for the operator ``name``, as an ordered
+    host callback, whose gradient travels back the same way."""
     jax = sys.modules["jax"]
 
-    def host(block: np.ndarray) -> np.ndarray:
+    def exchanged(backend: Backend, block: np.ndarray) -> np.ndarray:
         block = np.ascontiguousarray(block)
         bits = block.view(np.float16) if block.dtype.name == "bfloat16" else block  # numpy has no bfloat16: bits
-        if runtime.state("moe.dispatch_static").backend.host_memory:
-            return locked.alltoall_single(None, bits, group=group).view(block.dtype)
+        if backend.host_memory:
+            return ops.alltoall_single(None, bits, group=group).view(block.dtype)
         import torch  # a device transport moves device arrays: the block goes to this rank's GPU and back
 
         sent = torch.from_numpy(np.require(bits, requirements="W")).to(f"cuda:{torch.cuda.current_device()}")
-        return locked.alltoall_single(None, sent, group=group).cpu().numpy().view(block.dtype)
+        return ops.alltoall_single(None, sent, group=group).cpu().numpy().view(block.dtype)
+
+    host = _host(name, group, exchanged)
 
     def transfer(a: Any) -> Any:
         return jax.experimental.io_callback(host, jax.ShapeDtypeStruct(a.shape, a.dtype), a, ordered=True)
@@ -129,13 +172,12 @@ def _exchange(rows: Any, group: Any) -> Any:
     return exchange(rows)
 
 
-def _refuse_drops(demand: Any, group: Any, capacity: int) -> None:
+def _refuse_drops(demand: Any, group: Group, capacity: int) -> None:
     """``overflow="error"`` inside jax.jit: an ordered callback that raises the eager mode's
-    CapacityError on every rank when any rank routes more than ``capacity`` slots to an expert."""
+    ValueError on every rank when any rank routes more than ``capacity`` slots to an expert."""
     jax = sys.modules["jax"]
 
-    @exclusive_as("moe.dispatch_static")
-    def host(wanted: np.ndarray) -> None:
-        refuse_drops(runtime.state("moe.dispatch_static").backend, group, np.asarray(wanted, dtype=np.int64), capacity)
+    def refused(backend: Backend, wanted: np.ndarray) -> None:
+        refuse_drops(backend, group, np.asarray(wanted, dtype=np.int64), capacity)
 
-    jax.experimental.io_callback(host, None, demand, ordered=True)
+    jax.experimental.io_callback(_host("moe.dispatch_static", group, refused), None, demand, ordered=True)

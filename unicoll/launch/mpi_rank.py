@@ -105,8 +105,9 @@ def _program_traceback(tb: TracebackType | None) -> TracebackType | None:
 def main(argv: list[str]) -> None:
     """Run the program ``argv[1:]`` with its note in the folder ``argv[0]``, and exit as
     ``python argv[1:]`` would: an exception that leaves the program is printed (through
-    ``sys.excepthook``, from the program's first frame), and the process exits with status 1
-    (130 for ``KeyboardInterrupt``)."""
+    ``sys.excepthook``, from the program's first frame, with ``sys.last_value`` set as the
+    interpreter sets it for an uncaught exception), and the process exits with status 1 (130
+    for ``KeyboardInterrupt``)."""
     note = _Note(argv[0])
     abort_on_failure()
     sys.meta_path.insert(0, _MpiStartWatch(note))
@@ -120,6 +121,7 @@ def main(argv: list[str]) -> None:
         if isinstance(exc, SystemExit):
             raise
         exc.with_traceback(_program_traceback(exc.__traceback__))  # the hook prints the exception's own
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__  # as uncaught
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.exit(status)
     note.update(exit={"code": 0, "reason": None, "at": time.time()})

@@ -7,16 +7,25 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def _on_one_device(x: Any) -> int:
+    """One: the device count of an array of a library whose arrays never span several."""
+    return 1
+
+
+def _never_written(x: Any) -> None:
+    """Nothing to record: the library's arrays are never written in place."""
+
+
 @dataclass(frozen=True, eq=False)
 class ArrayLibrary:
     """One array library that joins through torch tensors (see the module's docstring).
 
-    ``differentiate(run, inputs)`` runs a call in the library's autograd: ``run(values)``
-    computes the call's outputs from the values of ``inputs`` (this library's arrays) and
-    returns them with their backward, which maps a list of output gradients (None for an
-    output that got none) to one gradient per input (None for none); ``differentiate``
-    returns the outputs linked to ``inputs`` (the same objects where the library records an
-    input changed in place).
+    ``differentiate(run, inputs, op)`` runs a call of the operator ``op`` in the library's
+    autograd: ``run(values)`` computes the call's outputs from the values of ``inputs`` (this
+    library's arrays) and returns them with their backward, which maps a list of output
+    gradients (None for an output that got none) to one gradient per input (None for none);
+    ``differentiate`` returns the outputs linked to ``inputs`` (the same objects where the
+    library records an input changed in place).
     """
 
     name: str
@@ -37,8 +46,9 @@ class ArrayLibrary:
     """A hashable value that tells an array's device apart from another (index included)."""
     to_torch: Callable[[Any], Any]
     """A torch tensor over an array's memory (DLPack), detached from this library's autograd."""
-    from_torch: Callable[[Any], Any]
-    """A torch tensor as this library's array, sharing memory where the library allows."""
+    from_torch: Callable[[Any, Any], Any]
+    """``from_torch(t, like)``: the torch tensor ``t`` as this library's array, on the device of
+    ``like`` (one of the call's arrays of this library), sharing memory where the library allows."""
     writable: bool
     """Whether its arrays can be filled in place (JAX's cannot: operators hand back new ones)."""
     needs_grad: Callable[[Any], bool]
@@ -46,7 +56,14 @@ class ArrayLibrary:
     is a tracer, under ``jax.grad``)."""
     is_leaf: Callable[[Any], bool]
     """Whether an array that needs a gradient is a leaf (which its autograd never lets change in place)."""
-    differentiate: Callable[[Callable[[list[Any]], tuple[list[Any], Callable]], list[Any]], list[Any]]
+    differentiate: Callable[[Callable[[list[Any]], tuple[list[Any], Callable]], list[Any], str], list[Any]]
     """Run a call in the library's autograd (see the class docstring)."""
     grad_hint: str
     """How a user of this library computes without gradients, for messages."""
+    device_count: Callable[[Any], int] = _on_one_device
+    """How many devices an array's memory spans: more than one (a sharded JAX array) is refused,
+    since one torch tensor cannot carry it."""
+    mark_written: Callable[[Any], None] = _never_written
+    """Record in the library's autograd that an operator writes the array in place (its
+    version counter, as the library's own in-place operators move it), so a backward pass
+    that saved the array raises instead of using the new values."""

@@ -4,13 +4,20 @@ JAX is imported only by a caller who passed a ``jax.Array``.
 JAX's arrays are immutable: an operator that fills an array in place hands back a new one
 instead. Under ``jax.grad`` (outside ``jax.jit``) a call's arrays are tracers over concrete
 values; :func:`_differentiate` wraps the call in a ``custom_vjp`` whose forward rule runs it on
-those values and whose backward rule runs the operator's backward.
+those values and whose backward rule runs the operator's backward. Results come back on the
+device of the call's arrays (DLPack alone would put them on JAX's default device).
+
+Inside ``jax.jit``, JAX turns an exception raised by one of unicoll's host callbacks into a
+``JaxRuntimeError`` that carries only its text; :func:`jit_errors` raises unicoll's own
+exception again.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .description import ArrayLibrary
@@ -29,16 +36,24 @@ def _dtype(x: Any) -> str:
     return str(x.dtype)
 
 
+def _devices(x: Any) -> set[Any]:
+    """The devices ``x`` lives on; none for a tracer, whose arrays are placed when the traced
+    function runs."""
+    return set() if isinstance(x, _jax().core.Tracer) else x.devices()
+
+
 def _device(x: Any) -> str:
-    return "cpu" if _place(x) == "cpu" else "cuda"
+    return "cpu" if all(device.platform == "cpu" for device in _devices(x)) else "cuda"
 
 
 def _place(x: Any) -> str:
-    devices = x.devices() if not isinstance(x, _jax().core.Tracer) else None
-    if not devices:
-        return "cpu"  # a tracer's arrays are placed when the traced function runs
-    (device,) = devices
-    return "cpu" if device.platform == "cpu" else f"cuda:{device.id}"
+    """``"cpu"`` (torch, which carries the arrays, has one host device) or ``"cuda:N"``
+    (comma-separated for an array sharded over several GPUs)."""
+    return ",".join(sorted({"cpu" if d.platform == "cpu" else f"cuda:{d.id}" for d in _devices(x)})) or "cpu"
+
+
+def _device_count(x: Any) -> int:
+    return len(_devices(x))
 
 
 def _to_torch(x: Any) -> Any:
@@ -47,8 +62,13 @@ def _to_torch(x: Any) -> Any:
     return torch.from_dlpack(x)
 
 
-def _from_torch(t: Any) -> Any:
-    return _jax().dlpack.from_dlpack(t.detach())
+def _from_torch(t: Any, like: Any) -> Any:
+    """``t`` as a jax.Array on ``like``'s device: DLPack places a host tensor on JAX's default
+    device, which ``like`` (on ``cpu:1``, say) may not be on."""
+    jax = _jax()
+    array = jax.dlpack.from_dlpack(t.detach())
+    devices = _devices(like)
+    return array if not devices or array.devices() == devices else jax.device_put(array, next(iter(devices)))
 
 
 def _needs_grad(x: Any) -> bool:
@@ -59,9 +79,10 @@ def _is_leaf(x: Any) -> bool:
     return False  # JAX's arrays never change in place: an in-place operator hands back a new array
 
 
-def _differentiate(run: Callable[[list[Any]], tuple[list[Any], Callable]], inputs: list[Any]) -> list[Any]:
+def _differentiate(run: Callable[[list[Any]], tuple[list[Any], Callable]], inputs: list[Any], op: str) -> list[Any]:
     """``run`` in a ``jax.custom_vjp``: its forward rule runs it on the concrete values of
-    ``inputs`` (tracers under ``jax.grad``) and keeps its backward for the backward rule."""
+    ``inputs`` (tracers under ``jax.grad``) and keeps its backward for the backward rule, which
+    gives an input that gets no gradient zeros on its device (``op`` is not needed here)."""
     jax = _jax()
     saved: dict[str, Any] = {}
 
@@ -71,24 +92,60 @@ def _differentiate(run: Callable[[list[Any]], tuple[list[Any], Callable]], input
 
     def forward(*values: Any) -> tuple[tuple[Any, ...], None]:
         outputs, saved["backward"] = run(list(values))
+        saved["values"] = values
         return tuple(outputs), None
 
     def backward(_: None, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         given = saved.pop("backward")(list(grads))
-        return tuple(_zero_like(x) if g is None else g for x, g in zip(inputs, given))
+        return tuple(_zero_like(x) if g is None else g for x, g in zip(saved.pop("values"), given))
 
     call.defvjp(forward, backward)
     return list(call(*inputs))
 
 
 def _zero_like(x: Any) -> Any:
-    """The gradient of an input that gets none: zeros, of dtype float0 for an integer array."""
+    """The gradient of an input that gets none: zeros on ``x``'s device, of dtype float0 for an
+    integer array."""
     import numpy as np
 
     jax = _jax()
-    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-        return jax.device_put(np.zeros(x.shape, x.dtype))  # placed, not made by jnp.zeros: that compiles per shape
+    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):  # placed, not made by jnp.zeros: that compiles per shape
+        return jax.device_put(np.zeros(x.shape, x.dtype), next(iter(_devices(x)), None))
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+_callback_failure = threading.local()
+
+
+def failed_in_callback(error: Exception | None) -> None:
+    """Remember ``error`` as what the last of unicoll's host callbacks in this thread raised
+    (None: it raised nothing), for :func:`jit_errors`."""
+    _callback_failure.error = error
+
+
+@contextmanager
+def jit_errors() -> Iterator[None]:
+    """Inside the block, a ``jax.jit`` step that failed in one of unicoll's host callbacks (the
+    static-shape MoE operators) raises unicoll's own exception, the one the eager operator
+    raises (:class:`~unicoll.PeerLostError`, :class:`~unicoll.CollectiveTimeoutError`, the
+    ValueError of ``overflow="error"`` or of an ended session...), with JAX's
+    ``JaxRuntimeError`` as its ``__cause__``, in place of that ``JaxRuntimeError``.
+
+    JAX keeps only the text of an exception raised in a host callback; the callback, which runs
+    in the thread that called the step, remembers the exception itself for this block.
+
+    >>> with uc.moe.jit_errors():          # doctest: +SKIP
+    ...     loss, grads = step(params, x)  # a jax.jit function that calls uc.moe.dispatch_static
+    """
+    failed_in_callback(None)
+    try:
+        yield
+    except Exception as exc:
+        error = getattr(_callback_failure, "error", None)
+        failed_in_callback(None)
+        if error is None or not isinstance(exc, _jax().errors.JaxRuntimeError):
+            raise
+        raise error from exc
 
 
 JAX = ArrayLibrary(
@@ -107,6 +164,7 @@ JAX = ArrayLibrary(
     is_leaf=_is_leaf,
     differentiate=_differentiate,
     grad_hint="outside jax.grad",
+    device_count=_device_count,
 )
 """JAX's ``jax.Array``, eagerly and under ``jax.grad``; inside ``jax.jit``, the static-shape MoE
 operators (:mod:`unicoll.compiled.jax_static`)."""

@@ -5,7 +5,10 @@ function and its arguments to a job file (pickled by the parent, read back by it
 children: no rank ever unpickles another rank's data) and starts
 ``mpiexec -n N python -m unicoll.testing.mpi JOB`` (:mod:`unicoll.launch.mpi`). Each rank runs
 the function between ``unicoll.init`` and ``unicoll.finalize`` and writes its report next to
-the job file; the parent collects the reports, and stops the job at the first failure or at
+the job file. Each rank is first prepared as :mod:`multiprocessing`'s spawn prepares a child
+(the parent's ``sys.path``, ``sys.argv``, working directory, and its main script imported as
+``__mp_main__``), so a function defined in the script that calls ``spawn`` travels as it does on
+gloo; the parent collects the reports, and stops the job at the first failure or at
 the timeout.
 """
 
@@ -18,6 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from multiprocessing import spawn as mp_spawn
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,10 @@ def spawn_mpi(
     with tempfile.TemporaryDirectory(prefix="unicoll-spawn-") as tmp:
         job = Path(tmp) / "job.pkl"
         payload = pickle.dumps((fn, args))  # fails here, in the parent, for what cannot travel
-        job.write_bytes(pickle.dumps({"sys_path": sys.path, "backend": backend, "payload": payload}))
+        preparation = mp_spawn.get_preparation_data("unicoll-rank")
+        del preparation["name"]  # the rank is known only once MPI has started
+        del preparation["authkey"]  # no multiprocessing connection to authenticate (and it refuses pickling)
+        job.write_bytes(pickle.dumps({"preparation": preparation, "backend": backend, "payload": payload}))
         proc = mpirun.start(world_size, ["-m", __name__, str(job)], env=env)
         try:
             results = _collect(proc, Path(tmp), world_size, timeout)
@@ -90,7 +97,7 @@ def _collect(proc: Any, directory: Path, world_size: int, timeout: float) -> lis
 def _rank_main(job_path: str) -> None:
     """Entry point of a rank: load the job, run it in the world, write this rank's report."""
     job = pickle.loads(Path(job_path).read_bytes())
-    sys.path[:] = job["sys_path"]  # so that fn's module imports as it did in the parent
+    mp_spawn.prepare(job["preparation"])  # so that fn's module, __main__ too, imports as it did in the parent
     fn, args = pickle.loads(job["payload"])
 
     import unicoll
