@@ -47,7 +47,7 @@ PUBLIC = {
     "broadcast": "(tensor, src, group=None, sync_op=True, use_calc_stream=False)",
 }
 
-TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None)"}
+TESTING = {"spawn": "(fn, world_size, *args, backend=None, timeout=120, env=None, start_method=None)"}
 TASK = {"wait": "(self, timeout=None)", "is_completed": "(self)"}
 MOE = {
     "dispatch": "(x, topk_idx, topk_weights=None, *, experts_per_rank, group=None, sync_op=True, capacity=None)",

@@ -14,6 +14,7 @@ import numpy as np
 
 import unicoll as uc
 from helpers.frameworks import raised
+from helpers.signals import send, wait_for
 from unicoll import carry, entry
 from unicoll.arrays import library_of
 
@@ -99,10 +100,11 @@ def _array(library: str, values: list[float]):
     return jax.device_put(np.asarray(values, np.float32))
 
 
-def threads(rank: int, library: str) -> dict[str, object]:
-    """Rank 0's worker thread sits inside all_gather of the library's arrays (the other rank
-    joins late) while rank 0's main thread calls alltoall_single on them: refused at once,
-    naming both threads, and the worker's result is right."""
+def threads(rank: int, library: str, signal: str) -> dict[str, object]:
+    """Rank 0's worker thread sits inside all_gather of the library's arrays while rank 0's main
+    thread calls alltoall_single on them: refused at once, while the worker is still inside (its
+    peers' workers join only once rank 0 sends ``signal``, a path of helpers/signals.py), naming
+    both threads; the worker's result is right."""
     results: dict[str, object] = {}
 
     def gather() -> None:
@@ -110,15 +112,16 @@ def threads(rank: int, library: str) -> dict[str, object]:
         results["gathered"] = (library_of(gathered), np.asarray(gathered).tolist())
 
     worker = threading.Thread(target=gather, name="worker")
-    worker.start()
     if rank == 0:
-        while not entry._lock.locked():
+        worker.start()
+        while not entry._lock.locked():  # the worker is inside all_gather, which waits for its peers
             time.sleep(0.001)
-        start = time.monotonic()
         results["main"] = raised(lambda: uc.alltoall_single(None, _array(library, [1.0, 2.0])))
-        results["refused_after_s"] = time.monotonic() - start
+        results["worker_inside"] = worker.is_alive()
+        send(signal)
     else:
-        time.sleep(0.5)
+        wait_for(signal)
+        worker.start()
     worker.join()
     return results
 

@@ -18,6 +18,7 @@ import torch
 
 import unicoll as uc
 from helpers.several import SESSION, Case, SharedWorlds, World, share
+from helpers.signals import send, signal_path, wait_for
 from unicoll import entry, reference
 
 W = 3
@@ -127,22 +128,24 @@ def test_disagreements_end_in_the_same_error_on_every_rank(backend: str, check: 
         ), after
 
 
-def threads_at_once(rank: int) -> dict[str, object]:
-    """Rank 0's worker thread sits inside all_gather (the others join it late) while rank 0's
-    main thread tries to issue a collective: the main thread is refused at once."""
+def threads_at_once(rank: int, signal: str) -> dict[str, object]:
+    """Rank 0's worker thread sits inside all_gather while rank 0's main thread tries to issue a
+    collective: the main thread is refused at once, while the worker is still inside (the
+    others' workers join only once rank 0 sends ``signal``, a path of helpers/signals.py)."""
     results: dict[str, object] = {}
     worker = threading.Thread(
         target=lambda: results.update(gathered=uc.all_gather(None, np.array([rank])).tolist()), name="worker"
     )
-    worker.start()
     if rank == 0:
-        while not entry._lock.locked():
+        worker.start()
+        while not entry._lock.locked():  # the worker is inside all_gather, which waits for its peers
             time.sleep(0.001)
-        start = time.monotonic()
         results["main"] = _outcome(lambda: uc.alltoall_single(None, X))
-        results["refused_after_s"] = time.monotonic() - start
+        results["worker_inside"] = worker.is_alive()
+        send(signal)
     else:
-        time.sleep(0.5)
+        wait_for(signal)
+        worker.start()
     worker.join()
     _in_step(rank)
     return results
@@ -156,7 +159,7 @@ def test_a_second_thread_inside_an_operator_is_refused(backend: str, worlds: Sha
         "RuntimeError: alltoall_single: thread 'MainThread' called it while thread 'worker' is inside all_gather; "
         "unicoll's collectives must be issued from one thread at a time, in the same order on every rank"
     )
-    assert outcomes[0]["refused_after_s"] < 0.1
+    assert outcomes[0]["worker_inside"], "refused only once the worker's all_gather was over"
 
 
 def racing_threads(rank: int, calls: int) -> dict[str, int]:
@@ -251,13 +254,14 @@ def _case_names(check: bool) -> list[str]:
     return ["disagreements", "threads at once" if check else "aliasing"]
 
 
-def _world_cases(check: bool) -> list[Case]:
+def _world_cases(backend: str, check: bool) -> list[Case]:
     functions = {"disagreements": disagreements, "threads at once": threads_at_once, "aliasing": aliasing}
-    return [Case(f"hostile callers: {name}", functions[name]) for name in _case_names(check)]
+    arguments = {"threads at once": (signal_path(f"threads-at-once-{backend}"),)}
+    return [Case(f"hostile callers: {name}", functions[name], arguments.get(name, ())) for name in _case_names(check)]
 
 
 #: gloo in check mode: the session's shared world of W ranks in check mode (helpers/several.py).
-CHECKED_ON_GLOO = share("gloo", W, _world_cases(True), check=True)
+CHECKED_ON_GLOO = share("gloo", W, _world_cases("gloo", True), check=True)
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +270,7 @@ def worlds() -> SharedWorlds:
     return SharedWorlds(
         {
             (backend, check): World(
-                W, _world_cases(check), {"backend": backend, "env": {"UNICOLL_CHECK": str(int(check))}}
+                W, _world_cases(backend, check), {"backend": backend, "env": {"UNICOLL_CHECK": str(int(check))}}
             )
             for backend in ("gloo", "mpi")
             for check in (True, False)

@@ -73,7 +73,8 @@ def soak(rank: int) -> dict[str, int]:
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_memory_stays_flat_when_counts_change_every_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 2**10))  # read by glibc as each rank starts
-    for rank, figures in enumerate(uc.testing.spawn(soak, 2, backend=backend, timeout=240)):
+    ranks = uc.testing.spawn(soak, 2, backend=backend, timeout=240, start_method="spawn")  # glibc reads it at start
+    for rank, figures in enumerate(ranks):
         assert figures["growth"] < GROWTH_LIMIT, (
             f"rank {rank}: resident memory grew by {figures['growth'] / 2**20:.1f} MiB over {STEPS - WARMUP} steps"
         )

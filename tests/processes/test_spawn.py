@@ -53,6 +53,31 @@ def test_a_function_of_the_running_script(backend: str, tmp_path) -> None:
     assert done.stdout.strip() == str([(10, backend, folder, [backend]), (11, backend, folder, [backend])])
 
 
+def environment(rank: int, names: tuple[str, ...]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_get_the_environment_of_the_call(start_method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank forked from the server (started by an earlier world, with the environment of then)
+    sees this process's environment as of the call: a variable set since, one removed since."""
+    monkeypatch.setenv("UNICOLL_TEST_GONE", "here")
+    names = ("UNICOLL_TEST_GONE", "UNICOLL_TEST_NEW", "UNICOLL_TEST_GIVEN")
+    uc.testing.spawn(environment, 1, names, backend="gloo", start_method=start_method)  # the server is running
+    monkeypatch.delenv("UNICOLL_TEST_GONE")
+    monkeypatch.setenv("UNICOLL_TEST_NEW", "set later")
+    seen = uc.testing.spawn(environment, 2, names, backend="gloo", env={"UNICOLL_TEST_GIVEN": "given"},
+                            start_method=start_method)  # fmt: skip
+    assert seen == [{"UNICOLL_TEST_GONE": None, "UNICOLL_TEST_NEW": "set later", "UNICOLL_TEST_GIVEN": "given"}] * 2
+
+
+def test_an_unknown_start_method_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"spawn: start_method: expected 'forkserver' or 'spawn' \(or None\), got 'fork'"
+    ):
+        uc.testing.spawn(environment, 2, (), backend="gloo", start_method="fork")
+
+
 def threads(rank: int) -> tuple[str | None, int]:
     return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
 

@@ -81,7 +81,9 @@ _BLOCK_BYTES, _MAX_BLOCK = 1 << 20, 16
 """A timed block is ``_BLOCK_BYTES // size`` calls, between 1 and ``_MAX_BLOCK``."""
 _FRONTEND_BYTES = 256
 """Payload of the front-end measurement: small enough that the transfer costs next to nothing."""
-_FRONTEND_ITERS, _FRONTEND_WARMUP = 2000, 200
+_FRONTEND_PER_ITER = 100
+"""Calls of the front-end measurement per ``--iters``: 2000 at the default 20, with a tenth as
+many warm-up calls; a quick run (``--iters 1``) times 100."""
 _OVERHEAD_SAMPLES = 5
 """The whole call on N ranks at the front-end payload: this many times ``--iters`` samples of
 ``_MAX_BLOCK`` calls, so that a difference of a few microseconds shows through the noise."""
@@ -778,12 +780,12 @@ def _frontend(w: _World) -> dict[str, Any]:
     neither the validator's memory nor a plan made for earlier counts can help."""
     from unicoll.runtime import transport_stubbed
 
-    figures = {}
+    figures, calls = {}, _FRONTEND_PER_ITER * w.config.iters
     for op in w.config.ops:
         case = _CASES[op](w, _FRONTEND_BYTES, False)
-        uc_us, raw_us = _time(w, [case.unicoll, case.raw], _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
+        uc_us, raw_us = _time(w, [case.unicoll, case.raw], calls, calls // 10, 1, _none)
         with transport_stubbed():
-            stubbed_us, empty_us = _time(w, [case.unicoll, _none], _FRONTEND_ITERS, _FRONTEND_WARMUP, 1, _none)
+            stubbed_us, empty_us = _time(w, [case.unicoll, _none], calls, calls // 10, 1, _none)
         figures[op] = {
             "frontend_us": stubbed_us - empty_us,
             "unicoll_us": uc_us,
@@ -791,27 +793,28 @@ def _frontend(w: _World) -> dict[str, Any]:
             "difference_us": uc_us - raw_us,
         }
         if op in ("global_scatter", "global_gather"):
-            fresh = _with_fresh_counts(op, w)
+            fresh = _with_fresh_counts(op, w, calls)
             with transport_stubbed():
-                fresh_us, _ = _time(w, [fresh, _none], _FRONTEND_ITERS, 0, 1, _none)
+                fresh_us, _ = _time(w, [fresh, _none], calls, 0, 1, _none)
             figures[op]["frontend_fresh_counts_us"] = fresh_us - empty_us
-    return {"bytes": _FRONTEND_BYTES, "iters": _FRONTEND_ITERS, "ops": figures}
+    return {"bytes": _FRONTEND_BYTES, "iters": calls, "ops": figures}
 
 
 def _none() -> None:
     return None
 
 
-def _with_fresh_counts(op: str, w: _World) -> Callable[[], Any]:
+def _with_fresh_counts(op: str, w: _World, calls: int) -> Callable[[], Any]:
     """A one-rank ``op`` call whose counts differ from every recent call's (as in training,
-    where the router's counts change every step), so nothing derived from them is reused.
+    where the router's counts change every step), so nothing derived from them is reused in
+    ``calls`` calls.
     Rows of one element, at least 4 experts (one expert leaves one way to count 64 rows)."""
     import unicoll as uc
 
     rows = 64  # rows of one element: enough ways to split them that no counts come back soon
     x = w.tensor(w.bits(0, op, rows * w.itemsize, rows, 1))
     rng, slots = np.random.default_rng(w.config.seed), max(4, w.config.experts)  # one expert: one way
-    distinct = {tuple(rng.multinomial(rows, np.full(slots, 1 / slots))) for _ in range(4 * _FRONTEND_ITERS)}
+    distinct = {tuple(rng.multinomial(rows, np.full(slots, 1 / slots))) for _ in range(4 * calls)}
     pool = itertools.cycle([np.array(c, dtype=np.int64) for c in distinct])  # one rank: global = local
     call = getattr(uc, op)
 
