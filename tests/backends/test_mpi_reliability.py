@@ -6,18 +6,18 @@ of zero bytes move. Skipped, with the reason, where mpi4py cannot run."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from faults import reporting
 
 from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.launch.mpi import failure, find_mpiexec
@@ -56,26 +56,23 @@ def run_job(*cases: str, launcher: bool = True) -> Job:
     # handshake would answer with CrossRankMismatchError at the next call instead of going on
     env = {**os.environ, "UNICOLL_BACKEND": "mpi", "UNICOLL_TIMEOUT": str(TIMEOUT), "UNICOLL_CHECK": "0",
            "UNICOLL_HANDSHAKE": "0"}  # fmt: skip
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        output = proc.communicate(timeout=JOB_LIMIT)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops the MPI job it started, in its own session
+    with tempfile.TemporaryDirectory(prefix="unicoll-mpi-jobs-") as folder:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**env, reporting.FOLDER: folder}, start_new_session=True,
+        )  # fmt: skip
         try:
-            output = proc.communicate(timeout=GRACE_S)[0]
+            output = proc.communicate(timeout=JOB_LIMIT)[0]
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output = proc.communicate()[0]
-        pytest.fail(f"the job {cases} ran past {JOB_LIMIT} s:\n{output}")
-    ended = time.time()
-    decoder = json.JSONDecoder()
-    reports: dict[int, list[dict]] = {0: [], 1: []}
-    for found in re.finditer(r'\{"rank": ', output):  # mpiexec may put two ranks' lines on one
-        record = decoder.raw_decode(output, found.start())[0]
-        reports[record["rank"]].append(record)
-    return Job(reports, output, proc.returncode, ended)
+            os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops the MPI job it started, in its own session
+            try:
+                output = proc.communicate(timeout=GRACE_S)[0]
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output = proc.communicate()[0]
+            pytest.fail(f"the job {cases} ran past {JOB_LIMIT} s:\n{output}")
+        ended = time.time()
+        return Job(reporting.read(Path(folder)), output, proc.returncode, ended)
 
 
 @pytest.fixture(scope="module")

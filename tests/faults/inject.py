@@ -13,7 +13,6 @@ and how long after the faulty call it came; the misbehaving rank reports what it
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import reporting  # tests/faults/reporting.py, beside this script
 import torch.distributed  # noqa: F401  (imported before the clock starts: init times the rendezvous, not imports)
 
 import unicoll as uc
@@ -31,8 +31,7 @@ ATTEMPTS = 50  # calls of peer-killed before rank 1 catches one in the middle of
 
 def report(**fields: object) -> None:
     rank = uc.get_rank() if uc.is_initialized() else int(os.environ.get("RANK", os.environ.get("PMI_RANK", "-1")))
-    sys.stdout.write(json.dumps({"rank": rank, **fields}) + "\n")  # one write: mpiexec may interleave writes
-    sys.stdout.flush()
+    reporting.write(rank, fields)
 
 
 def timed(call) -> object:

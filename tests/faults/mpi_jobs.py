@@ -23,7 +23,6 @@ Rank 1 reports the wall-clock time of its fault (``at``), so the test can time t
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import reporting  # tests/faults/reporting.py, beside this script
 
 import unicoll as uc
 
@@ -40,8 +40,7 @@ ROWS = 512  # 4 KiB of float64 per rank and call
 
 def report(**fields: object) -> None:
     rank = uc.get_rank() if uc.is_initialized() else int(os.environ.get("PMI_RANK", "-1"))
-    sys.stdout.write(json.dumps({"rank": rank, **fields}) + "\n")  # one write: mpiexec may interleave writes
-    sys.stdout.flush()
+    reporting.write(rank, fields)
 
 
 NOISE: list[object] = []

@@ -5,18 +5,20 @@ mpi; `unicoll run` stops the world when a rank fails."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pytest
+from faults import reporting
 
 import unicoll as uc
 from unicoll.backends.mpi.mpi import MpiFactory
@@ -37,19 +39,19 @@ class World(NamedTuple):
     codes: list[int]
 
 
-def _reports(output: str) -> dict[int, list[dict]]:
-    """The reports in ``output`` by rank, in order: `unicoll run` prefixes lines with the rank,
-    and mpiexec may put two ranks' lines on one."""
-    decoder = json.JSONDecoder()
-    reports: dict[int, list[dict]] = {0: [], 1: []}
-    for found in re.finditer(r'\{"rank": ', output):
-        record = decoder.raw_decode(output, found.start())[0]
-        reports[record["rank"]].append(record)
-    return reports
-
-
 def _env(backend: str, check: bool, timeout: float) -> dict[str, str]:
     return {**os.environ, "UNICOLL_BACKEND": backend, "UNICOLL_TIMEOUT": str(timeout), "UNICOLL_CHECK": str(int(check))}
+
+
+class Started(NamedTuple):
+    """Processes of a world of inject.py, and the folder of its reports (faults/reporting.py)."""
+
+    procs: list[subprocess.Popen]
+    reports: Path
+
+
+def _folder() -> Path:
+    return Path(tempfile.mkdtemp(prefix="unicoll-inject-"))
 
 
 def run_world(
@@ -61,56 +63,72 @@ def run_world(
 
 def start_world(
     fault: str, backend: str = "gloo", *, check: bool = False, timeout: float = TIMEOUT, env: dict | None = None
-) -> subprocess.Popen:
+) -> Started:
     """Start :func:`run_world`'s world (with ``env`` added to its environment), without waiting for it."""
     launch = ["run", "--mpi", "-n", "2"] if backend == "mpi" else ["run", "-n", "2"]
-    return subprocess.Popen(
+    folder = _folder()
+    proc = subprocess.Popen(
         [sys.executable, "-m", "unicoll", *launch, str(SCRIPT), fault],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**_env(backend, check, timeout), **(env or {})},
+        env={**_env(backend, check, timeout), **(env or {}), reporting.FOLDER: str(folder)},
     )
+    return Started([proc], folder)
 
 
-def finish_world(proc: subprocess.Popen) -> World:
+def finish_world(started: Started) -> World:
     """Wait for a world from :func:`start_world` (killing it after 90 s, as a failure)."""
+    (proc,) = started.procs
     try:
         stdout, stderr = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         raise
-    return World(_reports(stdout), stdout + stderr, [proc.returncode])
+    return World(_read(started.reports), stdout + stderr, [proc.returncode])
 
 
-def start_ranks(fault: str, ranks: tuple[int, ...], *, timeout: float = TIMEOUT) -> list[subprocess.Popen]:
+def start_ranks(fault: str, ranks: tuple[int, ...], *, timeout: float = TIMEOUT) -> Started:
     """Start ``ranks`` of a gloo world of 2 running inject.py FAULT, without a launcher: nothing
     stops the others when one dies, so the survivors report what they see."""
-    port = free_port()
-    return [
+    port, folder = free_port(), _folder()
+    procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), fault],
-            env={**_env("gloo", False, timeout), **world_env(rank, 2, "127.0.0.1", port)},
+            env={
+                **_env("gloo", False, timeout),
+                **world_env(rank, 2, "127.0.0.1", port),
+                reporting.FOLDER: str(folder),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for rank in ranks
     ]
+    return Started(procs, folder)
 
 
-def finish(procs: list[subprocess.Popen]) -> World:
+def finish(started: Started) -> World:
     """Wait for processes from :func:`start_ranks` (killing them after a minute)."""
     outputs = []
-    for proc in procs:
+    for proc in started.procs:
         try:
             outputs.append(proc.communicate(timeout=60)[0])
         except subprocess.TimeoutExpired:
             proc.kill()
             outputs.append(proc.communicate()[0])
     output = "".join(outputs)
-    return World(_reports(output), output, [proc.returncode for proc in procs])
+    return World(_read(started.reports), output, [proc.returncode for proc in started.procs])
+
+
+def _read(folder: Path) -> dict[int, list[dict]]:
+    """The ranks' reports in ``folder``, which goes with them."""
+    try:
+        return reporting.read(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_mismatched_counts_in_check_mode_fail_on_every_rank() -> None:
