@@ -1,5 +1,6 @@
-"""The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks, one spawned world per
-backend and size, two worlds at a time. A backend that cannot run here is skipped with the reason."""
+"""The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks (4 with the handshake
+off), one spawned world per backend and size, two worlds at a time. A backend that cannot run
+here is skipped with the reason."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ world that runs one imports Paddle and JAX, a few seconds of CPU time apiece), a
 tests/frameworks runs them on mpi too (every gradient, a soak, hostile callers)."""
 
 
+def _spawn_kwargs(backend: str, w: int) -> dict:
+    """How the world of ``backend`` and ``w`` ranks is spawned: the worlds of 4 ranks without the
+    handshake (``UNICOLL_HANDSHAKE=0``), so that the matrix proves both settings right; the
+    handshake's comparisons themselves are tested in tests/processes/test_disagreement.py."""
+    env = {"UNICOLL_HANDSHAKE": "0"} if w == 4 else {}
+    return {"backend": backend, "timeout": 240, "env": env}
+
+
 def _params():
     for backend in CPU_BACKENDS:
         reason = FACTORIES[backend].probe()
@@ -38,7 +47,7 @@ def worlds() -> Worlds:
     for w in sorted(WORLD_SIZES, reverse=True):
         for backend in CPU_BACKENDS:
             if FACTORIES[backend].probe() is None:
-                started.start((backend, w), run_cases, w, MATRIX[backend, w], backend=backend, timeout=240)
+                started.start((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w))
     return started
 
 
@@ -46,5 +55,5 @@ def worlds() -> Worlds:
 def test_conformance(backend, w, group, worlds) -> None:
     """Every case of one operator on one world; a failure names each case that failed."""
     assert_all_passed(
-        worlds.outcomes((backend, w), run_cases, w, MATRIX[backend, w], backend=backend, timeout=240), group
+        worlds.outcomes((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w)), group
     )

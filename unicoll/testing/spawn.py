@@ -61,7 +61,8 @@ def spawn(
 
     When the backend is ``mpi`` (``backend``, else ``UNICOLL_BACKEND`` from ``env`` or this
     process), the ranks are an MPI job started by mpiexec, which sets the rank and world
-    size; ``env`` is added to their environment.
+    size; ``env`` is added to their environment (and ``start_method`` does not apply: each
+    rank is a fresh interpreter).
 
     Raises :class:`SpawnError` for the first rank (in time) that raised or died, after
     stopping the others, and :class:`SpawnTimeout` when ranks are still running after
@@ -69,16 +70,16 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size: expected a positive integer, got {world_size}")
-    if (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi":
-        from .mpi import spawn_mpi
-
-        return spawn_mpi(fn, world_size, args, backend, timeout, env)
     methods = multiprocessing.get_all_start_methods()
     if start_method is None:
         start_method = "forkserver" if "forkserver" in methods else "spawn"
     if start_method not in ("forkserver", "spawn") or start_method not in methods:
         expected = " or ".join(repr(m) for m in ("forkserver", "spawn") if m in methods)
         raise ValueError(f"spawn: start_method: expected {expected} (or None), got {start_method!r}")
+    if (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi":
+        from .mpi import spawn_mpi
+
+        return spawn_mpi(fn, world_size, args, backend, timeout, env)
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # read once, when the server starts
