@@ -61,7 +61,7 @@ def test_settle_waits_for_a_running_worker_to_sleep() -> None:
 def test_settle_returns_at_once_without_workers() -> None:
     start = time.monotonic()
     workers.settle()
-    assert time.monotonic() - start < 0.05
+    assert time.monotonic() - start < workers.SETTLE_S / 2  # no wait for the bound
 
 
 def workers_after_finalize(rank: int) -> list[str]:
