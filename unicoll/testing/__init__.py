@@ -1,7 +1,7 @@
 """Helpers for testing code that uses unicoll: :func:`spawn` runs a function on every rank of a
-small world of fresh processes (an MPI job on the ``mpi`` backend) and raises the first rank's
-error here. Imported on first use (``uc.testing``), so ``import unicoll`` starts no machinery
-for processes."""
+small world of new processes (forked from a preloaded server; an MPI job on the ``mpi``
+backend) and raises the first rank's error here. Imported on first use (``uc.testing``), so
+``import unicoll`` starts no machinery for processes."""
 
 from __future__ import annotations
 
