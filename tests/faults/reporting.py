@@ -1,5 +1,5 @@
-"""How the fault scripts (inject.py, mpi_jobs.py, given_up.py aside) report what each rank saw,
-and how their tests read it back.
+"""How the fault scripts inject.py and mpi_jobs.py report what each rank saw, and how their
+tests read it back.
 
 A rank appends one JSON line per report to its own file in the folder ``$FAULT_REPORTS`` (the
 tests make one per world), or prints it where the variable is unset (a run by hand). A file, not
