@@ -23,11 +23,12 @@ from array_api_compat import array_namespace, device
 
 from unicoll.backends import float_keys
 from unicoll.backends.host import row_bytes, rows_over
+from unicoll.counts import on_host
 from unicoll.forking import keep_forever
 from unicoll.workspace import FROM_BYTES, Workspace
 
 if TYPE_CHECKING:
-    from unicoll.backends.layout import MoePlan
+    from unicoll.backends.layout import MoePlan, Routing
     from unicoll.group import Group
 
 
@@ -51,6 +52,10 @@ class Capabilities:
     ``reductions`` maps each reduction of all_reduce and reduce_scatter (``"sum"``, ``"avg"``,
     ``"max"``, ``"min"``, ``"prod"``) to the dtypes the backend reduces with it; a reduction or
     a dtype missing from it is refused before anything is sent.
+
+    ``moe`` names the MoE entry points (:data:`MOE_ENTRY_POINTS`) the backend moves itself,
+    overriding :meth:`Backend.moe_dispatch` or :meth:`Backend.moe_combine` (a transport that
+    moves tokens on its own); the others are composed from its primitives.
     """
 
     ops: frozenset[str]
@@ -58,6 +63,11 @@ class Capabilities:
     devices: frozenset[str]
     libraries: frozenset[str]
     reductions: dict[str, frozenset[str]] = field(default_factory=dict, hash=False)
+    moe: frozenset[str] = frozenset()
+
+
+MOE_ENTRY_POINTS = ("moe_dispatch", "moe_combine")
+"""The backend's MoE entry points, which :attr:`Capabilities.moe` may name."""
 
 
 class Work(Protocol):
@@ -180,6 +190,13 @@ class Backend(ABC):
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         """All-gather of a host int64 array of k values, returned with shape ``(W, k)``."""
 
+    def read_ints(self, values: Any) -> np.ndarray:
+        """A native int array (where the transport's arrays live) read on the host, in one
+        copy: the one host read of a top-k dispatch whose routing runs on the device (its
+        counts, after their exchange). A device transport copies into pinned memory and waits
+        on an event for that copy alone."""
+        return np.array(on_host(values))
+
     @abstractmethod
     def finalize(self) -> None:
         """Release every resource the backend holds, the groups it made included."""
@@ -200,7 +217,8 @@ class Backend(ABC):
         return xp.empty((rows, *like.shape[1:]), dtype=like.dtype, device=device(like))
 
     def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
-        """The rows ``x[index]`` (``index``: host int64), into ``out`` when given, else new."""
+        """The rows ``x[index]`` (``index``: int64, on the host or on x's device), into ``out``
+        when given, else new."""
         xp = array_namespace(x)
         taken = xp.take(x, xp.asarray(index, device=device(x)), axis=0)
         if out is None:
@@ -270,6 +288,33 @@ class Backend(ABC):
         head = received[: sum(plan.recv)]
         work = self.alltoallv(head, sent, plan.recv, plan.send, group, async_op, calc_stream)
         return issued(work, lambda: self._returned(self.take_rows(received, order), sent_lent, received_lent))
+
+    def moe_dispatch(
+        self, x: Any, routing: Routing, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Pending:
+        """A top-k dispatch's rows: the rows ``routing.send_tokens`` of x sent along ``plan``, which
+        arrive expert-major (global_scatter's layout, ``plan.expert_major_rows`` rows). The
+        routing's index arrays are on the host or on x's device, as the front end computed them;
+        ``plan`` holds the counts both ways on the host (and, for a routing on the device, its
+        reorders there). Composed from :meth:`global_scatter`; a transport that moves tokens
+        itself overrides it (and lists it in :attr:`Capabilities.moe`)."""
+        return self.global_scatter(x, plan, group, async_op, calc_stream, routing.send_tokens)
+
+    def moe_combine(
+        self,
+        y: Any,
+        routing: Routing,
+        plan: MoePlan,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        out: Any | None = None,
+    ) -> Pending:
+        """The inverse of :meth:`moe_dispatch`: expert rows ``y`` (its layout) sent back to the
+        ranks of their tokens, where they arrive in send order (``len(routing.send_tokens)``
+        rows, into ``out`` when given); the front end then sums each token's slots. Composed
+        from :meth:`global_gather`; a transport that moves tokens itself overrides it."""
+        return self.global_gather(y, plan, group, async_op, calc_stream, out)
 
     def global_gather(
         self,

@@ -1,4 +1,5 @@
-"""Local row orders of the MoE operators, as index arrays computed on the host.
+"""Local row orders of the MoE operators, as index arrays computed on the host, the plan that
+keeps them and the routing of a top-k dispatch.
 
 A received all-to-all buffer is *rank-major*: for each source rank c, for each expert e, the
 rows c sent to e. global_scatter's output is *expert-major*: for each expert e, for each
@@ -9,6 +10,8 @@ the index array that takes one order to the other, so the move itself is one ``t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -125,10 +128,17 @@ class MoePlan:
                  "_to_rank_major", "_chunks")  # fmt: skip
 
     def __init__(
-        self, local_count: np.ndarray, global_count: np.ndarray, world: int, capacity: int | None = None
+        self,
+        local_count: np.ndarray,
+        global_count: np.ndarray,
+        world: int,
+        capacity: int | None = None,
+        orders: tuple[Any, Any] | None = None,
     ) -> None:
         """``local_count``/``global_count``: validated host int64 counts of length ``world * E``
-        (at most ``capacity`` each, where one is given)."""
+        (at most ``capacity`` each, where one is given). ``orders``: :attr:`to_expert_major` and
+        :attr:`to_rank_major` made where the rows are (on their device; unpadded plans only),
+        for a plan whose reorders must not be made on the host; None: made on first use."""
         self.send = rank_totals(local_count, world)
         self.recv = rank_totals(global_count, world)
         self.received = global_count.reshape(world, -1).copy()  # not the caller's, which may change
@@ -137,8 +147,7 @@ class MoePlan:
         """The rows of the expert-major side: those received, or every block's C (padded)."""
         self.reordered = capacity is not None or (world > 1 and self.received.shape[1] > 1)
         """Whether the received rows need a reorder: more than one rank and expert, or padding."""
-        self._to_expert_major: np.ndarray | None = None
-        self._to_rank_major: np.ndarray | None = None
+        self._to_expert_major, self._to_rank_major = (None, None) if orders is None else orders
         self._chunks: list[tuple[list[int], list[int]]] | None = None
 
     @property
@@ -199,6 +208,42 @@ class MoePlan:
         reorders = 8 * (sum(self.recv) + self.expert_major_rows) if self.reordered else 0
         chunks = _BYTES_PER_CHUNK * self.received.size if self.reordered else 0
         return self.received.nbytes + 16 * len(self.send) + reorders + chunks + _PLAN_OVERHEAD
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Where each slot's row goes in a top-k dispatch (:mod:`unicoll.routing`): what the
+    backends' MoE entry points (:meth:`~unicoll.backends.base.Backend.moe_dispatch`,
+    :meth:`~unicoll.backends.base.Backend.moe_combine`) take beside the plan.
+
+    ``local_count[i]``: rows this rank sends to global expert ``i`` (length ``W*E``, host
+    int64). ``send_tokens[n]``: the token whose row is the ``n``-th row sent.
+    ``slot_rows[s]``: the position of slot ``s``'s row among the rows sent, or
+    ``len(send_tokens)`` for a dropped slot. Both are int64 index arrays: on the host where the
+    routing was computed there (a host backend), else of the rows' library on their device.
+    ``dropped``: whether any slot is dropped. ``topk``: the slots per token.
+    """
+
+    local_count: np.ndarray
+    send_tokens: np.ndarray
+    slot_rows: np.ndarray
+    dropped: bool
+    topk: int
+
+    @cached_property
+    def slots_by_column(self) -> np.ndarray:
+        """``slot_rows`` as a ``(k, tokens)`` array: row j holds the row of each token's slot j."""
+        return np.ascontiguousarray(self.slot_rows.reshape(-1, self.topk).T)  # host routings only
+
+    @cached_property
+    def kept(self) -> np.ndarray:
+        """Whether each slot is kept, as a ``(tokens, k)`` bool array."""
+        return (self.slot_rows < self.send_tokens.shape[0]).reshape(-1, self.topk)
+
+    @property
+    def tokens(self) -> int:
+        """The tokens routed."""
+        return self.slot_rows.shape[0] // self.topk
 
 
 LAST_PLAN_BYTES = 16 * 2**20

@@ -129,15 +129,15 @@ def _check_values(values: Sequence[int], op: str, param: str) -> None:
         _check_total(sum(map(int, values)), op, param)
 
 
-def as_expert_ids(value: Any, op: str, param: str) -> np.ndarray:
-    """The router's expert ids as a host int64 array of shape ``(tokens, k)``, ``k >= 1``.
+def expert_ids(value: Any, op: str, param: str) -> Any:
+    """The router's expert ids, checked without reading them: an int32/int64 array of numpy,
+    torch or cupy, on the host or a CUDA device, of shape ``(tokens, k)``, ``k >= 1``; returned
+    as given. Their values are checked against the number of experts by the caller, which
+    knows it (where they are: on the host, or on the device with the counts' exchange).
+    Raises TypeError/ValueError naming ``op`` and ``param``.
 
-    An int32/int64 array of numpy, torch or cupy (a CUDA array is copied to the host, which
-    waits for the work queued before it); the values are checked against the number of
-    experts by the caller, which knows it. Raises TypeError/ValueError naming ``op`` and ``param``.
-
-    >>> as_expert_ids(np.array([[0, 3], [-1, 1]], dtype=np.int32), "moe.dispatch", "topk_idx").dtype
-    dtype('int64')
+    >>> expert_ids(np.array([[0, 3], [-1, 1]], dtype=np.int32), "moe.dispatch", "topk_idx").shape
+    (2, 2)
     """
     if library_of(value) is None:
         raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
@@ -147,7 +147,7 @@ def as_expert_ids(value: Any, op: str, param: str) -> np.ndarray:
         raise bad_input(op, param, "expert ids on the host or a CUDA device", describe(value))
     if value.ndim != 2 or value.shape[1] < 1:
         raise bad_input(op, param, "a 2-D array (tokens, k) with k >= 1", describe(value))
-    return np.asarray(on_host(value), dtype=np.int64)
+    return value
 
 
 def on_host(value: Any) -> Any:

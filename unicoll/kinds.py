@@ -32,7 +32,7 @@ import numpy as np
 
 from .arrays import NON_NATIVE, describe, is_fillable, kind_of, known_kind, library_of, named_type
 from .backends.base import REDUCE_OPS
-from .counts import as_counts, as_expert_ids
+from .counts import as_counts, expert_ids
 from .errors import bad_input
 from .libraries import array_types
 from .routing import Handle
@@ -116,7 +116,7 @@ def _read_optional_array(op: str, param: str, value: Any, caps: Capabilities, ba
 
 
 def _read_expert_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
-    return as_expert_ids(value, op, param)
+    return expert_ids(value, op, param)
 
 
 def _read_router_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
@@ -362,11 +362,12 @@ OPTIONAL_ARRAY = Kind(
 
 EXPERT_IDS = Kind(
     doc="TypeError unless an int32/int64 array (numpy, torch or cupy); ValueError unless 2-D (tokens, k) "
-    "with k >= 1, on the host or a CUDA device (read on the host).",
+    "with k >= 1, on the host or a CUDA device (read on the host by a host backend; a device backend "
+    "routes them where they are).",
     read=_read_expert_ids,
     sign=_unremembered,
 )
-"""The router's global expert ids, ``(tokens, k)``, read into a host int64 array."""
+"""The router's global expert ids, ``(tokens, k)``, checked and left as given (never remembered)."""
 
 ROUTER_IDS = Kind(
     doc="TypeError unless an int32/int64 array of a library the backend moves; ValueError unless 2-D "

@@ -10,46 +10,16 @@ sends each expert at most ``capacity`` rows, the lowest slot numbers first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .arrays import library_of, place_of
+from .backends.layout import MoePlan, Routing
 from .session import join_session
 
 if TYPE_CHECKING:
-    from .backends.layout import MoePlan
     from .group import Group
-
-
-@dataclass(frozen=True, eq=False)
-class Routing:
-    """Where each slot's row goes, as host int64 arrays (see the module's docstring).
-
-    ``local_count[i]``: rows this rank sends to global expert ``i`` (length ``W*E``).
-    ``send_tokens[n]``: the token whose row is the ``n``-th row sent.
-    ``slot_rows[s]``: the position of slot ``s``'s row among the rows sent, or
-    ``len(send_tokens)`` for a dropped slot. ``dropped``: whether any slot is dropped.
-    ``topk``: the slots per token.
-    """
-
-    local_count: np.ndarray
-    send_tokens: np.ndarray
-    slot_rows: np.ndarray
-    dropped: bool
-    topk: int
-
-    @cached_property
-    def slots_by_column(self) -> np.ndarray:
-        """``slot_rows`` as a ``(k, tokens)`` array: row j holds the row of each token's slot j."""
-        return np.ascontiguousarray(self.slot_rows.reshape(-1, self.topk).T)
-
-    @cached_property
-    def kept(self) -> np.ndarray:
-        """Whether each slot is kept, as a ``(tokens, k)`` bool array."""
-        return (self.slot_rows < self.send_tokens.size).reshape(-1, self.topk)
 
 
 def route(topk_idx: np.ndarray, experts: int, capacity: int | None) -> Routing:
@@ -144,23 +114,25 @@ class Handle(SessionHandle):
         routing: Routing,
         plan: MoePlan,
         group: Group,
-        topk_idx_shape: tuple[int, int],
         weights: Any,
         like: Any,
         dispatch_number: int = -1,
     ) -> None:
-        """``plan``: the :class:`~unicoll.backends.layout.MoePlan` of the routing's counts and
-        the counts received. ``like``: the dispatched x, whose library and device combine's rows
-        must have (not kept). ``dispatch_number``: in check mode, the dispatch's collective
-        number on ``group`` (:func:`unicoll.check.call_number`), which tells handles of two
-        dispatches apart across the ranks; -1 where it was not numbered."""
+        """``routing``: where each slot's row went, on the host or, where the routing ran on
+        the device, on x's device. ``plan``: the :class:`~unicoll.backends.layout.MoePlan` of
+        the routing's counts and the counts received (on the host: combine, redispatch and the
+        backward passes read nothing more from a device). ``like``: the dispatched x, whose
+        library and device combine's rows must have (not kept). ``dispatch_number``: in check
+        mode, the dispatch's collective number on ``group`` (:func:`unicoll.check.call_number`),
+        which tells handles of two dispatches apart across the ranks; -1 where it was not
+        numbered."""
         self.routing = routing
-        """The layout on the host, which the backends' gathers and combine's sums read."""
+        """The layout, which the backends' gathers and combine's sums read."""
         self.local_count = routing.local_count
         self.plan = plan
         """Shared by the calls and backward passes of this routing."""
         self.global_count = plan.received.reshape(-1)
-        self.tokens, self.topk = topk_idx_shape
+        self.tokens, self.topk = routing.tokens, routing.topk
         self.dropped = routing.dropped
         self.library = library_of(like)
         self.device = place_of(like)

@@ -20,9 +20,11 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .arrays import describe, kind_of, place_of
 from .backends.layout import MoePlan, moe_plan
-from .counts import even_split, total
+from .counts import even_split, on_host, total
 from .kinds import (
     ARRAY,
     COUNTS,
@@ -47,8 +49,6 @@ from .kinds import (
 )
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from .backends.base import Backend, Capabilities
     from .group import Group
     from .routing import Handle
@@ -88,7 +88,7 @@ class Call:
     src: int | None = None
     sync_op: bool | None = None
     use_calc_stream: bool | None = None
-    topk_idx: np.ndarray | None = None
+    topk_idx: Any = None
     topk_weights: Any = None
     experts_per_rank: int | None = None
     capacity: int | None = None
@@ -557,16 +557,34 @@ MAX_EXPERTS = 2**24
 rows for each expert in an int64 array and exchanges it every step."""
 
 
+IDS_EXPECTED = "expert ids from -1 (a dropped slot) to W * experts_per_rank - 1"
+"""What moe.dispatch's rule for the values of topk_idx expects."""
+
+
+def ids_out_of_range(lowest: int, highest: int, at_lowest: int, at_highest: int, k: int, experts: int) -> str | None:
+    """What moe.dispatch's rule for topk_idx reports for ids whose lowest and highest values
+    sit at flat slots ``at_lowest`` and ``at_highest`` of a ``(T, k)`` array, for ``experts``
+    global experts: None where every id is in range; else the lowest id where it is below -1,
+    or the highest, and its place."""
+    if lowest >= -1 and highest < experts:
+        return None
+    value, at = (lowest, at_lowest) if lowest < -1 else (highest, at_highest)
+    t, j = divmod(at, k)
+    return f"{value} at [{t}, {j}] (W * experts_per_rank = {experts})"
+
+
 def _expert_ids_in_range(c: Call) -> str | None:
-    ids, experts = c.topk_idx, c.W * c.experts_per_rank
+    """moe.dispatch's ids against the experts, on a host backend; a device backend checks them
+    where they are and reports them with the counts' exchange (the same message), since reading
+    them here would wait for the device."""
+    if not c.backend.host_memory:
+        return None
+    ids = np.asarray(on_host(c.topk_idx))
     if ids.size == 0:
         return None
-    low, high = int(ids.min()), int(ids.max())
-    if low >= -1 and high < experts:
-        return None
-    bad = ids.argmin() if low < -1 else ids.argmax()
-    t, j = divmod(int(bad), ids.shape[1])
-    return f"{int(ids[t, j])} at [{t}, {j}] (W * experts_per_rank = {experts})"
+    lowest, highest = int(ids.argmin()), int(ids.argmax())
+    return ids_out_of_range(int(ids.flat[lowest]), int(ids.flat[highest]), lowest, highest, ids.shape[1],
+                            c.W * c.experts_per_rank)  # fmt: skip
 
 
 def _same_place(a: Any, x: Any, what: str) -> str | None:
@@ -630,7 +648,7 @@ MOE_DISPATCH = OpSpec(
     rules=(
         _EXPERTS_RULE,
         _IDS_ROWS_RULE,
-        Rule("topk_idx", "expert ids from -1 (a dropped slot) to W * experts_per_rank - 1", _expert_ids_in_range),
+        Rule("topk_idx", IDS_EXPECTED, _expert_ids_in_range),
         *_WEIGHTS_RULES,
     ),
     backward="to x: the rows' gradients sent back (global_gather with the handle's counts) and summed over "

@@ -14,10 +14,10 @@ that buffer hands each rank a ``(W, E, C)`` grid of blocks by source rank, which
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .arrays import library_of, place_of
+from .device_routing import index_dtype, order_slots, place
 from .routing import Routing, SessionHandle
 
 if TYPE_CHECKING:
@@ -55,45 +55,19 @@ def static_layout(xp: Any, topk_idx: Any, experts: int, capacity: int) -> Static
     [2, 3]
     """
     tokens, k = topk_idx.shape
-    slots, place = tokens * k, _place(topk_idx)
-    index = _index_dtype(xp)
-    ids = xp.astype(xp.reshape(topk_idx, (slots,)), index)
-    routed = (ids >= 0) & (ids < experts)
-    key = xp.where(routed, ids, xp.full_like(ids, experts))  # dropped ids sort last, in a bucket of their own
-    order = xp.argsort(_narrow(xp, key, experts), stable=True)  # by expert, then by slot
-    sorted_key = xp.take(key, order)
-    starts = xp.searchsorted(sorted_key, xp.arange(experts + 1, dtype=index, device=place))
-    demand = starts[1:] - starts[:-1]
-    sent = xp.clip(demand, max=capacity)
-    rank_in_sorted = xp.arange(slots, dtype=index, device=place) - xp.take(starts, sorted_key)
-    rank_in_expert = xp.take(rank_in_sorted, xp.argsort(_narrow(xp, order, slots - 1), stable=True))  # slot order
-    kept = routed & (rank_in_expert < capacity)
-    zeros = xp.zeros_like(ids)
-    slot_rows = xp.where(kept, ids * capacity + rank_in_expert, zeros)
-    rows = xp.arange(experts * capacity, dtype=index, device=place)
+    s = order_slots(xp, topk_idx, experts, capacity)
+    where, index = place(topk_idx), index_dtype(xp)
+    slot_rows = xp.where(s.kept, s.ids * capacity + s.place, xp.zeros_like(s.ids))
+    rows = xp.arange(experts * capacity, dtype=index, device=where)
     block, within = rows // capacity if capacity else rows, rows % capacity if capacity else rows
-    filled = within < xp.take(sent, block) if slots else xp.zeros(rows.shape, dtype=xp.bool, device=place)
-    if slots:
-        source = xp.take(starts, block) + within
+    filled = within < xp.take(s.sent, block) if tokens * k else xp.zeros(rows.shape, dtype=xp.bool, device=where)
+    if tokens * k:
+        source = xp.take(s.starts, block) + within
         source = xp.where(filled, source, xp.zeros_like(source))
-        row_tokens = xp.where(filled, xp.take(order, source) // k, xp.zeros_like(source))
+        row_tokens = xp.where(filled, xp.take(s.order, source) // k, xp.zeros_like(source))
     else:
         row_tokens = xp.zeros_like(rows)
-    return StaticLayout(slot_rows, xp.reshape(kept, (tokens, k)), row_tokens, filled, sent, demand)
-
-
-def _index_dtype(xp: Any) -> Any:
-    """int64, the layout's index dtype; for JAX the int it gives for int64 (int32 unless
-    ``jax_enable_x64`` is set), asked without the warning that an int64 it truncates gives."""
-    if getattr(xp, "__name__", "") == "jax.numpy":
-        return sys.modules["jax"].dtypes.canonicalize_dtype(xp.int64)
-    return xp.int64
-
-
-def _narrow(xp: Any, values: Any, largest: int) -> Any:
-    """Int values from 0 to ``largest`` as int16 where they fit, which sort two to three times
-    faster (numpy sorts 16-bit keys by radix); else as they are."""
-    return xp.astype(values, xp.int16) if largest <= 2**15 - 1 else values
+    return StaticLayout(slot_rows, xp.reshape(s.kept, (tokens, k)), row_tokens, filled, s.sent, s.demand)
 
 
 def send_rows(xp: Any, x: Any, layout: StaticLayout) -> Any:
@@ -170,15 +144,7 @@ def _one_row_at_least(xp: Any, x: Any) -> Any:
     as on the others (a rank without tokens joins the transfer back)."""
     if x.shape[0]:
         return x
-    return xp.concat([x, xp.zeros((1, *x.shape[1:]), dtype=x.dtype, device=_place(x))], axis=0)
-
-
-def _place(a: Any) -> Any:
-    """An array's device, as the array API names it; None where the array has none to give
-    (numpy before 2.0, a tracer of jax.jit): the namespace's default. Read directly, not through
-    array-api-compat's ``device()``, whose cached type checks torch.compile would warn about
-    while tracing."""
-    return getattr(a, "device", None)
+    return xp.concat([x, xp.zeros((1, *x.shape[1:]), dtype=x.dtype, device=place(x))], axis=0)
 
 
 def _column(xp: Any, mask: Any, ndim: int) -> Any:

@@ -54,8 +54,9 @@ def gather_rows(x: cupy.ndarray, index: cupy.ndarray, out: cupy.ndarray) -> None
         cupy.take(row_words(x, address), index, axis=0, out=row_words(out, address))
 
 
-def take_rows(x: cupy.ndarray, index: np.ndarray) -> cupy.ndarray:
-    """A new array of the rows ``x[index]`` (``index``: host int64, uploaded here)."""
+def take_rows(x: cupy.ndarray, index: np.ndarray | cupy.ndarray) -> cupy.ndarray:
+    """A new array of the rows ``x[index]`` (``index``: int64, on x's device or on the host,
+    uploaded here)."""
     out = cupy.empty((len(index), *x.shape[1:]), dtype=x.dtype)
     gather_rows(x, cupy.asarray(index, dtype=cupy.int64), out)
     return out

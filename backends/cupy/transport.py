@@ -221,6 +221,18 @@ class CupyNcclBackend(Backend):
 
     # -- arrays ----------------------------------------------------------------------------
 
+    def read_ints(self, values: cupy.ndarray) -> np.ndarray:
+        """As :meth:`Backend.read_ints`: copied into pinned memory on the current stream, and
+        the host waits on an event recorded after that copy alone."""
+        memory = cupy.cuda.alloc_pinned_memory(values.nbytes)
+        pinned = np.frombuffer(memory, values.dtype, values.size).reshape(values.shape)
+        stream = cupy.cuda.get_current_stream()
+        values.get(stream=stream, out=pinned, blocking=False)
+        copied = cupy.cuda.Event()
+        copied.record(stream)
+        copied.synchronize()
+        return pinned
+
     def to_native(self, x: Any) -> cupy.ndarray:
         if isinstance(x, cupy.ndarray):
             return cupy.ascontiguousarray(x)
@@ -236,7 +248,9 @@ class CupyNcclBackend(Backend):
     def empty_rows(self, like: cupy.ndarray, rows: int) -> cupy.ndarray:
         return cupy.empty((rows, *like.shape[1:]), dtype=like.dtype)
 
-    def take_rows(self, x: cupy.ndarray, index: np.ndarray, out: cupy.ndarray | None = None) -> cupy.ndarray:
+    def take_rows(
+        self, x: cupy.ndarray, index: np.ndarray | cupy.ndarray, out: cupy.ndarray | None = None
+    ) -> cupy.ndarray:
         """The gather of :mod:`~unicoll.backends.cupy.rows` (copied into ``out`` when given)."""
         taken = row_gather.take_rows(x, index)
         if out is None:

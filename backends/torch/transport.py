@@ -308,9 +308,12 @@ class TorchDistBackend(Backend):
             return rows_as(host_rows(like, rows, self.workspace), like)
         return like.new_empty((rows, *like.shape[1:]))
 
-    def take_rows(self, x: torch.Tensor, index: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``index_select``, into rows of :meth:`empty_rows` where those come from numpy."""
-        rows = torch.from_numpy(index)
+    def take_rows(
+        self, x: torch.Tensor, index: np.ndarray | torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``index_select`` (``index``: host int64, or a tensor on x's device), into rows of
+        :meth:`empty_rows` where those come from numpy."""
+        rows = index if isinstance(index, torch.Tensor) else torch.from_numpy(index)
         if x.device.type != "cpu":
             return torch.index_select(x, 0, rows.to(x.device, non_blocking=True), out=out)
         if out is None:
@@ -450,6 +453,25 @@ class TorchNcclBackend(TorchDistBackend):
     the stream it asks for (:func:`issue_on_stream`)."""
 
     host_memory = False  # a device transport, even driving gloo in the tests
+
+    def read_ints(self, values: torch.Tensor) -> np.ndarray:
+        """As :meth:`Backend.read_ints`; a CUDA tensor is copied into pinned memory on the
+        current stream, and the host waits on an event recorded after that copy (the one
+        synchronization a dynamic top-k dispatch declares, allowed under
+        ``torch.cuda.set_sync_debug_mode("error")``)."""
+        if values.device.type != "cuda":
+            return super().read_ints(values)
+        pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        pinned.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            copied.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+        return pinned.numpy()
 
     def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
         return issue_on_stream(launch, async_op, calc_stream)

@@ -6,7 +6,10 @@ bfloat16 included); reductions gather the blocks they need and fold them here, i
 in the array's dtype. It implements the primitives; the operators (``global_scatter``,
 ``global_gather``, ``alltoall_single``, ``all_gather``, ``all_reduce``, ``reduce_scatter``,
 ``broadcast``) come from the base class, and unicoll's conformance matrix holds them to the same
-results as the built-in backends.
+results as the built-in backends. It moves the rows of a top-k dispatch and combine itself
+(the MoE entry points, named in its table's ``moe`` column): one message per (rank, expert)
+chunk, received straight into the chunk's place, so no rows are staged or reordered after the
+transfer.
 
     pip install ./examples/backend_plugin
     UNICOLL_BACKEND=pairwise unicoll run -n 2 examples/moe_dispatch.py
@@ -24,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import Backend, Capabilities, Work, reductions
+from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued, reductions
+from unicoll.backends.layout import MoePlan, Routing
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.errors import TransportError, init_error
 from unicoll.group import Group
@@ -36,6 +40,7 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),
     reductions=reductions(frozenset(DTYPES)),
+    moe=frozenset({"moe_dispatch", "moe_combine"}),
 )
 
 
@@ -105,6 +110,35 @@ def _fold(blocks: Any, op: str) -> Any:
 
 def _starts(splits: Sequence[int]) -> list[int]:
     return [0, *accumulate(splits)]
+
+
+_Chunks = list[tuple[list[int], list[int]]]
+"""Per rank: the rows of each of its (rank, expert) chunks, and the row where each starts."""
+
+
+def _sent_by_expert(routing: Routing, group: Group) -> np.ndarray:
+    """The rows sent to each rank's experts, as a ``(W, E)`` array."""
+    return routing.local_count.reshape(group.world_size, -1)
+
+
+def _chunks(per_rank: list[int], counts: np.ndarray) -> _Chunks:
+    """Per rank: the rows of each of its expert chunks and where each starts, in a buffer laid
+    out rank by rank (``per_rank`` rows each), then expert by expert (``counts``: ``(W, E)``)."""
+    firsts = _starts(per_rank)
+    return [(row.tolist(), [firsts[c] + s for s in _starts(row.tolist())[:-1]]) for c, row in enumerate(counts)]
+
+
+def _chunk_pieces(group: Group, sends: _Chunks, send: Any, recvs: _Chunks, recv: Any) -> list[tuple[int, Any, Any]]:
+    """One ``(peer, rows out, rows in)`` per rank and expert chunk: chunk ``e`` of what goes to
+    rank ``p`` (``sends[p]``: rows and starts in ``send``) and of what comes from it
+    (``recvs[p]``, in ``recv``). Both sides order a pair's chunks by expert, so the messages
+    between two ranks pair up in order; empty chunks are skipped by :meth:`_exchange`."""
+    pieces = []
+    for p, peer in enumerate(group.ranks):
+        (out_rows, out_starts), (in_rows, in_starts) = sends[p], recvs[p]
+        for n_out, at_out, n_in, at_in in zip(out_rows, out_starts, in_rows, in_starts):
+            pieces.append((peer, send[at_out : at_out + n_out], recv[at_in : at_in + n_in]))
+    return pieces
 
 
 class PairwiseBackend(Backend):
@@ -227,6 +261,38 @@ class PairwiseBackend(Backend):
             return batch
         batch.wait(self._timeout.total_seconds())
         return None
+
+    # -- the MoE entry points: chunks straight to their places --------------------------------
+
+    def moe_dispatch(
+        self, x: Any, routing: Routing, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False
+    ) -> Pending:
+        """The rows sent (x's rows in send order: by destination rank, then local expert), one
+        message per (rank, expert) chunk, each received into its expert-major place."""
+        sent = self.take_rows(x, routing.send_tokens)
+        out = self.empty_rows(x, plan.expert_major_rows)
+        pieces = _chunk_pieces(group, _chunks(plan.send, _sent_by_expert(routing, group)), _as_bytes(sent),
+                               plan.expert_major_chunks, _as_bytes(out))  # fmt: skip
+        return issued(self._exchange(pieces, group, async_op), lambda: out)
+
+    def moe_combine(
+        self,
+        y: Any,
+        routing: Routing,
+        plan: MoePlan,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        out: Any | None = None,
+    ) -> Pending:
+        """The inverse of :meth:`moe_dispatch`: each expert-major chunk sent back to its rank,
+        received into its place among the rows in send order."""
+        y = y.contiguous()
+        if out is None:
+            out = self.empty_rows(y, sum(plan.send))
+        pieces = _chunk_pieces(group, plan.expert_major_chunks, _as_bytes(y),
+                               _chunks(plan.send, _sent_by_expert(routing, group)), _as_bytes(out))  # fmt: skip
+        return issued(self._exchange(pieces, group, async_op), lambda: out)
 
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self.to_native(np.ascontiguousarray(values, dtype=np.int64))

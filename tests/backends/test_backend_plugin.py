@@ -69,3 +69,15 @@ def test_info_lists_the_installed_backend(installed: Path) -> None:
 def test_conformance(w, group, worlds) -> None:
     """Every case of one operator on one world of the plugin backend; a failure names each case that failed."""
     assert_all_passed(worlds.outcomes(w, run_cases, w, MATRIX[w], backend="pairwise", timeout=240), group)
+
+
+def test_the_moe_column_names_the_entry_points_the_backend_overrides(installed: Path) -> None:
+    """The example moves MoE rows itself: its table says so, and its class overrides exactly
+    those entry points (the conformance matrix above holds them to the reference)."""
+    import unicoll_pairwise
+
+    from unicoll.backends.base import MOE_ENTRY_POINTS, Backend
+
+    overridden = {name for name in MOE_ENTRY_POINTS if getattr(unicoll_pairwise.PairwiseBackend, name)
+                  is not getattr(Backend, name)}  # fmt: skip
+    assert overridden == set(unicoll_pairwise.CAPABILITIES.moe) == {"moe_dispatch", "moe_combine"}

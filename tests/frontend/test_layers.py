@@ -33,7 +33,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "unicoll.backends.mpi.transport", "unicoll.backends.cupy", "unicoll.backends.cupy.packages",
          "unicoll.backends.cupy.rows", "unicoll.backends.cupy.schedule", "unicoll.backends.cupy.transport"),
     ),
-    ("descriptions", ("unicoll.routing", "unicoll.static_layout", "unicoll.kinds", "unicoll.spec", "unicoll.check")),
+    ("descriptions", ("unicoll.device_routing", "unicoll.routing", "unicoll.static_layout", "unicoll.kinds",
+                      "unicoll.spec", "unicoll.check")),
     (
         "backend factories",
         ("unicoll.backends.torch.gloo", "unicoll.backends.torch.nccl", "unicoll.backends.mpi.mpi",

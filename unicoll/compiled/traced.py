@@ -359,7 +359,7 @@ def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_o
     if group is None:
         group = runtime.state(f"moe.{op.__name__}").world
     plan = moe_plan(routing.local_count, handle.global_count.numpy(), group.world_size)
-    eager = Handle(routing, plan, group, (handle.tokens, handle.topk), handle.weights, like=handle.send_tokens)
+    eager = Handle(routing, plan, group, handle.weights, like=handle.send_tokens)
     return op(rows, eager, sync_op=sync_op)
 
 

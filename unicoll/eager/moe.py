@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,12 +25,14 @@ from array_api_compat import array_namespace, device
 from ..arrays import describe, library_of, place_of
 from ..backends.base import Backend, Pending
 from ..backends.host import row_bytes
-from ..backends.layout import MoePlan, moe_plan
+from ..backends.layout import MoePlan, Routing, moe_plan
 from ..check import call_number, verify
+from ..counts import on_host
+from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
 from ..errors import bad_input, translated
 from ..group import Group
-from ..routing import Handle, Routing, route
-from ..spec import MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call, OpSpec
+from ..routing import Handle, route
+from ..spec import IDS_EXPECTED, MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call, OpSpec, ids_out_of_range
 from ..task import Task
 from ..validate import prepare
 from ..workspace import FROM_BYTES
@@ -104,7 +107,7 @@ def layout(
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      group=group, sync_op=True, capacity=capacity)  # fmt: skip
     call = prepare(MOE_DISPATCH, arguments)
-    routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
+    routing = route(host_ids(call.topk_idx), call.W * call.experts_per_rank, call.capacity)
     with translated(MOE_DISPATCH.name, call.group, call.timeout):
         if call.compare:
             verify(MOE_DISPATCH, call)
@@ -140,31 +143,107 @@ def handle_group(op: str, handle: Any, kind: type = Handle, made_by: str = "moe.
 
 
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
-    """The arrays come from ``arguments``, as from every remembered call (:func:`unicoll.validate.prepare`)."""
+    """The arrays come from ``arguments``, as from every remembered call (:func:`unicoll.validate.prepare`).
+    The routing runs where the backend's arrays are: on the host (:func:`unicoll.routing.route`),
+    or on the device (:func:`_routed_on_device`)."""
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
-    routing = route(call.topk_idx, call.W * call.experts_per_rank, call.capacity)
-    local_count, shape = routing.local_count, call.topk_idx.shape
-    plan, number = None, -1
+    native = backend.to_native(x)
+    if backend.host_memory:
+        exchanged = _routed_on_host(call)
+    else:
+        exchanged = _routed_on_device(call, native, arguments["topk_idx"])
+    routing: Routing | None = None
+    plan: MoePlan | None = None
+    number = -1
 
     def issue() -> Pending:
-        nonlocal plan, number
+        nonlocal routing, plan, number
         if call.compare:
             verify(MOE_DISPATCH, call)
             number = call_number(grp)
-        plan = moe_plan(local_count, backend.exchange_ints(local_count.copy(), grp), grp.world_size)
-        native = backend.to_native(x)
-        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op, routing.send_tokens)
+        routing, plan = exchanged()
+        return backend.moe_dispatch(native, routing, plan, grp, not call.sync_op, call.sync_op)
 
-    def backward(grad: Any) -> Any:  # the plan is made when the call is issued
+    def backward(grad: Any) -> Any:  # the routing and plan are made when the call is issued
         return dispatch_backward(backend, grp, grad, plan, routing)
 
     received = _functional(MOE_DISPATCH.name, call, x, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, plan, grp, shape, weights, x, dispatch_number=number)
+        handle = Handle(routing, plan, grp, weights, x, dispatch_number=number)
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
+
+
+def host_ids(topk_idx: Any) -> np.ndarray:
+    """Validated expert ids on the host as int64 (a view where they are host int64 already)."""
+    return np.asarray(on_host(topk_idx), dtype=np.int64)
+
+
+def _routed_on_host(call: Call) -> Callable[[], tuple[Routing, MoePlan]]:
+    """The routing of a host backend's dispatch, made now, and how to exchange its counts:
+    which returns the routing and the plan of the rows' transfer."""
+    routing = route(host_ids(call.topk_idx), call.W * call.experts_per_rank, call.capacity)
+
+    def exchanged() -> tuple[Routing, MoePlan]:
+        received = call.backend.exchange_ints(routing.local_count.copy(), call.group)
+        return routing, moe_plan(routing.local_count, received, call.W)
+
+    return exchanged
+
+
+def _routed_on_device(call: Call, native: Any, topk_idx: Any) -> Callable[[], tuple[Routing, MoePlan]]:
+    """The routing of a device backend's dispatch, made now where x is (``native``: x as the
+    backend moves it; :func:`unicoll.device_routing.device_routing`), and how to exchange its
+    counts there and read them in one copy (:func:`_counts_read`)."""
+    xp = array_namespace(native)
+    ids = _ids_on(call.backend, topk_idx, native)
+    found = device_routing(xp, ids, call.W * call.experts_per_rank, call.capacity)
+    return functools.partial(_counts_read, call, xp, found, ids.shape)
+
+
+def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
+    """The router's ids as a native array on x's device (``native``: x as the backend moves it)."""
+    ids = backend.to_native(topk_idx) if library_of(topk_idx) != "numpy" else topk_idx
+    if library_of(ids) == library_of(native) and place_of(ids) == place_of(native):
+        return ids
+    xp = array_namespace(native)
+    return xp.asarray(on_host(ids), device=device(native))
+
+
+def _counts_read(call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, int]) -> tuple[Routing, MoePlan]:
+    """The counts of a routing on the device (``found``) exchanged on the device, with every
+    rank's ids' range, then read on the host in one copy: the routing and plan of the rows'
+    transfer. Ids out of range on any rank raise the same ValueError on every rank here,
+    before a row is sent."""
+    backend, grp, world, experts = call.backend, call.group, call.W, call.experts_per_rank
+    width = experts + FAULTS
+    counts = xp.reshape(found.local_count, (world, experts))
+    faults = xp.broadcast_to(xp.reshape(found.faults, (1, FAULTS)), (world, FAULTS))
+    told = xp.reshape(xp.concat([counts, faults], axis=1), (-1,))
+    got = backend.empty_rows(told, world * width)
+    backend.alltoallv(got, told, [width] * world, [width] * world, grp, False, True)
+    both = backend.read_ints(xp.concat([told, got])).reshape(2, world, width)  # the one read
+    _refuse_ids(both[1, :, experts:], shape, world * experts, grp.rank)
+    local_count, global_count = both[0, :, :experts].reshape(-1), both[1, :, :experts].reshape(-1)
+    sent, received = int(local_count.sum()), int(global_count.sum())
+    orders = None
+    if world > 1 and experts > 1:
+        orders = expert_major_orders(xp, xp.reshape(got, (world, width))[:, :experts], received)
+    plan = MoePlan(local_count, global_count, world, orders=orders)
+    dropped = sent < shape[0] * shape[1]
+    return Routing(local_count, found.send_tokens[:sent], found.slot_rows, dropped, shape[1]), plan
+
+
+def _refuse_ids(faults: np.ndarray, shape: tuple[int, int], experts: int, rank: int) -> None:
+    """Every rank's ids' range (``faults``: ``(W, FAULTS)``, as each rank told), and the
+    ValueError of moe.dispatch's rule for topk_idx on every rank where one rank's ids leave
+    it: the rank itself names the id and its place, the others the rank."""
+    for c, (lowest, highest, at_lowest, at_highest) in enumerate(faults.tolist()):
+        given = ids_out_of_range(lowest, highest, at_lowest, at_highest, shape[1], experts)
+        if given is not None:
+            raise bad_input(MOE_DISPATCH.name, "topk_idx", IDS_EXPECTED, given if c == rank else f"{given} on rank {c}")
 
 
 def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
@@ -174,8 +253,7 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     def issue() -> Pending:
         if call.compare:
             verify(MOE_REDISPATCH, call)
-        native = backend.to_native(x)
-        return backend.global_scatter(native, plan, grp, not call.sync_op, call.sync_op, routing.send_tokens)
+        return backend.moe_dispatch(backend.to_native(x), routing, plan, grp, not call.sync_op, call.sync_op)
 
     backward = functools.partial(dispatch_backward, backend, grp, plan=plan, routing=routing)
     return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, x, backward))
@@ -184,6 +262,8 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
 def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, routing: Routing) -> Any:
     """The rows' gradients sent back (global_scatter's backward, with the handle's counts) and
     each token's slots summed: a combine without weights."""
+    if not backend.host_memory:
+        return _summed(backend.moe_combine(grad, routing, plan, group, False).finish(), routing, None)
     back, lent = _rows_back(backend, grad, routing)
     try:
         sent = global_scatter_backward(backend, group, grad, plan, _head(back, routing))
@@ -202,7 +282,7 @@ def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePl
     ``y`` (``plan``'s expert-major side) along ``routing``, weighed by ``weights`` (or None):
     global_gather, then each token's slots summed."""
     backend, grp = call.backend, call.group
-    if records_gradient(y, weights):
+    if records_gradient(y, weights) or not backend.host_memory:
         return _combine_with_autograd(spec, call, y, routing, plan, weights)
     library = library_of(y)
 
@@ -232,7 +312,7 @@ def _sent_back(
     """global_gather of the expert rows ``native`` into :func:`_rows_back`'s rows; its finish
     returns those rows and the buffer to give back (or None)."""
     back, lent = _rows_back(backend, native, routing)
-    pending = backend.global_gather(native, plan, group, async_op, calc_stream, _head(back, routing))
+    pending = backend.moe_combine(native, routing, plan, group, async_op, calc_stream, _head(back, routing))
 
     def finish() -> tuple[Any, np.ndarray | None]:
         sent = pending.finish()
@@ -363,36 +443,36 @@ def records_gradient(*arrays: Any) -> bool:
 
 
 def _combine_with_autograd(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:
-    """combine where torch records a gradient: the rows sent back by global_gather (whose
-    backward is global_scatter), then each token's slots weighted and summed by torch's own
-    differentiable operations, which keep the rows the weights' gradient needs."""
+    """combine where torch records a gradient, or on a device backend: the rows sent back by
+    the backend's moe_combine (whose backward is global_scatter), then each token's slots
+    weighted and summed at once (:func:`_summed`), by torch's own differentiable operations
+    where it records a gradient, which keep the rows the weights' gradient needs."""
     backend, grp = call.backend, call.group
 
     def issue() -> Pending:
         if call.compare:
             verify(spec, call)
-        return backend.global_gather(backend.to_native(y), plan, grp, not call.sync_op, call.sync_op)
+        return backend.moe_combine(backend.to_native(y), routing, plan, grp, not call.sync_op, call.sync_op)
 
     backward = functools.partial(global_gather_backward, backend, grp, plan=plan)
     returned = _functional(spec.name, call, y, backward)
 
     def finish(result: Any) -> Any:
-        return _sum_slots_differentiably(returned(result), routing, weights)
+        return _summed(returned(result), routing, weights)
 
     return _run(spec.name, call, issue, finish)
 
 
-def _sum_slots_differentiably(back: Any, routing: Routing, weights: Any) -> Any:
-    """Each token's rows (``back``, in send order) weighted and summed over its k slots by
-    torch's differentiable operations (:func:`sum_at_once`), as back's dtype."""
-    import torch  # loaded already: back is a tensor
-
+def _summed(back: Any, routing: Routing, weights: Any) -> Any:
+    """Each token's rows (``back``, in send order) weighted and summed over its k slots at once
+    (:func:`sum_at_once`: one gather, differentiable by torch), as back's dtype; the routing's
+    index arrays are on back's device or on the host."""
+    xp = array_namespace(back)
     kept = None
     if routing.dropped:  # dropped slots read a zero row
-        back = torch.cat([back, back.new_zeros((1, *back.shape[1:]))])
+        back = xp.concat([back, xp.zeros((1, *back.shape[1:]), dtype=back.dtype, device=device(back))])
         kept = None if weights is None else host_as(routing.kept, weights)
-    slot_rows = host_as(routing.slot_rows, back)
-    return sum_at_once(back, slot_rows, routing.slot_rows.size // routing.topk, routing.topk, weights, kept)
+    return sum_at_once(back, host_as(routing.slot_rows, back), routing.tokens, routing.topk, weights, kept)
 
 
 def sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, kept: Any) -> Any:
@@ -429,10 +509,11 @@ def _matmul(a: Any, b: Any) -> Any:
     return torch.bmm(a.to(common), b.to(common))
 
 
-def host_as(host: np.ndarray, x: Any) -> Any:
-    """A host array as an array of ``x``'s library on ``x``'s device (numpy: itself)."""
+def host_as(host: Any, x: Any) -> Any:
+    """A host array as an array of ``x``'s library on ``x``'s device; an array that is not
+    numpy's (made on x's device already), or one for numpy's ``x``, as it is."""
     library = library_of(x)
-    if library == "numpy":
+    if library == "numpy" or not isinstance(host, np.ndarray):
         return host
     if library == "torch":
         import torch  # loaded already: x is a tensor
