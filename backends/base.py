@@ -190,6 +190,14 @@ class Backend(ABC):
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         """All-gather of a host int64 array of k values, returned with shape ``(W, k)``."""
 
+    def exchange_native_ints(self, values: Any, group: Group) -> Any:
+        """:meth:`exchange_ints` of a native int array of ``W * k`` values, where the transport's
+        arrays live (a device backend's counts stay on the device): returns a new one."""
+        out = self.empty_rows(values, values.shape[0])
+        splits = [values.shape[0] // group.world_size] * group.world_size
+        self.alltoallv(out, values, splits, splits, group, False, True)
+        return out
+
     def read_ints(self, values: Any) -> np.ndarray:
         """A native int array (where the transport's arrays live) read on the host, in one
         copy: the one host read of a top-k dispatch whose routing runs on the device (its

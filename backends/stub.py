@@ -2,7 +2,8 @@
 
 :class:`StubTransport` wraps a running backend. Its ``alltoallv``, ``all_gather_even``,
 ``allreduce``, ``reduce_scatter_even`` and ``bcast`` move nothing (the output keeps what it
-held); every other primitive, and the conversion of arrays, is the wrapped backend's. The
+held); every other primitive (the small int exchanges and reads included), and the conversion
+of arrays, is the wrapped backend's. The
 operators are the ones :class:`~unicoll.backends.base.Backend` composes from the primitives,
 so a backend's own fused operators are not run. The front end installs it only through
 :func:`unicoll.runtime.transport_stubbed`.
@@ -81,8 +82,18 @@ class StubTransport(Backend):
     def barrier(self, group: Group) -> None:
         self.inner.barrier(group)
 
+    @property
+    def host_memory(self) -> bool:
+        return self.inner.host_memory
+
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         return self.inner.exchange_ints(values, group)
+
+    def exchange_native_ints(self, values: Any, group: Group) -> Any:
+        return self.inner.exchange_native_ints(values, group)
+
+    def read_ints(self, values: Any) -> np.ndarray:
+        return self.inner.read_ints(values)
 
     def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         return self.inner.gather_ints(values, group)

@@ -72,14 +72,21 @@ def order_slots(xp: Any, topk_idx: Any, experts: int, capacity: int | None) -> S
     routed = (ids >= 0) & (ids < experts)
     key = xp.where(routed, ids, xp.full_like(ids, experts))  # unrouted ids sort last, in a bucket of their own
     order = xp.argsort(_narrow(xp, key, experts), stable=True)  # by expert, then by slot
-    sorted_key = xp.take(key, order)
+    sorted_key = _at(key, order)
     starts = xp.searchsorted(sorted_key, xp.arange(experts + 1, dtype=index, device=where))
     demand = starts[1:] - starts[:-1]
     sent = demand if capacity is None else xp.clip(demand, max=capacity)
-    in_sorted = xp.arange(slots, dtype=index, device=where) - xp.take(starts, sorted_key)
-    slot_place = xp.take(in_sorted, xp.argsort(_narrow(xp, order, slots - 1), stable=True))  # in slot order
+    in_sorted = xp.arange(slots, dtype=index, device=where) - _at(starts, sorted_key)
+    slot_place = _at(in_sorted, xp.argsort(_narrow(xp, order, slots - 1), stable=True))  # in slot order
     kept = routed if capacity is None else routed & (slot_place < capacity)
     return SlotOrder(ids, routed, order, starts, demand, sent, slot_place, kept)
+
+
+def _at(values: Any, index: Any) -> Any:
+    """The elements of 1-D ``values`` at the int array ``index`` (every index in range): one
+    gather, which an array library runs on the arrays' device (array-api-compat's ``take``
+    adds a pass over the indices for negative ones, which never occur here)."""
+    return values[index]
 
 
 def _narrow(xp: Any, values: Any, largest: int) -> Any:
@@ -131,11 +138,11 @@ def device_routing(xp: Any, topk_idx: Any, experts: int, capacity: int | None) -
     firsts = ends - s.sent
     total = ends[-1]
     expert = xp.where(s.routed, s.ids, xp.zeros_like(s.ids))
-    slot_rows = xp.where(s.kept, xp.take(firsts, expert) + s.place, xp.broadcast_to(total, s.ids.shape))
+    slot_rows = xp.where(s.kept, _at(firsts, expert) + s.place, xp.broadcast_to(total, s.ids.shape))
     row = xp.arange(slots, dtype=index, device=where)  # the n-th row sent is the n-th kept slot by expert
     of = xp.clip(xp.searchsorted(ends, row, side="right"), max=max(experts - 1, 0))
-    at = xp.clip(xp.take(s.starts, of) + row - xp.take(firsts, of), min=0, max=max(slots - 1, 0))
-    send_tokens = xp.take(s.order, at) // k
+    at = xp.clip(_at(s.starts, of) + row - _at(firsts, of), min=0, max=max(slots - 1, 0))
+    send_tokens = _at(s.order, at) // k
     return DeviceRouting(s.sent, send_tokens, slot_rows, xp.reshape(s.kept, (tokens, k)), _faults(xp, s.ids))
 
 
@@ -165,7 +172,7 @@ def expert_major_orders(xp: Any, received: Any, rows: int) -> tuple[Any, Any]:
     world, experts = received.shape
     moved = xp.reshape(xp.permute_dims(xp.reshape(xp.arange(world * experts, device=place(received)),
                                                   (experts, world)), (1, 0)), (-1,))  # fmt: skip
-    starts_rm = xp.take(xp.cumulative_sum(expert_major) - expert_major, moved)
+    starts_rm = _at(xp.cumulative_sum(expert_major) - expert_major, moved)
     return to_expert_major, _segments(xp, rank_major, starts_rm, rows)
 
 
@@ -175,4 +182,4 @@ def _segments(xp: Any, lengths: Any, sources: Any, rows: int) -> Any:
     ends = xp.cumulative_sum(lengths)
     row = xp.arange(rows, dtype=ends.dtype, device=place(lengths))
     segment = xp.clip(xp.searchsorted(ends, row, side="right"), max=max(lengths.shape[0] - 1, 0))
-    return row - xp.take(ends - lengths, segment) + xp.take(sources, segment)
+    return row - _at(ends - lengths, segment) + _at(sources, segment)

@@ -222,8 +222,7 @@ def _counts_read(call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, in
     counts = xp.reshape(found.local_count, (world, experts))
     faults = xp.broadcast_to(xp.reshape(found.faults, (1, FAULTS)), (world, FAULTS))
     told = xp.reshape(xp.concat([counts, faults], axis=1), (-1,))
-    got = backend.empty_rows(told, world * width)
-    backend.alltoallv(got, told, [width] * world, [width] * world, grp, False, True)
+    got = backend.exchange_native_ints(told, grp)
     both = backend.read_ints(xp.concat([told, got])).reshape(2, world, width)  # the one read
     _refuse_ids(both[1, :, experts:], shape, world * experts, grp.rank)
     local_count, global_count = both[0, :, :experts].reshape(-1), both[1, :, :experts].reshape(-1)
