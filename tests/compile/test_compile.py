@@ -335,33 +335,44 @@ def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> No
     def combine_eager_handle(x):
         return uc.moe.combine(x * 2, eager_handle) + 1
 
-    def dispatched_rows(x):
-        return uc.moe.dispatch(x * 2, torch.tensor([[0], [0], [0]]), experts_per_rank=1)[0]
-
     def combine_as_task(x):
         rows, _, handle = uc.moe.dispatch(x * 2, torch.tensor([[0], [-1], [0]]), experts_per_rank=1)
         return uc.moe.combine(rows, handle, sync_op=False)
 
-    scalars_off = torch._dynamo.config.patch(capture_scalar_outputs=False)
-    for fn, reason, check, config in [
-        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2), None),
-        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
-        (reduce_scatter_into, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1), None),
-        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3), None),
-        (alltoall_lists, "this operator has no traced form", lambda r: torch.equal(r, x * 2 + 1), None),
-        (dispatch_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait()[0], x[:2] * 2), None),
-        (combine_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * by_row), None),
-        (combine_eager_handle, "a moe.Handle made by an eager moe.dispatch", lambda r: torch.equal(r, x * 2 + 1), None),
-        (dispatched_rows, "capture_scalar_outputs = True", lambda r: torch.equal(r, x * 2), scalars_off),
+    for fn, reason, check in [
+        (as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * 2)),
+        (in_place, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1)),
+        (reduce_scatter_into, "an output filled in place", lambda r: torch.equal(r, x * 2 + 1)),
+        (numpy_array, "only torch tensors, counts as int tensors", lambda r: torch.equal(r, x * 3)),
+        (alltoall_lists, "this operator has no traced form", lambda r: torch.equal(r, x * 2 + 1)),
+        (dispatch_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait()[0], x[:2] * 2)),
+        (combine_as_task, "sync_op=False returns a Task", lambda r: torch.equal(r.wait(), x * by_row)),
+        (combine_eager_handle, "a moe.Handle made by an eager moe.dispatch", lambda r: torch.equal(r, x * 2 + 1)),
     ]:
-        with config or contextlib.nullcontext():
-            counters.clear()
-            assert check(torch.compile(fn, backend="eager")(x))
-            (only,) = counters["graph_break"]  # the one reason it broke for (counted once per Dynamo attempt)
-            assert reason in only and "the call runs eagerly" in only, only
-            torch._dynamo.reset()  # forget that compilation, which fell back
-            with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
-                torch.compile(fn, fullgraph=True, backend="eager")(x)
+        counters.clear()
+        assert check(torch.compile(fn, backend="eager")(x))
+        (only,) = counters["graph_break"]  # the one reason it broke for (counted once per Dynamo attempt)
+        assert reason in only and "the call runs eagerly" in only, only
+        torch._dynamo.reset()  # forget that compilation, which fell back
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=reason):
+            torch.compile(fn, fullgraph=True, backend="eager")(x)
+
+
+def test_moe_dispatch_traces_without_capture_scalar_outputs(world_of_one) -> None:
+    """rows_per_expert come from the layout op as sizes, not read out of a tensor: the dynamic
+    MoE step compiles in one graph without ``capture_scalar_outputs`` and equals eager."""
+
+    def step(x, ids, w):
+        rows, rows_per_expert, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=3)
+        y = torch.cat([part * (e + 1) for e, part in enumerate(torch.split(rows, rows_per_expert))])
+        return uc.moe.combine(y, handle)
+
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(10, 4, generator=gen), torch.rand(10, 2, generator=gen)
+    ids = torch.randint(-1, 3, (10, 2), generator=gen)
+    with torch._dynamo.config.patch(capture_scalar_outputs=False):
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x, ids, w), step(x, ids, w))
 
 
 def test_unicolls_internals_are_never_traced(world_of_one) -> None:

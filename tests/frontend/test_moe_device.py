@@ -149,6 +149,10 @@ def test_the_counter_catches_a_planted_read() -> None:
         t[t > 1].tolist()
     assert reads.kinds == {"aten._local_scalar_dense.default": 1, "aten.index.Tensor with a boolean mask": 1,
                            "Tensor.tolist": 1}  # fmt: skip
+    planted_in_compiled = torch.compile(lambda a: a * a.sum().item(), backend="aot_eager")
+    with torch.profiler.profile() as profile:
+        planted_in_compiled(torch.ones(3))
+    assert sum(event.name in _READ_OPS for event in profile.events()) == 1
 
 
 def bad_ids(rank: int) -> list[str]:
@@ -179,3 +183,52 @@ def test_ids_out_of_range_are_refused_on_every_rank() -> None:
                           f"{expected}, got -2 at [1, 1] (W * experts_per_rank = 9)"]  # fmt: skip
     for other in reports[1:]:
         assert other == [f"{message} on rank 0" for message in reports[0]]
+
+
+_READ_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::masked_select",
+             "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim", "aten::repeat_interleave"}  # fmt: skip
+"""The operations a profile shows that read device memory on the host (an ``.item()``
+shows as ``_local_scalar_dense``, as does a ``.tolist()`` in compiled code; torch.compile runs no TorchDispatchMode, so compiled code is
+counted from a profile instead)."""
+
+
+def compiled_reads(rank: int) -> dict[str, int]:
+    """The same steps compiled (aot_eager: the forward and backward graphs run as aten operations),
+    on the device path: the declared reads (``read_ints``) and any other read the profile shows."""
+    on_the_device_path()
+    world = uc.get_world_size()
+    backend = uc.runtime.state("test").backend
+    declared = []
+    read_ints = backend.read_ints
+    backend.read_ints = lambda values: declared.append(1) or read_ints(values)
+
+    def dynamic(x, h, ids, w, scale):  # noqa: ANN001, ANN202
+        rows, rows_per_expert, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=E)
+        rows = rows + uc.moe.redispatch(h, handle)
+        y = torch.cat([part * scale[e] for e, part in enumerate(torch.split(rows, rows_per_expert))])
+        return uc.moe.combine(y, handle)
+
+    def static(x, h, ids, w, scale):  # noqa: ANN001, ANN202
+        rows, _, handle = uc.moe.dispatch_static(x, ids, w, experts_per_rank=E, capacity=2)
+        rows = rows + uc.moe.redispatch_static(h, handle)
+        return uc.moe.combine_static(rows * scale[:, None, None], handle)
+
+    counted = {}
+    for name, step in (("dynamic", dynamic), ("static", static)):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for n in range(3):  # the first call compiles; the others replay with new routings
+            ids, x, h, w, scale = _inputs(rank, world, None, 10 + n)
+            del declared[:]
+            with torch.profiler.profile() as profile:
+                out = compiled(x, h, ids, w, scale)
+                (out * out).sum().backward()
+            counted[name] = len(declared)
+            counted[f"{name}, other reads"] = sum(event.name in _READ_OPS for event in profile.events())
+            want = step(x.detach(), h.detach(), ids, w.detach(), scale.detach())
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+    return counted
+
+
+def test_compiled_code_reads_once_per_dispatch_and_nowhere_else() -> None:
+    expected = {"dynamic": 1, "dynamic, other reads": 0, "static": 0, "static, other reads": 0}
+    assert uc.testing.spawn(compiled_reads, 2, backend="gloo", timeout=240) == [expected] * 2

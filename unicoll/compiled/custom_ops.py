@@ -501,7 +501,7 @@ _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_
 @_op(
     "moe_layout",
     "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int group, int? capacity) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "-> (Tensor, Tensor, Tensor, Tensor, SymInt[])",
 )
 def _moe_layout(
     x: torch.Tensor,
@@ -510,15 +510,18 @@ def _moe_layout(
     experts_per_rank: int,
     group: int,
     capacity: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """moe.dispatch's validation, check and count exchange: the counts sent and received (host
-    int64), the token of each row sent and each slot's row (int64 on x's device)."""
+    int64), the token of each row sent and each slot's row (int64 on x's device), and the rows
+    each local expert receives (ints: the graph reads no tensor for them)."""
     weights = None if topk_weights is None else topk_weights.detach()
     local_count, global_count, send_tokens, slot_rows = locked.moe_layout(
         x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity
     )
     on_x = functools.partial(torch.as_tensor, device=x.device)
-    return torch.from_numpy(local_count), torch.from_numpy(global_count), on_x(send_tokens), on_x(slot_rows)
+    rows_per_expert = global_count.reshape(-1, experts_per_rank).sum(0).tolist()
+    counts = torch.from_numpy(local_count), torch.from_numpy(global_count)
+    return *counts, on_x(send_tokens), on_x(slot_rows), rows_per_expert
 
 
 @_moe_layout.register_fake
@@ -529,12 +532,14 @@ def _moe_layout_fake(
     experts_per_rank: int,
     group: int,
     capacity: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Counts of one size per global expert; the rows sent (a new dynamic size); one row per slot."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Counts of one size per global expert; the rows sent (a new dynamic size); one row per
+    slot; a new dynamic size per local expert."""
     experts = world_size(group, "moe.dispatch") * experts_per_rank
     counts = torch.empty((experts,), dtype=torch.int64)
     send_tokens = x.new_empty((_new_rows(None),), dtype=torch.int64)
-    return counts, torch.empty_like(counts), send_tokens, x.new_empty((topk_idx.numel(),), dtype=torch.int64)
+    slot_rows = x.new_empty((topk_idx.numel(),), dtype=torch.int64)
+    return counts, torch.empty_like(counts), send_tokens, slot_rows, [_new_rows(None) for _ in range(experts_per_rank)]
 
 
 @_op("moe_check", "(Tensor rows, Tensor send_tokens, SymInt tokens, SymInt received, bool weighted, str op) -> ()")

@@ -65,10 +65,6 @@ _untraced = _eagerly(
     "are traced, on an initialized unicoll"
 )
 
-_scalars_off = _eagerly(
-    "moe.dispatch returns rows_per_expert as host ints, which torch.compile traces only with "
-    "torch._dynamo.config.capture_scalar_outputs = True"
-)
 _eager_handle = _eagerly("a moe.Handle made by an eager moe.dispatch keeps its layout on the host")
 
 _no_traced_form = _eagerly("this operator has no traced form (its arrays come and go in lists)")
@@ -375,8 +371,9 @@ def moe_dispatch(
 ) -> Any:
     """:func:`unicoll.moe.dispatch` as traced: ``unicoll::moe_layout`` (validation, the layout
     and the counts' exchange), the rows taken by ``index_select`` and sent by
-    ``unicoll::global_scatter``; rows_per_expert are unbacked sizes (``.tolist()``), whose sum
-    is the rows' size; the handle is a :class:`TracedHandle`."""
+    ``unicoll::global_scatter``; rows_per_expert are unbacked sizes that the layout op returns
+    (no tensor is read for them), whose sum is the rows' size; the handle is a
+    :class:`TracedHandle`."""
     eager = functools.partial(
         locked.moe_dispatch, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank, group=group, sync_op=sync_op,
         capacity=capacity,
@@ -389,14 +386,9 @@ def moe_dispatch(
     sizes_ok = type(experts_per_rank) is int and (capacity is None or type(capacity) is int)
     if not tensors or not weights_ok or not sizes_ok or not _flags(sync_op) or not _traced(number):
         return _untraced(eager)
-    if not torch._dynamo.config.capture_scalar_outputs:
-        return _scalars_off(eager)
-    local_count, global_count, send_tokens, slot_rows = torch.ops.unicoll.moe_layout(
+    local_count, global_count, send_tokens, slot_rows, rows_per_expert = torch.ops.unicoll.moe_layout(
         x, topk_idx, topk_weights, experts_per_rank, number, capacity
     )
-    rows_per_expert = global_count.view(-1, experts_per_rank).sum(0).tolist()
-    for rows in rows_per_expert:
-        torch._check(rows >= 0)
     received = torch.ops.unicoll.global_scatter(
         x.index_select(0, send_tokens), local_count, global_count, number, True, sum(rows_per_expert)
     )

@@ -99,20 +99,25 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
 
 def layout(
     x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, group: Group | None, capacity: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, Any, Any]:
     """:func:`dispatch`'s validation, check and counts exchange, without sending the rows: the
-    counts sent and received, the send order (each row's token) and each slot's row, as host
-    int64 arrays (see :class:`~unicoll.routing.Routing`), from which a caller that keeps the
-    layout in arrays of its own sends the rows with ``global_scatter``."""
+    counts sent and received (host int64), the send order (each row's token) and each slot's
+    row (see :class:`~unicoll.backends.layout.Routing`: host int64 on a host backend, on x's
+    device on a device backend, which reads the counts on the host once), from which a caller
+    that keeps the layout in arrays of its own sends the rows with ``global_scatter``."""
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      group=group, sync_op=True, capacity=capacity)  # fmt: skip
     call = prepare(MOE_DISPATCH, arguments)
-    routing = route(host_ids(call.topk_idx), call.W * call.experts_per_rank, call.capacity)
+    backend = call.backend
+    if backend.host_memory:
+        exchanged = _routed_on_host(call)
+    else:
+        exchanged = _routed_on_device(call, backend.to_native(x), topk_idx)
     with translated(MOE_DISPATCH.name, call.group, call.timeout):
         if call.compare:
             verify(MOE_DISPATCH, call)
-        global_count = call.backend.exchange_ints(routing.local_count.copy(), call.group)
-    return routing.local_count, global_count, routing.send_tokens, routing.slot_rows
+        routing, plan = exchanged()
+    return routing.local_count, plan.received.reshape(-1), routing.send_tokens, routing.slot_rows
 
 
 def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weighted: bool) -> None:
