@@ -14,6 +14,7 @@ that buffer hands each rank a ``(W, E, C)`` grid of blocks by source rank, which
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .arrays import library_of, place_of
@@ -136,6 +137,65 @@ def sum_slots(xp: Any, back: Any, layout: StaticLayout, weights: Any) -> Any:
         w = xp.where(layout.kept, weights, xp.zeros_like(weights))
         out = xp.matmul(xp.astype(xp.reshape(w, (tokens, 1, k)), common), xp.astype(rows, common))
     return xp.astype(xp.reshape(out, (tokens, *trailing)), back.dtype)
+
+
+Exchange = Callable[[Any], Any]
+"""How a caller moves a static step's blocks: the even all-to-all of an array's rows (``W``
+equal blocks, block c to rank c), returning what arrived, with its gradient where the caller
+records one. Eager calls, torch.compile's traced forms, ``jax.jit``'s callbacks and the tests'
+whole world on one process each supply theirs; the step itself is written once, here."""
+
+
+class Outgoing(NamedTuple):
+    """What a static dispatch sends: its ``layout``, the send buffer ``rows`` (``W * E * C``
+    rows) and the ``counts`` (``W * 2E`` ints: :func:`counts_out`)."""
+
+    layout: StaticLayout
+    rows: Any
+    counts: Any
+
+
+class Arrived(NamedTuple):
+    """What a static dispatch hands its caller: the ``rows`` as ``(E, W * C, ...)`` blocks, the
+    ``counts`` (``(E, W)``: each block's valid rows) and ``received_before_drop`` (``(E, W)``)."""
+
+    rows: Any
+    counts: Any
+    received_before_drop: Any
+
+
+def dispatch_outgoing(xp: Any, x: Any, topk_idx: Any, world: int, experts_per_rank: int, capacity: int) -> Outgoing:
+    """The first half of a static dispatch: the layout of ``topk_idx`` and what it sends."""
+    layout = static_layout(xp, topk_idx, world * experts_per_rank, capacity)
+    return Outgoing(layout, send_rows(xp, x, layout), counts_out(xp, layout, world, experts_per_rank))
+
+
+def dispatch_arrived(xp: Any, rows: Any, counts: Any, world: int, experts_per_rank: int) -> Arrived:
+    """The second half: the rows and the counts that arrived, as the caller gets them."""
+    valid, before = counts_in(xp, counts, world, experts_per_rank)
+    return Arrived(expert_major(xp, rows, world, experts_per_rank), valid, before)
+
+
+def dispatch_blocks(
+    xp: Any, x: Any, topk_idx: Any, world: int, experts_per_rank: int, capacity: int, exchange: Exchange
+) -> tuple[StaticLayout, Arrived]:
+    """A static dispatch whose blocks move by ``exchange``: the layout and what arrived."""
+    out = dispatch_outgoing(xp, x, topk_idx, world, experts_per_rank, capacity)
+    return out.layout, dispatch_arrived(xp, exchange(out.rows), exchange(out.counts), world, experts_per_rank)
+
+
+def redispatch_blocks(
+    xp: Any, x: Any, layout: StaticLayout, world: int, experts_per_rank: int, exchange: Exchange
+) -> Any:
+    """A static redispatch (other rows of the same tokens along ``layout``) by ``exchange``."""
+    return expert_major(xp, exchange(send_rows(xp, x, layout)), world, experts_per_rank)
+
+
+def combine_blocks(
+    xp: Any, y: Any, layout: StaticLayout, weights: Any, world: int, experts_per_rank: int, exchange: Exchange
+) -> Any:
+    """A static combine of blocks ``y`` by ``exchange``: sent back, each token's slots summed."""
+    return sum_slots(xp, exchange(source_major(xp, y, world, experts_per_rank)), layout, weights)
 
 
 def _one_row_at_least(xp: Any, x: Any) -> Any:

@@ -36,13 +36,10 @@ from ..spec import OpSpec
 from ..static_layout import (
     StaticHandle,
     StaticLayout,
-    counts_in,
-    counts_out,
-    expert_major,
-    send_rows,
-    source_major,
-    static_layout,
-    sum_slots,
+    combine_blocks,
+    dispatch_arrived,
+    dispatch_outgoing,
+    redispatch_blocks,
 )
 from ..validate import read_only
 
@@ -84,25 +81,24 @@ def call(name: str, spec: OpSpec, arguments: dict[str, Any]) -> Any:
     xp = sys.modules["jax"].numpy
     if name == "moe.dispatch_static":
         return _dispatch(xp, call, arguments)
+    exchange = _exchange(name, call.group)
     if name == "moe.redispatch_static":
-        rows = _exchange(name, send_rows(xp, arguments["x"], handle.layout), call.group)
-        return expert_major(xp, rows, handle.world, handle.experts_per_rank)
-    back = _exchange(name, source_major(xp, arguments["y"], handle.world, handle.experts_per_rank), call.group)
-    return sum_slots(xp, back, handle.layout, handle.weights)
+        return redispatch_blocks(xp, arguments["x"], handle.layout, handle.world, handle.experts_per_rank, exchange)
+    return combine_blocks(xp, arguments["y"], handle.layout, handle.weights, handle.world, handle.experts_per_rank,
+                          exchange)  # fmt: skip
 
 
 def _dispatch(xp: Any, call: Any, arguments: dict[str, Any]) -> tuple[Any, Any, StaticHandle]:
     world, experts, capacity, name = call.W, call.experts_per_rank, call.capacity, "moe.dispatch_static"
     x, weights = arguments["x"], arguments["topk_weights"]
-    layout = static_layout(xp, arguments["topk_idx"], world * experts, capacity)
+    out = dispatch_outgoing(xp, x, arguments["topk_idx"], world, experts, capacity)
     if call.overflow == "error":
-        _refuse_drops(layout.demand, call.group, capacity)
-    rows = expert_major(xp, _exchange(name, send_rows(xp, x, layout), call.group), world, experts)
-    counts = _exchange(name, counts_out(xp, layout, world, experts), call.group)
-    valid, before = counts_in(xp, counts, world, experts)
-    handle = StaticHandle(call.group, experts, capacity, weights, x, (valid, before, layout.demand), layout.kept,
-                          layout, -1)  # fmt: skip
-    return rows, valid, handle
+        _refuse_drops(out.layout.demand, call.group, capacity)
+    exchange = _exchange(name, call.group)
+    arrived = dispatch_arrived(xp, exchange(out.rows), exchange(out.counts), world, experts)
+    counts = (arrived.counts, arrived.received_before_drop, out.layout.demand)
+    handle = StaticHandle(call.group, experts, capacity, weights, x, counts, out.layout.kept, out.layout, -1)
+    return arrived.rows, arrived.counts, handle
 
 
 def _host(name: str, group: Group, body: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,9 +132,9 @@ def _host(name: str, group: Group, body: Callable[..., Any]) -> Callable[..., An
     return host
 
 
-def _exchange(name: str, rows: Any, group: Group) -> Any:
-    """The even all-to-all of ``rows`` (W equal blocks) for the operator ``name``, as an ordered
-    host callback, whose gradient travels back the same way."""
+def _exchange(name: str, group: Group) -> Callable[[Any], Any]:
+    """The exchange of the operator ``name`` on ``group``: the even all-to-all of an array's
+    rows (W equal blocks), as an ordered host callback, whose gradient travels back the same way."""
     jax = sys.modules["jax"]
 
     def exchanged(backend: Backend, block: np.ndarray) -> np.ndarray:
@@ -169,7 +165,7 @@ def _exchange(name: str, rows: Any, group: Group) -> Any:
         return (transfer(grad),)
 
     exchange.defvjp(forward, backward)
-    return exchange(rows)
+    return exchange
 
 
 def _refuse_drops(demand: Any, group: Group, capacity: int) -> None:

@@ -26,17 +26,7 @@ from ..eager.moe import sum_at_once
 from ..errors import bad_input
 from ..group import Group
 from ..routing import Handle, Routing
-from ..static_layout import (
-    StaticHandle,
-    StaticLayout,
-    counts_in,
-    counts_out,
-    expert_major,
-    send_rows,
-    source_major,
-    static_layout,
-    sum_slots,
-)
+from ..static_layout import StaticHandle, StaticLayout, combine_blocks, dispatch_blocks, redispatch_blocks
 from . import locked
 from .custom_ops import WORLD, group_of, world_size
 
@@ -481,10 +471,15 @@ class TracedStaticHandle(NamedTuple):
         return self.weights is not None
 
 
-def _even(rows: torch.Tensor, number: int) -> torch.Tensor:
-    """``unicoll::alltoall_single`` of ``rows`` in W equal blocks: its output has rows' shape."""
-    result, _ = torch.ops.unicoll.alltoall_single(rows, None, None, number, True, None)
-    return result
+def _even(number: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The exchange of a static step on group ``number``: ``unicoll::alltoall_single`` of an
+    array's rows in W equal blocks, whose output has the array's shape."""
+
+    def exchange(rows: torch.Tensor) -> torch.Tensor:
+        result, _ = torch.ops.unicoll.alltoall_single(rows, None, None, number, True, None)
+        return result
+
+    return exchange
 
 
 def _static_rules(op: str, x: Any, rows: int, weights: Any) -> None:
@@ -526,12 +521,10 @@ def moe_dispatch_static(
         return _untraced(eager)
     _static_rules("moe.dispatch_static", x, topk_idx.shape[0], topk_weights)
     world = world_size(number, "moe.dispatch_static")
-    layout = static_layout(xpt, topk_idx, world * experts_per_rank, capacity)
-    rows = expert_major(xpt, _even(send_rows(xpt, x, layout), number), world, experts_per_rank)
-    valid, before = counts_in(xpt, _even(counts_out(xpt, layout, world, experts_per_rank), number), world,
-                              experts_per_rank)  # fmt: skip
-    handle = TracedStaticHandle(layout, number, world, experts_per_rank, capacity, topk_weights, valid, before)
-    return rows, valid, handle
+    layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even(number))
+    handle = TracedStaticHandle(layout, number, world, experts_per_rank, capacity, topk_weights, arrived.counts,
+                                arrived.received_before_drop)  # fmt: skip
+    return arrived.rows, arrived.counts, handle
 
 
 def _static_handle(op: Callable[..., Any], rows: Any, handle: Any, sync_op: Any) -> tuple[int, bool]:
@@ -552,8 +545,7 @@ def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     if not traced:
         return _untraced(locked.moe_redispatch_static, x, handle, sync_op=sync_op)
     _static_rules("moe.redispatch_static", x, handle.layout.kept.shape[0], None)
-    sent = _even(send_rows(xpt, x, handle.layout), number)
-    return expert_major(xpt, sent, handle.world, handle.experts_per_rank)
+    return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even(number))
 
 
 def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
@@ -566,5 +558,4 @@ def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     blocks = (handle.experts_per_rank, handle.world * handle.capacity)
     if y.ndim < 2 or tuple(y.shape[:2]) != blocks:
         raise bad_input("moe.combine_static", "y", f"blocks of shape {blocks}", f"shape {tuple(y.shape)}")
-    back = _even(source_major(xpt, y, handle.world, handle.experts_per_rank), number)
-    return sum_slots(xpt, back, handle.layout, handle.weights)
+    return combine_blocks(xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even(number))

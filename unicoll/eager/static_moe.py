@@ -25,12 +25,11 @@ from ..group import Group
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
 from ..static_layout import (
     StaticHandle,
-    counts_in,
-    counts_out,
+    dispatch_arrived,
+    dispatch_outgoing,
     expert_major,
     send_rows,
     source_major,
-    static_layout,
     sum_slots,
 )
 from ..task import Task
@@ -119,10 +118,8 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
     xp = array_namespace(x)
-    layout = static_layout(xp, arguments["topk_idx"], world * experts, capacity)
-    outgoing = send_rows(xp, x, layout)
-    counts = counts_out(xp, layout, world, experts)
-    number = -1
+    out = dispatch_outgoing(xp, x, arguments["topk_idx"], world, experts, capacity)
+    layout, number = out.layout, -1
 
     def issue() -> Pending:
         nonlocal number
@@ -131,19 +128,18 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             number = call_number(grp)
         if call.overflow == "error":
             refuse_drops(backend, grp, on_host(layout.demand), capacity)
-        rows = _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
-        got = _transfer(backend, backend.to_native(counts), grp, not call.sync_op, call.sync_op)
+        rows = _transfer(backend, backend.to_native(out.rows), grp, not call.sync_op, call.sync_op)
+        got = _transfer(backend, backend.to_native(out.counts), grp, not call.sync_op, call.sync_op)
         return Pending(rows.works + got.works, lambda: (rows.finish(), got.finish()))
 
-    received = _functional(MOE_DISPATCH_STATIC.name, call, outgoing, _backward(call))
+    received = _functional(MOE_DISPATCH_STATIC.name, call, out.rows, _backward(call))
 
     def finish(result: tuple[Any, Any]) -> tuple[Any, Any, StaticHandle]:
         rows, got = result
-        rows = expert_major(xp, received(rows), world, experts)
-        valid, before = counts_in(xp, backend.from_native(got, library_of(x)), world, experts)
-        handle = StaticHandle(grp, experts, capacity, weights, x, (valid, before, layout.demand), layout.kept, layout,
-                              number)  # fmt: skip
-        return rows, valid, handle
+        arrived = dispatch_arrived(xp, received(rows), backend.from_native(got, library_of(x)), world, experts)
+        counts = (arrived.counts, arrived.received_before_drop, layout.demand)
+        handle = StaticHandle(grp, experts, capacity, weights, x, counts, layout.kept, layout, number)
+        return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
 
