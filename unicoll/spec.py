@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -165,32 +164,31 @@ class OpSpec:
     reads_host: bool = False
     static_shapes: bool = True
 
-    @cached_property
-    def kinds(self) -> dict[str, Kind]:
-        """Each parameter's kind by its name, computed once."""
-        return {p.name: p.kind for p in self.params}
+    kinds: dict[str, Kind] = field(init=False, repr=False)
+    """Each parameter's kind by its name."""
+    signed: tuple[tuple[str, Callable[[Any], Any]], ...] = field(init=False, repr=False)
+    """``(name, signature function)`` of each parameter that goes into the key of an accepted
+    call (every one but the group)."""
+    readers: tuple[tuple[str, Callable[..., Any]], ...] = field(init=False, repr=False)
+    """``(name, reader)`` of each parameter that has a reader (every one but the group)."""
+    passed_through: tuple[str, ...] = field(init=False, repr=False)
+    """Names of the parameters whose value the call carries as given."""
+    counted: tuple[str, ...] = field(init=False, repr=False)
+    """Names of the parameters whose read value is a counts array."""
 
-    @cached_property
-    def signed(self) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
-        """``(name, signature function)`` of each parameter that goes into the key of an
-        accepted call (every one but the group), computed once."""
-        return tuple((p.name, p.kind.sign) for p in self.params if p.kind.sign is not None)
-
-    @cached_property
-    def readers(self) -> tuple[tuple[str, Callable[..., Any]], ...]:
-        """``(name, reader)`` of each parameter that has a reader (every one but the group),
-        computed once."""
-        return tuple((p.name, p.kind.read) for p in self.params if p.kind.read is not None)
-
-    @cached_property
-    def passed_through(self) -> tuple[str, ...]:
-        """Names of the parameters whose value the call carries as given, computed once."""
-        return tuple(p.name for p in self.params if p.kind.passed_through)
-
-    @cached_property
-    def counted(self) -> tuple[str, ...]:
-        """Names of the parameters whose read value is a counts array, computed once."""
-        return tuple(p.name for p in self.params if p.kind.holds_counts)
+    def __post_init__(self) -> None:
+        """The tables every call reads, derived from the parameters once, here (not on first
+        use: torch.compile traces the validation of the static MoE operators, and cannot enter
+        the lock a lazily computed attribute takes)."""
+        derived = {
+            "kinds": {p.name: p.kind for p in self.params},
+            "signed": tuple((p.name, p.kind.sign) for p in self.params if p.kind.sign is not None),
+            "readers": tuple((p.name, p.kind.read) for p in self.params if p.kind.read is not None),
+            "passed_through": tuple(p.name for p in self.params if p.kind.passed_through),
+            "counted": tuple(p.name for p in self.params if p.kind.holds_counts),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
 
 def _rows(a: Any) -> int:

@@ -265,7 +265,7 @@ def test_ops_register_for_cpu_and_cuda() -> None:
 
     traced = {name for name, form in TRACED_FORMS.items() if form is not None and not name.startswith("moe.")}
     backward = {f"{name}_backward" for name in traced & set(SPEC_OPS)}  # every traced data operator's
-    assert set(CUSTOM_OPS) == {*traced, "moe_layout", "moe_check", *backward}
+    assert set(CUSTOM_OPS) == {*traced, "moe_layout", "moe_check", "moe_check_static", "moe_check_blocks", *backward}
     assert traced == set(OPS) - {"moe_layout"}
     for op in CUSTOM_OPS:
         for key in ("CPU", "CUDA"):
@@ -402,6 +402,11 @@ def _dispatched(x: torch.Tensor, weights: torch.Tensor | None = None) -> tuple:
     return uc.moe.dispatch(x, torch.tensor([[0], [0], [0]]), weights, experts_per_rank=1)
 
 
+def _static_dispatched(x: torch.Tensor) -> tuple:
+    """``moe.dispatch_static`` of 3 tokens to the one expert of a world of one, 2 rows a block."""
+    return uc.moe.dispatch_static(x, torch.tensor([[0], [0], [-1]]), experts_per_rank=1, capacity=2)
+
+
 BAD_TRACED_CALLS = [
     (lambda x: uc.global_scatter(x, torch.tensor([4, -1]), torch.tensor([3])), ValueError),
     (lambda x: uc.global_scatter(x, torch.tensor([3.0]), torch.tensor([3])), TypeError),
@@ -426,7 +431,17 @@ BAD_TRACED_CALLS = [
     (lambda x: uc.moe.combine(_dispatched(x)[0][:2], _dispatched(x)[2]), ValueError),
     (lambda x: uc.moe.combine(_dispatched(x)[0] > 0, _dispatched(x)[2]), TypeError),
     (lambda x: uc.moe.combine(_dispatched(x)[0].long(), _dispatched(x, torch.ones(3, 1))[2]), TypeError),
-]
+    (lambda x: uc.moe.dispatch_static(x, torch.tensor([[0], [0]]), experts_per_rank=1, capacity=2), ValueError),
+    (lambda x: uc.moe.dispatch_static(x, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 2), experts_per_rank=1,
+                                      capacity=2), ValueError),
+    (lambda x: uc.moe.dispatch_static(x, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1, dtype=torch.int64),
+                                      experts_per_rank=1, capacity=2), TypeError),
+    (lambda x: uc.moe.dispatch_static(x, torch.zeros(3, 1, dtype=torch.int64), experts_per_rank=2,
+                                      capacity=2**30), ValueError),
+    (lambda x: uc.moe.redispatch_static(x[:2], _static_dispatched(x)[2]), ValueError),
+    (lambda x: uc.moe.combine_static(_static_dispatched(x)[0][:, :1], _static_dispatched(x)[2]), ValueError),
+    (lambda x: uc.moe.combine_static(_static_dispatched(x)[0] > 0, _static_dispatched(x)[2]), TypeError),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", range(len(BAD_TRACED_CALLS)))

@@ -26,7 +26,7 @@ import torch
 from .. import runtime
 from ..backends.layout import moe_plan
 from ..counts import even_split
-from ..eager import moe, ops
+from ..eager import moe, ops, static_moe
 from ..group import Group, group_numbered
 from . import locked
 
@@ -558,14 +558,78 @@ def _moe_check_fake(
     """Nothing comes out."""
 
 
+@_op(
+    "moe_check_static",
+    "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int capacity, int group) -> ()",
+)
+def _moe_check_static(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    experts_per_rank: int,
+    capacity: int,
+    group: int,
+) -> None:
+    """moe.dispatch_static's arguments checked by its spec: eager's errors, raised when the
+    graph runs."""
+    static_moe.check_dispatch(x, topk_idx, topk_weights, experts_per_rank, capacity, group_of(group))
+
+
+@_moe_check_static.register_fake
+def _moe_check_static_fake(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    experts_per_rank: int,
+    capacity: int,
+    group: int,
+) -> None:
+    """Nothing comes out."""
+
+
+@_op(
+    "moe_check_blocks",
+    "(Tensor rows, Tensor like, SymInt tokens, int experts_per_rank, int world, int capacity, bool weighted, "
+    "str op) -> ()",
+)
+def _moe_check_blocks(
+    rows: torch.Tensor,
+    like: torch.Tensor,
+    tokens: int,
+    experts_per_rank: int,
+    world: int,
+    capacity: int,
+    weighted: bool,
+    op: str,
+) -> None:
+    """The rows given to moe.redispatch_static or moe.combine_static (``op``) checked by its
+    spec against the handle (``like`` is on the dispatched x's device): eager's errors, raised
+    when the graph runs."""
+    static_moe.check_blocks(op, rows, like, tokens, (experts_per_rank, world, capacity), weighted)
+
+
+@_moe_check_blocks.register_fake
+def _moe_check_blocks_fake(
+    rows: torch.Tensor,
+    like: torch.Tensor,
+    tokens: int,
+    experts_per_rank: int,
+    world: int,
+    capacity: int,
+    weighted: bool,
+    op: str,
+) -> None:
+    """Nothing comes out."""
+
+
 CUSTOM_OPS = (
     "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
-    "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check",
+    "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check", "moe_check_static", "moe_check_blocks",
     "global_scatter_backward", "global_gather_backward", "alltoall_single_backward", "all_gather_backward",
     "all_reduce_backward", "broadcast_backward", "reduce_scatter_backward",
 )  # fmt: skip
 """The ops of the ``unicoll`` namespace: each traced operator's (:data:`unicoll.face.TRACED_FORMS`)
-forward and, for a data operator, backward; unicoll.moe's layout and check. tests/compile holds
+forward and, for a data operator, backward; unicoll.moe's layout and checks. tests/compile holds
 this list against the table and the specs."""
 
 for _op in CUSTOM_OPS:

@@ -23,7 +23,6 @@ import torch
 from .. import runtime
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
-from ..errors import bad_input
 from ..group import Group
 from ..routing import Handle, Routing
 from ..static_layout import StaticHandle, StaticLayout, combine_blocks, dispatch_blocks, redispatch_blocks
@@ -429,48 +428,6 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
 # -- the static-shape MoE operators: the layout traced on the array API, even all-to-alls ------
 
 
-class TracedStaticHandle(NamedTuple):
-    """What :func:`unicoll.moe.dispatch_static` hands back in compiled code: the layout as
-    tensors and the block shape, for :func:`moe_redispatch_static` and
-    :func:`moe_combine_static` (which also take an eager :class:`~unicoll.moe.StaticHandle` made
-    on a device backend; one made on a host backend, whose transfers follow a plan on the host,
-    runs them eagerly)."""
-
-    layout: StaticLayout
-    group: int
-    """The group's number (:data:`WORLD` for the world)."""
-    world: int
-    experts_per_rank: int
-    capacity: int
-    weights: torch.Tensor | None
-    counts: torch.Tensor
-    """``(E, W)``: the valid rows of each block."""
-    received_before_drop: torch.Tensor
-    """``(E, W)``: the slots each block's source routed there before the capacity."""
-
-    @property
-    def sent_before_drop(self) -> torch.Tensor:
-        """``(W * E,)``: the slots this rank routed to each global expert before the capacity."""
-        return self.layout.demand
-
-    @property
-    def kept(self) -> torch.Tensor:
-        """``(tokens, k)`` bool: which slots were sent."""
-        return self.layout.kept
-
-    @property
-    def tokens(self) -> int:
-        return self.layout.kept.shape[0]
-
-    @property
-    def topk(self) -> int:
-        return self.layout.kept.shape[1]
-
-    @property
-    def weighted(self) -> bool:
-        return self.weights is not None
-
-
 def _even(number: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The exchange of a static step on group ``number``: ``unicoll::alltoall_single`` of an
     array's rows in W equal blocks, whose output has the array's shape."""
@@ -480,16 +437,6 @@ def _even(number: int) -> Callable[[torch.Tensor], torch.Tensor]:
         return result
 
     return exchange
-
-
-def _static_rules(op: str, x: Any, rows: int, weights: Any) -> None:
-    """The static-shape rules of ``op`` on what tracing knows (shapes, dtypes, devices), raised
-    while tracing as eager raises them."""
-    if x.shape[0] != rows:
-        raise bad_input(op, "x", f"{rows} rows (one per token)", f"{x.shape[0]} rows")
-    if weights is not None and (not weights.is_floating_point() or weights.device != x.device):
-        raise bad_input(op, "topk_weights", "a floating tensor on x's device", f"{weights.dtype} on {weights.device}",
-                        TypeError)  # fmt: skip
 
 
 def moe_dispatch_static(
@@ -505,8 +452,10 @@ def moe_dispatch_static(
 ) -> Any:
     """:func:`unicoll.moe.dispatch_static` as traced: the layout in the graph (array-API
     operations on torch), the rows and the counts sent by ``unicoll::alltoall_single`` in W equal
-    blocks; every shape static, no value read on the host; the handle is a
-    :class:`TracedStaticHandle`. ``overflow='error'`` (a host read) runs eagerly."""
+    blocks; every shape static, no value read on the host. The call is checked by its spec, as
+    eager's is (``unicoll::moe_check_static``: eager's errors, raised while tracing), and the
+    handle is eager's :class:`~unicoll.moe.StaticHandle` over the layout's tensors. ``overflow='error'`` (a host
+    read) runs eagerly."""
     eager = functools.partial(
         locked.moe_dispatch_static, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank,
         capacity=capacity, group=group, sync_op=sync_op, overflow=overflow,
@@ -519,32 +468,39 @@ def moe_dispatch_static(
     sizes_ok = type(experts_per_rank) is int and experts_per_rank > 0 and type(capacity) is int and capacity >= 0
     if not tensors or not weights_ok or not sizes_ok or overflow != "drop" or not _traced(number):
         return _untraced(eager)
-    _static_rules("moe.dispatch_static", x, topk_idx.shape[0], topk_weights)
+    torch.ops.unicoll.moe_check_static(x, topk_idx, topk_weights, experts_per_rank, capacity, number)
     world = world_size(number, "moe.dispatch_static")
     layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even(number))
-    handle = TracedStaticHandle(layout, number, world, experts_per_rank, capacity, topk_weights, arrived.counts,
-                                arrived.received_before_drop)  # fmt: skip
+    counts = (arrived.counts, arrived.received_before_drop, layout.demand)
+    grp = group_of(number)
+    grp = runtime.state("moe.dispatch_static").world if grp is None else grp
+    handle = StaticHandle(grp, experts_per_rank, capacity, topk_weights, x, counts, layout.kept, layout, -1)
     return arrived.rows, arrived.counts, handle
 
 
-def _static_handle(op: Callable[..., Any], rows: Any, handle: Any, sync_op: Any) -> tuple[int, bool]:
-    """The group number of a static handle, and whether ``op``'s call with it traces."""
-    if isinstance(handle, TracedStaticHandle):
-        number = handle.group
-    elif isinstance(handle, StaticHandle) and handle.ended is None and isinstance(handle.layout, StaticLayout):
-        number = _number(handle.group)
-    else:
+def _static_handle(rows: Any, handle: Any, sync_op: Any) -> tuple[int, bool]:
+    """The group number of a static handle, and whether a call with it traces: a handle of the
+    running session whose layout is in arrays (one made on a host backend, whose transfers
+    follow a plan on the host, runs eagerly)."""
+    if not (isinstance(handle, StaticHandle) and handle.ended is None and isinstance(handle.layout, StaticLayout)):
         return WORLD, False
+    number = _number(handle.group)
     return number, isinstance(rows, torch.Tensor) and _flags(sync_op) and _traced(number)
+
+
+def _check_blocks(rows: torch.Tensor, handle: StaticHandle, op: str) -> None:
+    """``unicoll::moe_check_blocks`` of the rows given to ``op`` against the handle."""
+    blocks = handle.experts_per_rank, handle.world, handle.capacity
+    torch.ops.unicoll.moe_check_blocks(rows, handle.kept, handle.tokens, *blocks, handle.weighted, op)
 
 
 def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.redispatch_static` as traced: the rows gathered in the graph and sent
     by ``unicoll::alltoall_single`` in W equal blocks."""
-    number, traced = _static_handle(locked.moe_redispatch_static, x, handle, sync_op)
+    number, traced = _static_handle(x, handle, sync_op)
     if not traced:
         return _untraced(locked.moe_redispatch_static, x, handle, sync_op=sync_op)
-    _static_rules("moe.redispatch_static", x, handle.layout.kept.shape[0], None)
+    _check_blocks(x, handle, "moe.redispatch_static")
     return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even(number))
 
 
@@ -552,10 +508,8 @@ def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.combine_static` as traced: the blocks sent back by
     ``unicoll::alltoall_single`` in W equal blocks, each token's kept slots weighed and summed in
     the graph."""
-    number, traced = _static_handle(locked.moe_combine_static, y, handle, sync_op)
+    number, traced = _static_handle(y, handle, sync_op)
     if not traced:
         return _untraced(locked.moe_combine_static, y, handle, sync_op=sync_op)
-    blocks = (handle.experts_per_rank, handle.world * handle.capacity)
-    if y.ndim < 2 or tuple(y.shape[:2]) != blocks:
-        raise bad_input("moe.combine_static", "y", f"blocks of shape {blocks}", f"shape {tuple(y.shape)}")
+    _check_blocks(y, handle, "moe.combine_static")
     return combine_blocks(xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even(number))

@@ -125,9 +125,15 @@ def check_rows(op: str, rows: Any, like: Any, tokens: int, received: int, weight
     of ``tokens`` tokens, ``received`` rows and x's place ``like``, raising eager's error where
     its rules fail, for a caller whose handle is kept in arrays of its own."""
     spec = MOE_REDISPATCH if op == MOE_REDISPATCH.name else MOE_COMBINE
-    handle = SimpleNamespace(tokens=tokens, received=received, weighted=weighted, library=library_of(like),
-                             device=place_of(like))  # fmt: skip
-    call = SimpleNamespace(**{spec.params[0].name: rows, "handle": handle})
+    check_handled(spec, rows, like, tokens=tokens, received=received, weighted=weighted)
+
+
+def check_handled(spec: OpSpec, rows: Any, like: Any, **handle: Any) -> None:
+    """The rules of ``spec`` (an operator of rows and a handle) checked against ``rows`` and a
+    handle described by ``handle``'s fields and x's place ``like``, raising eager's error where
+    one fails: for a caller whose handle is kept in arrays of its own, or traced."""
+    described = SimpleNamespace(library=library_of(like), device=place_of(like), **handle)
+    call = SimpleNamespace(**{spec.params[0].name: rows, "handle": described})
     for rule in spec.rules:
         given = rule.check(call)
         if given is not None:

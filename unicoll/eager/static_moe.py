@@ -33,9 +33,9 @@ from ..static_layout import (
     sum_slots,
 )
 from ..task import Task
-from ..validate import prepare
+from ..validate import prepare, read_only
 from . import static_host
-from .moe import handle_group
+from .moe import check_handled, handle_group
 from .ops import _functional, _run, alltoall_single_backward
 from .static_host import refuse_drops
 
@@ -95,6 +95,26 @@ def combine_static(y: Any, handle: StaticHandle, *, sync_op: bool = True) -> Any
     """
     arguments = dict(y=y, handle=handle, sync_op=sync_op, group=_static_group(MOE_COMBINE_STATIC.name, handle))
     return _combine(prepare(MOE_COMBINE_STATIC, arguments), arguments)
+
+
+def check_dispatch(
+    x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, capacity: int, group: Group | None
+) -> None:
+    """moe.dispatch_static's arguments read and checked by its spec, eager's errors raised, for
+    a caller that runs the step itself (torch.compile's traced form)."""
+    arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
+                     capacity=capacity, group=group, sync_op=True, overflow="drop")  # fmt: skip
+    read_only(MOE_DISPATCH_STATIC, arguments)
+
+
+def check_blocks(op: str, rows: Any, like: Any, tokens: int, blocks: tuple[int, int, int], weighted: bool) -> None:
+    """The rows given to ``op`` (moe.redispatch_static's x, moe.combine_static's y) checked by
+    its spec against a handle of ``tokens`` tokens, ``blocks`` (experts per rank, W, capacity)
+    and x's place ``like``: eager's errors, for a caller whose handle is traced."""
+    spec = MOE_REDISPATCH_STATIC if op == MOE_REDISPATCH_STATIC.name else MOE_COMBINE_STATIC
+    experts_per_rank, world, capacity = blocks
+    check_handled(spec, rows, like, tokens=tokens, weighted=weighted, experts_per_rank=experts_per_rank, world=world,
+                  capacity=capacity)  # fmt: skip
 
 
 def _static_group(op: str, handle: Any) -> Group:
