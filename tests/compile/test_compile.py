@@ -192,14 +192,26 @@ def _mismatch_caught(rank: int) -> str:
     return str(caught.value)
 
 
+def _static_mismatch_caught(rank: int) -> str:
+    """Check mode from compiled code sees a static dispatch as one: rank 1 routes a slot to an
+    expert that does not exist (which the static mode would drop silently)."""
+    ids = torch.tensor([[0], [1 + 3 * rank]])
+    dispatch = torch.compile(lambda x: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=2)[0],
+                             fullgraph=True, backend="eager")  # fmt: skip
+    with pytest.raises(uc.CrossRankMismatchError) as caught:
+        dispatch(torch.ones(2, 1))
+    return str(caught.value)
+
+
 def two_ranks(rank: int) -> dict:
     """Everything the world of two checks (check mode on): the MoE layer, every operator, and
-    a mismatch that check mode finds."""
+    mismatches that check mode finds."""
     _flags_on()
     assert uc.is_initialized()
     moe, each_op = compiled_moe_matches_eager(rank, 2), _every_op_traces(rank)
     moe_topk = compiled_moe_matches_eager(rank, 2, layer=moe_topk_layer)
-    return {"moe": moe, "moe_topk": moe_topk, "ops": each_op, "mismatch": _mismatch_caught(rank)}
+    mismatches = {"mismatch": _mismatch_caught(rank), "static mismatch": _static_mismatch_caught(rank)}
+    return {"moe": moe, "moe_topk": moe_topk, "ops": each_op, **mismatches}
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +237,9 @@ def test_moe_layer_compiles_with_fullgraph_on_three_ranks() -> None:
 def test_check_mode_compares_the_ranks_calls_from_compiled_code(world_of_two) -> None:
     messages = {report["mismatch"] for report in world_of_two}
     assert len(messages) == 1 and "global_scatter: ranks disagree:" in messages.pop()
+    static = {report["static mismatch"] for report in world_of_two}
+    assert len(static) == 1, static
+    assert "moe.dispatch_static: ranks disagree: rank 1 passes expert id 4 at topk_idx[1, 0]" in static.pop()
 
 
 def test_every_operator_traces_without_a_break(world_of_two) -> None:

@@ -19,8 +19,9 @@ from array_api_compat import array_namespace
 
 from ..arrays import library_of
 from ..backends.base import Backend, Pending
-from ..check import call_number, verify
+from ..check import call_number, count_call, verify
 from ..counts import on_host
+from ..errors import translated
 from ..group import Group
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
 from ..static_layout import (
@@ -101,10 +102,15 @@ def check_dispatch(
     x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, capacity: int, group: Group | None
 ) -> None:
     """moe.dispatch_static's arguments read and checked by its spec, eager's errors raised, for
-    a caller that runs the step itself (torch.compile's traced form)."""
+    a caller that runs the step itself (torch.compile's traced form); in check mode the ranks
+    then compare it as the dispatch it is (its transfers are compared as what they are too)."""
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      capacity=capacity, group=group, sync_op=True, overflow="drop")  # fmt: skip
-    read_only(MOE_DISPATCH_STATIC, arguments)
+    call = read_only(MOE_DISPATCH_STATIC, arguments)
+    if call.check:
+        count_call(call.group)
+        with translated(MOE_DISPATCH_STATIC.name, call.group, call.timeout):
+            verify(MOE_DISPATCH_STATIC, call, topk_idx=topk_idx)
 
 
 def check_blocks(op: str, rows: Any, like: Any, tokens: int, blocks: tuple[int, int, int], weighted: bool) -> None:
