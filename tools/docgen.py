@@ -13,7 +13,7 @@ import sys
 
 from unicoll import registry
 from unicoll.arrays import DTYPES
-from unicoll.backends.base import REDUCE_OPS
+from unicoll.backends.base import MOE_ENTRY_POINTS, REDUCE_OPS
 from unicoll.eager import ops as eager_ops
 from unicoll.spec import MOE_MODES, OPS, REQUIRED, SPECS, OpSpec, Param
 
@@ -67,13 +67,15 @@ def _gradient(op: OpSpec) -> str:
 def render_capabilities() -> list[str]:
     factories = registry.registered()
     lines = ["## Backends and what they move", ""]
-    lines += ["| backend | operators | libraries | devices | dtypes |", "|---|---|---|---|---|"]
+    lines += ["| backend | operators | libraries | devices | dtypes | MoE rows moved by |", "|---|---|---|---|---|---|"]
     for name, factory in factories.items():
         caps = factory.capabilities
         ops = ", ".join(op for op in OPS if op in caps.ops)
         dtypes = ", ".join(d for d in DTYPES if d in caps.dtypes)
+        moe = ", ".join(f"its own `{entry}`" for entry in MOE_ENTRY_POINTS if entry in caps.moe) or "its primitives"
         lines.append(
-            f"| `{name}` | {ops} | {', '.join(sorted(caps.libraries))} | {', '.join(sorted(caps.devices))} | {dtypes} |"
+            f"| `{name}` | {ops} | {', '.join(sorted(caps.libraries))} | {', '.join(sorted(caps.devices))} | {dtypes} "
+            f"| {moe} |"
         )
     lines += ["", "The reductions of `all_reduce` and `reduce_scatter`, and the dtypes each backend runs them on:", ""]
     lines += ["| backend | " + " | ".join(REDUCE_OPS) + " |", "|---|" + "---|" * len(REDUCE_OPS)]

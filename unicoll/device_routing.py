@@ -107,15 +107,14 @@ class DeviceRouting(NamedTuple):
     ``local_count[i]``: rows sent to global expert i. ``send_tokens[n]``: the token of the n-th
     row sent, for n below the rows sent (``sum(local_count)``), padding after them (one entry
     per slot: the size is known before the count is read). ``slot_rows[s]``: slot s's row among
-    the rows sent, or the number of rows sent for a dropped slot. ``kept``: ``(T, k)``, whether
-    each slot is sent. ``faults``: :data:`FAULTS` ints (see there), which the counts' exchange
-    carries so every rank learns of ids out of range without a read of its own.
+    the rows sent, or the number of rows sent for a dropped slot. ``faults``: :data:`FAULTS`
+    ints (see there), which the counts' exchange carries so every rank learns of ids out of
+    range without a read of its own.
     """
 
     local_count: Any
     send_tokens: Any
     slot_rows: Any
-    kept: Any
     faults: Any
 
 
@@ -143,7 +142,7 @@ def device_routing(xp: Any, topk_idx: Any, experts: int, capacity: int | None) -
     of = xp.clip(xp.searchsorted(ends, row, side="right"), max=max(experts - 1, 0))
     at = xp.clip(_at(s.starts, of) + row - _at(firsts, of), min=0, max=max(slots - 1, 0))
     send_tokens = _at(s.order, at) // k
-    return DeviceRouting(s.sent, send_tokens, slot_rows, xp.reshape(s.kept, (tokens, k)), _faults(xp, s.ids))
+    return DeviceRouting(s.sent, send_tokens, slot_rows, _faults(xp, s.ids))
 
 
 def _faults(xp: Any, ids: Any) -> Any:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import unicoll as uc
-from helpers.gpu_backends import start_on_gloo
+from helpers.gpu_backends import params, start_on_gloo
 from helpers.sync_counter import SyncCounter
 from unicoll.backends.base import Capabilities, reductions
 from unicoll.backends.torch import nccl as torch_nccl
@@ -102,9 +102,17 @@ def both_paths(rank: int) -> dict[str, object]:
     return report
 
 
+def device_world(rank: int) -> dict[str, object]:
+    """One world of 3 ranks for this module: the step on both paths (the rank then stays on the
+    device path), a planted read, ids out of range, the compiled steps."""
+    report = both_paths(rank)
+    report.update(planted=planted(rank), bad_ids=bad_ids(rank), compiled=compiled_reads(rank))
+    return report
+
+
 @pytest.fixture(scope="module")
 def reports() -> list[dict[str, object]]:
-    return uc.testing.spawn(both_paths, 3, backend="gloo")
+    return uc.testing.spawn(device_world, 3, backend="gloo", timeout=240)
 
 
 def test_the_device_path_gives_the_host_path_s_results_bit_for_bit(reports) -> None:
@@ -123,7 +131,6 @@ def planted(rank: int) -> dict[str, int]:
     """The counter itself: an ``.item()`` planted in the device routing is counted."""
     from unicoll.eager import moe
 
-    on_the_device_path()
     ids, x, _, w, _ = _inputs(rank, uc.get_world_size(), None, 2)
     routing = moe.device_routing
 
@@ -141,8 +148,8 @@ def planted(rank: int) -> dict[str, int]:
     return counts
 
 
-def test_the_counter_catches_a_planted_read() -> None:
-    assert uc.testing.spawn(planted, 2, backend="gloo") == [{"clean": 1, "planted": 2}] * 2
+def test_the_counter_catches_a_planted_read(reports) -> None:
+    assert [report["planted"] for report in reports] == [{"clean": 1, "planted": 2}] * 3
     with SyncCounter() as reads:
         t = torch.arange(4)
         t.sum().item()
@@ -158,7 +165,6 @@ def test_the_counter_catches_a_planted_read() -> None:
 def bad_ids(rank: int) -> list[str]:
     """Ids out of range on one rank, on the device path: read with the counts, refused on every
     rank before any row moves; the next dispatch runs."""
-    on_the_device_path()
     world = uc.get_world_size()
     ids, x, _, w, _ = _inputs(rank, world, None, 3)
     seen = []
@@ -176,8 +182,8 @@ def bad_ids(rank: int) -> list[str]:
     return seen
 
 
-def test_ids_out_of_range_are_refused_on_every_rank() -> None:
-    reports = uc.testing.spawn(bad_ids, 3, backend="gloo")
+def test_ids_out_of_range_are_refused_on_every_rank(reports) -> None:
+    reports = [report["bad_ids"] for report in reports]
     expected = "moe.dispatch: topk_idx: expected expert ids from -1 (a dropped slot) to W * experts_per_rank - 1"
     assert reports[0] == [f"{expected}, got 9 at [1, 1] (W * experts_per_rank = 9)",
                           f"{expected}, got -2 at [1, 1] (W * experts_per_rank = 9)"]  # fmt: skip
@@ -195,7 +201,6 @@ counted from a profile instead)."""
 def compiled_reads(rank: int) -> dict[str, int]:
     """The same steps compiled (aot_eager: the forward and backward graphs run as aten operations),
     on the device path: the declared reads (``read_ints``) and any other read the profile shows."""
-    on_the_device_path()
     world = uc.get_world_size()
     backend = uc.runtime.state("test").backend
     declared = []
@@ -216,7 +221,7 @@ def compiled_reads(rank: int) -> dict[str, int]:
     counted = {}
     for name, step in (("dynamic", dynamic), ("static", static)):
         compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-        for n in range(3):  # the first call compiles; the others replay with new routings
+        for n in range(2):  # the first call compiles; the second replays with a new routing
             ids, x, h, w, scale = _inputs(rank, world, None, 10 + n)
             del declared[:]
             with torch.profiler.profile() as profile:
@@ -229,6 +234,42 @@ def compiled_reads(rank: int) -> dict[str, int]:
     return counted
 
 
-def test_compiled_code_reads_once_per_dispatch_and_nowhere_else() -> None:
+def test_compiled_code_reads_once_per_dispatch_and_nowhere_else(reports) -> None:
     expected = {"dynamic": 1, "dynamic, other reads": 0, "static": 0, "static, other reads": 0}
-    assert uc.testing.spawn(compiled_reads, 2, backend="gloo", timeout=240) == [expected] * 2
+    assert [report["compiled"] for report in reports] == [expected] * 3
+
+
+# -- CUDA (where a GPU is lent) ---------------------------------------------------------------
+
+
+def _cuda_step(rank: int, capacity: int | None) -> list[torch.Tensor]:
+    """The step of :func:`_step` on CUDA tensors: its output and gradients."""
+    ids, x, h, w, scale = (a.detach().cuda().requires_grad_(a.requires_grad) for a in _inputs(rank, 1, capacity, 0))
+    rows, rows_per_expert, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=E, capacity=capacity)
+    rows = rows + uc.moe.redispatch(h, handle)
+    y = torch.cat([part * scale[e] for e, part in enumerate(torch.split(rows, rows_per_expert))])
+    out = uc.moe.combine(y, handle)
+    (out * out).sum().backward()
+    return [out.detach(), x.grad, h.grad, w.grad, scale.grad]
+
+
+def dynamic_on_cuda(rank: int) -> dict[str, object]:
+    """On CUDA, one rank: dispatch (capacity none and 1), redispatch, combine and the backward
+    pass under ``torch.cuda.set_sync_debug_mode("error")`` (any host synchronization raises but
+    the one each dispatch declares, which ``read_ints`` allows), equal to the same step run
+    without it."""
+    torch.cuda.set_device(0)
+    plain = [_cuda_step(rank, capacity) for capacity in (None, 1)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        watched = [_cuda_step(rank, capacity) for capacity in (None, 1)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"same": [torch.equal(a, b) for got, want in zip(watched, plain) for a, b in zip(got, want)]}
+
+
+@pytest.mark.parametrize("backend", params())
+def test_the_dynamic_step_reads_once_per_dispatch_on_a_gpu(backend: str) -> None:
+    (report,) = uc.testing.spawn(dynamic_on_cuda, 1, backend=backend, timeout=300)
+    assert report["same"] == [True] * 10

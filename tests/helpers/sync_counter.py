@@ -6,8 +6,8 @@ the values (``nonzero``, ``bincount``, ``repeat_interleave`` without ``output_si
 ``masked_select``, indexing with a boolean mask, ``unique``). :class:`SyncCounter` counts each
 of them as it happens, whatever device the tensors are on, so the device path of the MoE
 operators run on CPU tensors (the GPU backends' code driving gloo) shows the reads it would
-make on a GPU. Tensors that are host memory by design (made from numpy with
-``torch.from_numpy``) are the caller's to leave out: :meth:`SyncCounter.host`.
+make on a GPU. torch.compile runs no dispatch mode: compiled code is counted from a profile
+(tests/frontend/test_moe_device.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class _Functions(TorchFunctionMode):
         self.counter = counter
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func in _TO_NUMPY and not self.counter.is_host(args[0]):
+        if func in _TO_NUMPY:
             self.counter.note(f"Tensor.{func.__name__}")
         return func(*args, **(kwargs or {}))
 
@@ -59,19 +59,11 @@ class SyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.kinds: Counter[str] = Counter()
-        self._host: set[int] = set()
         self._functions = _Functions(self)
 
     @property
     def total(self) -> int:
         return sum(self.kinds.values())
-
-    def host(self, *tensors: torch.Tensor) -> None:
-        """Leave ``tensors`` (host memory by design) out of the count."""
-        self._host.update(t.untyped_storage().data_ptr() for t in tensors)
-
-    def is_host(self, tensor: Any) -> bool:
-        return isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() in self._host
 
     def note(self, kind: str) -> None:
         self.kinds[kind] += 1
@@ -87,9 +79,7 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         name = str(func)
-        inputs = _tensors(list(args)) + _tensors(list(kwargs.values()))
-        on_host = bool(inputs) and all(self.is_host(t) for t in inputs)
-        if name in _VALUE_SIZED and not on_host:
+        if name in _VALUE_SIZED:
             self.note(name)
         elif name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None:
             self.note(name)

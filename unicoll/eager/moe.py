@@ -1,13 +1,16 @@
 """``unicoll.moe``'s operators, eagerly: top-k ``dispatch``, ``redispatch`` and ``combine``.
 
-dispatch routes the tokens (:func:`unicoll.routing.route`: the send order, the counts, each
-slot's row, the capacity), exchanges the counts and moves the rows with the backend's
-``global_scatter``, which gathers them from x itself; combine moves them back with
-``global_gather`` into rows the backend's workspace lends and sums each token's slots into
-its result one slot at a time (:func:`sum_slots`). Where torch records a gradient, combine sums
-with torch's differentiable operations instead, and dispatch's backward is a combine without
-weights. The public operators and their documentation are :mod:`unicoll.moe`'s; the
-semantics are in docs/semantics.md.
+dispatch routes the tokens where the backend's arrays are: on a host backend on the host
+(:func:`unicoll.routing.route`: the send order, the counts, each slot's row, the capacity), on
+a device backend on the device (:mod:`unicoll.device_routing`, the counts read on the host
+once). It exchanges the counts and moves the rows with the backend's ``moe_dispatch``, which
+gathers them from x itself; combine moves them back with ``moe_combine``. On a host backend
+they come back into rows the backend's workspace lends and each token's slots are summed into
+its result one slot at a time (:func:`sum_slots`); where torch records a gradient, or on a
+device backend, the slots are summed at once (:func:`sum_at_once`: one gather, torch's
+differentiable operations). dispatch's backward is a combine without weights. The public
+operators and their documentation are :mod:`unicoll.moe`'s; the semantics are in
+docs/semantics.md.
 """
 
 from __future__ import annotations
@@ -293,7 +296,7 @@ def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePl
     global_gather, then each token's slots summed."""
     backend, grp = call.backend, call.group
     if records_gradient(y, weights) or not backend.host_memory:
-        return _combine_with_autograd(spec, call, y, routing, plan, weights)
+        return _combine_at_once(spec, call, y, routing, plan, weights)
     library = library_of(y)
 
     def issue() -> Pending:
@@ -452,7 +455,7 @@ def records_gradient(*arrays: Any) -> bool:
     return False
 
 
-def _combine_with_autograd(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:
+def _combine_at_once(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:
     """combine where torch records a gradient, or on a device backend: the rows sent back by
     the backend's moe_combine (whose backward is global_scatter), then each token's slots
     weighted and summed at once (:func:`_summed`), by torch's own differentiable operations
