@@ -203,6 +203,21 @@ def _static_mismatch_caught(rank: int) -> str:
     return str(caught.value)
 
 
+def _static_combine_mismatch_caught(rank: int) -> str:
+    """Check mode from compiled code sees a static combine as one: the ranks combine the blocks
+    of two different dispatches (capacity 2 on rank 0, 3 on rank 1)."""
+    ids = torch.tensor([[0], [1]])
+
+    def step(x):
+        dispatched = [uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=c) for c in (2, 3)]
+        rows, _, handle = dispatched[rank]
+        return uc.moe.combine_static(rows, handle)
+
+    with pytest.raises(uc.CrossRankMismatchError) as caught:
+        torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2, 1))
+    return str(caught.value)
+
+
 def two_ranks(rank: int) -> dict:
     """Everything the world of two checks (check mode on): the MoE layer, every operator, and
     mismatches that check mode finds."""
@@ -210,7 +225,8 @@ def two_ranks(rank: int) -> dict:
     assert uc.is_initialized()
     moe, each_op = compiled_moe_matches_eager(rank, 2), _every_op_traces(rank)
     moe_topk = compiled_moe_matches_eager(rank, 2, layer=moe_topk_layer)
-    mismatches = {"mismatch": _mismatch_caught(rank), "static mismatch": _static_mismatch_caught(rank)}
+    mismatches = {"mismatch": _mismatch_caught(rank), "static mismatch": _static_mismatch_caught(rank),
+                  "static combine mismatch": _static_combine_mismatch_caught(rank)}  # fmt: skip
     return {"moe": moe, "moe_topk": moe_topk, "ops": each_op, **mismatches}
 
 
@@ -240,6 +256,10 @@ def test_check_mode_compares_the_ranks_calls_from_compiled_code(world_of_two) ->
     static = {report["static mismatch"] for report in world_of_two}
     assert len(static) == 1, static
     assert "moe.dispatch_static: ranks disagree: rank 1 passes expert id 4 at topk_idx[1, 0]" in static.pop()
+    combine = {report["static combine mismatch"] for report in world_of_two}
+    assert len(combine) == 1, combine
+    message = combine.pop()
+    assert message.startswith("moe.combine_static: ranks disagree: rank 0's rows have trailing shape (4, 1)"), message
 
 
 def test_every_operator_traces_without_a_break(world_of_two) -> None:

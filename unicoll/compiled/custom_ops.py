@@ -590,7 +590,7 @@ def _moe_check_static_fake(
 @_op(
     "moe_check_blocks",
     "(Tensor rows, Tensor like, SymInt tokens, int experts_per_rank, int world, int capacity, bool weighted, "
-    "str op) -> ()",
+    "str op, int group) -> ()",
 )
 def _moe_check_blocks(
     rows: torch.Tensor,
@@ -601,11 +601,13 @@ def _moe_check_blocks(
     capacity: int,
     weighted: bool,
     op: str,
+    group: int,
 ) -> None:
     """The rows given to moe.redispatch_static or moe.combine_static (``op``) checked by its
     spec against the handle (``like`` is on the dispatched x's device): eager's errors, raised
-    when the graph runs."""
-    static_moe.check_blocks(op, rows, like, tokens, (experts_per_rank, world, capacity), weighted)
+    when the graph runs; in check mode, the ranks' calls compared."""
+    blocks = (experts_per_rank, world, capacity)
+    static_moe.check_blocks(op, rows, like, tokens, blocks, weighted, group_of(group))
 
 
 @_moe_check_blocks.register_fake
@@ -618,6 +620,7 @@ def _moe_check_blocks_fake(
     capacity: int,
     weighted: bool,
     op: str,
+    group: int,
 ) -> None:
     """Nothing comes out."""
 

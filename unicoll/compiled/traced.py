@@ -488,10 +488,11 @@ def _static_handle(rows: Any, handle: Any, sync_op: Any) -> tuple[int, bool]:
     return number, isinstance(rows, torch.Tensor) and _flags(sync_op) and _traced(number)
 
 
-def _check_blocks(rows: torch.Tensor, handle: StaticHandle, op: str) -> None:
-    """``unicoll::moe_check_blocks`` of the rows given to ``op`` against the handle."""
+def _check_blocks(rows: torch.Tensor, handle: StaticHandle, op: str, number: int) -> None:
+    """``unicoll::moe_check_blocks`` of the rows given to ``op`` against the handle, on the
+    group numbered ``number``."""
     blocks = handle.experts_per_rank, handle.world, handle.capacity
-    torch.ops.unicoll.moe_check_blocks(rows, handle.kept, handle.tokens, *blocks, handle.weighted, op)
+    torch.ops.unicoll.moe_check_blocks(rows, handle.kept, handle.tokens, *blocks, handle.weighted, op, number)
 
 
 def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
@@ -500,7 +501,7 @@ def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     number, traced = _static_handle(x, handle, sync_op)
     if not traced:
         return _untraced(locked.moe_redispatch_static, x, handle, sync_op=sync_op)
-    _check_blocks(x, handle, "moe.redispatch_static")
+    _check_blocks(x, handle, "moe.redispatch_static", number)
     return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even(number))
 
 
@@ -511,5 +512,5 @@ def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     number, traced = _static_handle(y, handle, sync_op)
     if not traced:
         return _untraced(locked.moe_combine_static, y, handle, sync_op=sync_op)
-    _check_blocks(y, handle, "moe.combine_static")
+    _check_blocks(y, handle, "moe.combine_static", number)
     return combine_blocks(xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even(number))

@@ -13,10 +13,12 @@ semantics are in docs/semantics.md.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from array_api_compat import array_namespace
 
+from .. import runtime
 from ..arrays import library_of
 from ..backends.base import Backend, Pending
 from ..check import call_number, count_call, verify
@@ -113,14 +115,27 @@ def check_dispatch(
             verify(MOE_DISPATCH_STATIC, call, topk_idx=topk_idx)
 
 
-def check_blocks(op: str, rows: Any, like: Any, tokens: int, blocks: tuple[int, int, int], weighted: bool) -> None:
-    """The rows given to ``op`` (moe.redispatch_static's x, moe.combine_static's y) checked by
-    its spec against a handle of ``tokens`` tokens, ``blocks`` (experts per rank, W, capacity)
-    and x's place ``like``: eager's errors, for a caller whose handle is traced."""
+def check_blocks(
+    op: str, rows: Any, like: Any, tokens: int, blocks: tuple[int, int, int], weighted: bool, group: Group | None
+) -> None:
+    """The rows given to ``op`` (moe.redispatch_static's x, moe.combine_static's y) on
+    ``group`` checked by its spec against a handle of ``tokens`` tokens, ``blocks`` (experts per
+    rank, W, capacity) and x's place ``like``: eager's errors, for a caller whose handle is
+    traced; in check mode the ranks then compare it as the call it is (the handles' blocks)."""
     spec = MOE_REDISPATCH_STATIC if op == MOE_REDISPATCH_STATIC.name else MOE_COMBINE_STATIC
     experts_per_rank, world, capacity = blocks
     check_handled(spec, rows, like, tokens=tokens, weighted=weighted, experts_per_rank=experts_per_rank, world=world,
                   capacity=capacity)  # fmt: skip
+    state = runtime.state(op)
+    if not state.check:
+        return
+    grp = state.world if group is None else group
+    call = Call(W=grp.world_size, group=grp, backend=state.backend, timeout=state.timeout, compare=True, check=True)
+    call.handle = SimpleNamespace(dispatch_number=-1, experts_per_rank=experts_per_rank, capacity=capacity)
+    setattr(call, spec.params[0].name, rows)
+    count_call(grp)
+    with translated(op, grp, state.timeout):
+        verify(spec, call)
 
 
 def _static_group(op: str, handle: Any) -> Group:
