@@ -231,7 +231,7 @@ class CupyNcclBackend(Backend):
         copied = cupy.cuda.Event()
         copied.record(stream)
         copied.synchronize()
-        return pinned
+        return pinned.copy()  # the pinned block is freed now, not with the handle that keeps the counts
 
     def to_native(self, x: Any) -> cupy.ndarray:
         if isinstance(x, cupy.ndarray):

@@ -471,7 +471,7 @@ class TorchNcclBackend(TorchDistBackend):
             copied.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode(mode)
-        return pinned.numpy()
+        return pinned.numpy().copy()  # the pinned block goes back to torch's cache now, not with the handle
 
     def _launch(self, launch: Callable[[bool], Any], group: Group, async_op: bool, calc_stream: bool) -> Work | None:
         return issue_on_stream(launch, async_op, calc_stream)
