@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import NON_NATIVE, describe, is_fillable, kind_of, known_kind, library_of, named_type
+from .arrays import NON_NATIVE, describe, device_kind, is_fillable, kind_of, known_kind, library_of, named_type
 from .backends.base import REDUCE_OPS
-from .counts import as_counts, expert_ids
+from .counts import as_counts, expert_ids, on_host
 from .errors import bad_input
 from .libraries import array_types
 from .routing import Handle
@@ -116,7 +116,10 @@ def _read_optional_array(op: str, param: str, value: Any, caps: Capabilities, ba
 
 
 def _read_expert_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
-    return expert_ids(value, op, param)
+    ids = expert_ids(value, op, param)
+    if device_kind(ids) == "cuda" and "cuda" not in caps.devices:  # a host backend routes them on the host:
+        return np.asarray(on_host(ids), dtype=np.int64)  # read once, here, for its rule and its routing
+    return ids
 
 
 def _read_router_ids(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:

@@ -263,6 +263,23 @@ class StaticHandle(SessionHandle):
         self.kept = kept
         super().__init__(group, weights, dispatch_number)
 
+    @classmethod
+    def of_blocks(
+        cls,
+        group: Any,
+        experts_per_rank: int,
+        capacity: int,
+        weights: Any,
+        like: Any,
+        layout: StaticLayout,
+        arrived: Arrived,
+        dispatch_number: int = -1,
+    ) -> StaticHandle:
+        """The handle of a dispatch whose whole blocks moved (:func:`dispatch_blocks`, or its
+        halves): ``layout`` where the router's ids were, and the counts ``arrived`` with them."""
+        counts = (arrived.counts, arrived.received_before_drop, layout.demand)
+        return cls(group, experts_per_rank, capacity, weights, like, counts, layout.kept, layout, dispatch_number)
+
     def __repr__(self) -> str:
         blocks = f"{self.experts_per_rank} x {self.world * self.capacity} rows"
         state = f"ended: {self._ended}" if self._ended else blocks

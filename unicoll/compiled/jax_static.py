@@ -96,8 +96,7 @@ def _dispatch(xp: Any, call: Any, arguments: dict[str, Any]) -> tuple[Any, Any, 
         _refuse_drops(out.layout.demand, call.group, capacity)
     exchange = _exchange(name, call.group)
     arrived = dispatch_arrived(xp, exchange(out.rows), exchange(out.counts), world, experts)
-    counts = (arrived.counts, arrived.received_before_drop, out.layout.demand)
-    handle = StaticHandle(call.group, experts, capacity, weights, x, counts, out.layout.kept, out.layout, -1)
+    handle = StaticHandle.of_blocks(call.group, experts, capacity, weights, x, out.layout, arrived)
     return arrived.rows, arrived.counts, handle
 
 

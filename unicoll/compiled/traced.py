@@ -340,9 +340,7 @@ def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_o
     send_tokens, slot_rows = handle.send_tokens.cpu().numpy(), handle.slot_rows.cpu().numpy()
     dropped = bool((slot_rows == send_tokens.size).any())
     routing = Routing(handle.local_count.numpy(), send_tokens, slot_rows, dropped, handle.topk)
-    group = group_of(handle.group)
-    if group is None:
-        group = runtime.state(f"moe.{op.__name__}").world
+    group = runtime.resolve_group(group_of(handle.group), f"moe.{op.__name__}")
     plan = moe_plan(routing.local_count, handle.global_count.numpy(), group.world_size)
     eager = Handle(routing, plan, group, handle.weights, like=handle.send_tokens)
     return op(rows, eager, sync_op=sync_op)
@@ -453,9 +451,9 @@ def moe_dispatch_static(
     """:func:`unicoll.moe.dispatch_static` as traced: the layout in the graph (array-API
     operations on torch), the rows and the counts sent by ``unicoll::alltoall_single`` in W equal
     blocks; every shape static, no value read on the host. The call is checked by its spec, as
-    eager's is (``unicoll::moe_check_static``: eager's errors, raised while tracing), and the
-    handle is eager's :class:`~unicoll.moe.StaticHandle` over the layout's tensors. ``overflow='error'`` (a host
-    read) runs eagerly."""
+    eager's is (``unicoll::moe_check_static``: eager's errors, raised when the compiled code
+    runs), and the handle is eager's :class:`~unicoll.moe.StaticHandle` over the layout's
+    tensors. ``overflow='error'`` (a host read) runs eagerly."""
     eager = functools.partial(
         locked.moe_dispatch_static, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank,
         capacity=capacity, group=group, sync_op=sync_op, overflow=overflow,
@@ -471,10 +469,8 @@ def moe_dispatch_static(
     torch.ops.unicoll.moe_check_static(x, topk_idx, topk_weights, experts_per_rank, capacity, number)
     world = world_size(number, "moe.dispatch_static")
     layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even(number))
-    counts = (arrived.counts, arrived.received_before_drop, layout.demand)
-    grp = group_of(number)
-    grp = runtime.state("moe.dispatch_static").world if grp is None else grp
-    handle = StaticHandle(grp, experts_per_rank, capacity, topk_weights, x, counts, layout.kept, layout, -1)
+    grp = runtime.resolve_group(group_of(number), "moe.dispatch_static")
+    handle = StaticHandle.of_blocks(grp, experts_per_rank, capacity, topk_weights, x, layout, arrived)
     return arrived.rows, arrived.counts, handle
 
 

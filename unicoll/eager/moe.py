@@ -111,11 +111,7 @@ def layout(
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      group=group, sync_op=True, capacity=capacity)  # fmt: skip
     call = prepare(MOE_DISPATCH, arguments)
-    backend = call.backend
-    if backend.host_memory:
-        exchanged = _routed_on_host(call)
-    else:
-        exchanged = _routed_on_device(call, backend.to_native(x), topk_idx)
+    exchanged = _routed(call, call.backend.to_native(x), topk_idx)
     with translated(MOE_DISPATCH.name, call.group, call.timeout):
         if call.compare:
             verify(MOE_DISPATCH, call)
@@ -158,14 +154,10 @@ def handle_group(op: str, handle: Any, kind: type = Handle, made_by: str = "moe.
 
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     """The arrays come from ``arguments``, as from every remembered call (:func:`unicoll.validate.prepare`).
-    The routing runs where the backend's arrays are: on the host (:func:`unicoll.routing.route`),
-    or on the device (:func:`_routed_on_device`)."""
+    The routing runs where the backend's arrays are (:func:`_routed`)."""
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     native = backend.to_native(x)
-    if backend.host_memory:
-        exchanged = _routed_on_host(call)
-    else:
-        exchanged = _routed_on_device(call, native, arguments["topk_idx"])
+    exchanged = _routed(call, native, arguments["topk_idx"])
     routing: Routing | None = None
     plan: MoePlan | None = None
     number = -1
@@ -193,6 +185,15 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 def host_ids(topk_idx: Any) -> np.ndarray:
     """Validated expert ids on the host as int64 (a view where they are host int64 already)."""
     return np.asarray(on_host(topk_idx), dtype=np.int64)
+
+
+def _routed(call: Call, native: Any, topk_idx: Any) -> Callable[[], tuple[Routing, MoePlan]]:
+    """The routing of a dispatch, made now where the backend's arrays are: on the host for a
+    host backend (:func:`_routed_on_host`), else on the device (:func:`_routed_on_device`;
+    ``native``: x as the backend moves it); and how to exchange its counts."""
+    if call.backend.host_memory:
+        return _routed_on_host(call)
+    return _routed_on_device(call, native, topk_idx)
 
 
 def _routed_on_host(call: Call) -> Callable[[], tuple[Routing, MoePlan]]:

@@ -129,7 +129,7 @@ def check_blocks(
     state = runtime.state(op)
     if not state.check:
         return
-    grp = state.world if group is None else group
+    grp = runtime.resolve_group(group, op)
     call = Call(W=grp.world_size, group=grp, backend=state.backend, timeout=state.timeout, compare=True, check=True)
     call.handle = SimpleNamespace(dispatch_number=-1, experts_per_rank=experts_per_rank, capacity=capacity)
     setattr(call, spec.params[0].name, rows)
@@ -178,8 +178,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     def finish(result: tuple[Any, Any]) -> tuple[Any, Any, StaticHandle]:
         rows, got = result
         arrived = dispatch_arrived(xp, received(rows), backend.from_native(got, library_of(x)), world, experts)
-        counts = (arrived.counts, arrived.received_before_drop, layout.demand)
-        handle = StaticHandle(grp, experts, capacity, weights, x, counts, layout.kept, layout, number)
+        handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number)
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
