@@ -10,28 +10,16 @@ import pytest
 import torch
 
 import unicoll as uc
-from helpers.gpu_backends import params, start_on_gloo
+from helpers.gpu_backends import params, restart_on_the_device_path
 from helpers.sync_counter import SyncCounter
-from unicoll.backends.base import Capabilities, reductions
-from unicoll.backends.torch import nccl as torch_nccl
-from unicoll.backends.torch.transport import TorchNcclBackend
 
 E, K, DIM = 3, 2, 4
 TOKENS = (6, 0)  # rank 1 has no tokens
 
-DEVICE_PATH = Capabilities(
-    ops=torch_nccl.CAPABILITIES.ops,
-    dtypes=frozenset({"float32", "float64", "int64", "bool"}),
-    devices=frozenset({"cpu"}),
-    libraries=frozenset({"torch"}),
-    reductions=reductions(frozenset({"float32", "float64", "int64"})),
-)
-
 
 def on_the_device_path() -> None:
     """Restart this rank on torch-nccl's transport driving gloo: the device path on CPU tensors."""
-    uc.finalize()
-    start_on_gloo("nccl-device", TorchNcclBackend, "nccl-device", DEVICE_PATH)
+    restart_on_the_device_path("nccl-device")
 
 
 def _inputs(rank: int, world: int, capacity: int | None, step: int) -> tuple:

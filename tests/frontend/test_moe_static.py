@@ -10,11 +10,8 @@ import pytest
 import torch
 
 import unicoll as uc
-from helpers.gpu_backends import start_on_gloo
+from helpers.gpu_backends import restart_on_the_device_path
 from helpers.static_world import world_combine, world_dispatch
-from unicoll.backends.base import Capabilities, reductions
-from unicoll.backends.torch import nccl as torch_nccl
-from unicoll.backends.torch.transport import TorchNcclBackend
 
 E, K, C, DIM = 2, 2, 2, 3
 TOKENS = (5, 0, 4)  # rank 1 has no tokens
@@ -219,21 +216,11 @@ def test_ranks_with_different_capacities_get_the_same_error(backend: str, world:
     assert messages == [expected[handshake]] * world
 
 
-_DEVICE_PATH = Capabilities(
-    ops=torch_nccl.CAPABILITIES.ops,
-    dtypes=frozenset({"float32", "float64", "int64", "bool"}),
-    devices=frozenset({"cpu"}),
-    libraries=frozenset({"numpy", "torch"}),
-    reductions=reductions(frozenset({"float32", "float64", "int64"})),
-)
-
-
 def _on_the_device_path(rank: int) -> list[str]:
     """Restart this rank on torch-nccl's transport driving gloo, then run the tests above: the
     device path (even all-to-alls of whole blocks, padding included, and the array-API layout
     and sums, with their gradients), which a host backend does not take."""
-    uc.finalize()
-    start_on_gloo("nccl-static", TorchNcclBackend, "nccl-static", _DEVICE_PATH)
+    restart_on_the_device_path("nccl-static")
     return _gradients(rank) + _tasks_and_groups(rank)
 
 

@@ -46,3 +46,27 @@ def start_on_gloo(registered: str, backend: type, name: str, table: Capabilities
 
     registry.register_backend(registered, Factory())
     uc.init(registered)
+
+
+def device_path() -> Capabilities:
+    """The table of torch-nccl's transport driving gloo on the host (:func:`restart_on_the_device_path`)."""
+    from unicoll.backends.base import reductions
+    from unicoll.backends.torch import nccl as torch_nccl
+
+    return Capabilities(
+        ops=torch_nccl.CAPABILITIES.ops,
+        dtypes=frozenset({"float32", "float64", "int64", "bool"}),
+        devices=frozenset({"cpu"}),
+        libraries=frozenset({"numpy", "torch"}),
+        reductions=reductions(frozenset({"float32", "float64", "int64"})),
+    )
+
+
+def restart_on_the_device_path(name: str) -> None:
+    """Restart this rank on torch-nccl's transport driving gloo, registered as ``name``: a
+    device backend's code path (``host_memory`` False) on CPU arrays, which a host backend
+    does not take."""
+    from unicoll.backends.torch.transport import TorchNcclBackend
+
+    uc.finalize()
+    start_on_gloo(name, TorchNcclBackend, name, device_path())
