@@ -10,6 +10,9 @@ as ``unicoll bench`` does) or bare mpi4py on ``mpi``. The raw side of the MoE st
 all-to-alls of its dispatched rows (there and back), with no reorder and no weighted sum, so the
 difference is everything unicoll adds: routing, reorders, the counts' exchange, the checks.
 
+On a GPU it then checks the MoE step's goals (issue 41): within the raw all-to-alls + 60 us at
+1 MiB and below, within 1.5x of them at 64 MiB, one ``goal: ...: pass|fail`` line each.
+
 A time is the median over blocks of 20 calls followed by one device synchronization, divided by
 20, on the slowest rank. Runs on every backend (CPU tensors on gloo and mpi).
 """
@@ -30,6 +33,9 @@ from unicoll.cli.bench_baselines import Baseline, for_backend
 HIDDEN, EXPERTS, TOPK = 1024, 4, 2
 SIZES = (64 << 10, 1 << 20, 64 << 20)
 CALLS, BLOCKS = 20, 15
+#: The MoE step's GPU goals: at most this many microseconds over the raw all-to-alls up to
+#: SMALL_BYTES per rank, and at most RATIO_GOAL times them above.
+EXCESS_GOAL_US, SMALL_BYTES, RATIO_GOAL = 60.0, 1 << 20, 1.5
 
 
 def _timer(baseline: Baseline) -> Callable[[Callable[[], Any]], float]:
@@ -92,6 +98,22 @@ def _cases(baseline: Baseline, nbytes: int, world: int) -> list[tuple[str, Calla
     ]
 
 
+def _goals(lines: list[tuple[str, int, float, float]]) -> list[str]:
+    """The MoE step's goals, one ``goal: WHAT: FIGURE (goal TARGET): pass|fail`` line per size."""
+    found = []
+    for name, nbytes, mine_s, raw_s in lines:
+        if name != "moe.dispatch+combine":
+            continue
+        if nbytes <= SMALL_BYTES:
+            excess = (mine_s - raw_s) * 1e6
+            figure, target, met = f"{excess:.1f}us", f"<= {EXCESS_GOAL_US:g}us over raw", excess <= EXCESS_GOAL_US
+        else:
+            ratio = mine_s / raw_s
+            figure, target, met = f"{ratio:.2f}x", f"<= {RATIO_GOAL:g}x raw", ratio <= RATIO_GOAL
+        found.append(f"goal: {name} at {nbytes} bytes: {figure} (goal {target}): {'pass' if met else 'fail'}")
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=None, help="unicoll backend (default: UNICOLL_BACKEND or auto)")
@@ -115,6 +137,9 @@ def main() -> None:
             mine_us, raw_us = mine_s * 1e6, raw_s * 1e6
             excess, ratio = mine_us - raw_us, mine_us / raw_us
             print(f"{name:>22} {nbytes:>10} {mine_us:>13.1f} {raw_us:>10.1f} {excess:>14.1f} {ratio:>6.2f}")
+        if baseline.device.type == "cuda":
+            for line in _goals(lines):
+                print(line)
     uc.finalize()
 
 

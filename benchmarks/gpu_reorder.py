@@ -139,7 +139,7 @@ def main() -> int:
         print(
             f"{1 << shift:>12} {copy:>10.1f} {reorder:>13.1f} {reorder / copy:>6.2f} {full:>13.1f} {full / copy:>6.2f}"
         )
-    print(f"reorder / copy, worst size: {worst:.2f} (goal: 0.80 or more)")
+    print(f"goal: reorder / copy, worst size: {worst:.2f} (goal >= 0.80): {'pass' if worst >= 0.8 else 'fail'}")
     uc.finalize()
     return 0
 

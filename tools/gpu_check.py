@@ -38,7 +38,14 @@ NO_TESTS = 5
 SKIPPED_LINE = re.compile(r"^\S+: skipped: (.*)$", re.MULTILINE)
 #: One row of benchmarks/gpu_reorder.py's table: bytes, copy GB/s, reorder GB/s, ratio, unicoll GB/s, ratio.
 REORDER_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", re.MULTILINE)
-REORDER_WORST = re.compile(r"^reorder / copy, worst size: ([\d.]+)", re.MULTILINE)
+REORDER_WORST = re.compile(r"^goal: reorder / copy, worst size: ([\d.]+)", re.MULTILINE)
+#: One row of benchmarks/call_overhead.py's table: op, bytes, unicoll us, raw us, overhead us, ratio.
+OVERHEAD_ROW = re.compile(r"^\s*(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s*$", re.MULTILINE)
+#: A goal a benchmark checks: ``goal: WHAT: FIGURE (goal TARGET): pass|fail``.
+GOAL = re.compile(r"^goal: (.+): (\S+) \(goal ([^)]*)\): (pass|fail)$", re.MULTILINE)
+#: The largest cost of cupy-nccl's front end over torch-nccl's, in microseconds (alltoall_single at
+#: 64 KiB, each backend's time over its raw all-to-all).
+FRONT_END_GOAL_US = 20.0
 #: The lines the examples end with: moe_dispatch.py's timing, train_moe.py's verdict.
 EXAMPLE_RESULT = re.compile(
     r"^(?:\[rank 0\] )?(moe\.dispatch \+ moe\.combine: .*|backend \S+: .* Adam steps: .*)$", re.MULTILINE
@@ -237,6 +244,13 @@ def figures(work: Path, name: str, text: str) -> dict[str, Any]:
         worst = REORDER_WORST.search(text)
         found["worst_reorder_ratio"] = float(worst.group(1)) if worst else None
         found["device"] = text.strip().splitlines()[0]
+    overhead = OVERHEAD_ROW.findall(text)
+    if overhead:
+        keys = ("op", "bytes", "unicoll_us", "raw_us", "overhead_us", "ratio")
+        found["overhead"] = [dict(zip(keys, (row[0], int(row[1]), *map(float, row[2:])))) for row in overhead]
+    goals = GOAL.findall(text)
+    if goals:
+        found["goals"] = [dict(zip(("goal", "figure", "target", "verdict"), goal)) for goal in goals]
     bench = work / f"{name}.json"
     if bench.exists():
         found.update(bench_figures(json.loads(bench.read_text())))
@@ -267,6 +281,7 @@ def summary(work: Path, out: Path) -> int:
     versions_file = work / "versions.json"
     found = json.loads(versions_file.read_text()) if versions_file.exists() else {}
     totals = Counter(step["status"] for step in steps)
+    goals = [goal for step in steps for goal in step["figures"].get("goals", [])] + front_end_goal(steps)
     tests = Counter()
     for step in steps:
         tests.update({key: value for key, value in step.get("tests", {}).items() if isinstance(value, int)})
@@ -277,6 +292,8 @@ def summary(work: Path, out: Path) -> int:
         "versions": found,
         "totals": {status: totals[status] for status in ("pass", "fail", "timeout", "skip", "not run")},
         "tests": {key: tests[key] for key in ("passed", "failed", "errors", "skipped")},
+        "goals": goals,
+        "still_to_run": [step["name"] for step in steps if step["status"] in ("not run", "timeout")],
         "steps": steps,
     }
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -284,6 +301,22 @@ def summary(work: Path, out: Path) -> int:
     (out / "summary.txt").write_text(table + "\n")
     print(table)
     return 1 if totals["fail"] or totals["timeout"] else 0
+
+
+def front_end_goal(steps: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """cupy-nccl's front end against torch-nccl's, from both overhead steps' alltoall_single at their
+    smallest size, as one goal; none until both steps have run."""
+    costs = {}
+    for step in steps:
+        rows = [row for row in step["figures"].get("overhead", []) if row["op"] == "alltoall_single"]
+        if rows:
+            costs[step["name"]] = min(rows, key=lambda row: row["bytes"])["overhead_us"]
+    if not {"overhead-torch-nccl", "overhead-cupy-nccl"} <= set(costs):
+        return []
+    excess = costs["overhead-cupy-nccl"] - costs["overhead-torch-nccl"]
+    verdict = "pass" if excess <= FRONT_END_GOAL_US else "fail"
+    what = "cupy-nccl's front end over torch-nccl's (alltoall_single, smallest size)"
+    return [{"goal": what, "figure": f"{excess:.1f}us", "target": f"<= {FRONT_END_GOAL_US:g}us", "verdict": verdict}]
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -296,7 +329,12 @@ def format_table(result: dict[str, Any]) -> str:
     totals = ", ".join(f"{count} {status}" for status, count in result["totals"].items())
     tests = ", ".join(f"{count} {kind}" for kind, count in result["tests"].items())
     lines.append(f"steps: {totals}; tests: {tests}; {result['seconds']} s")
+    lines.extend(
+        f"goal {goal['verdict']}: {goal['goal']}: {goal['figure']} (goal {goal['target']})" for goal in result["goals"]
+    )
     lines.append(f"gpu: {result['gpu']}")
+    if result["still_to_run"]:
+        lines.append(f"still to run: bash tools/gpu_check.sh --only {','.join(result['still_to_run'])}")
     return "\n".join(lines)
 
 
@@ -311,8 +349,9 @@ def _detail(step: dict[str, Any]) -> str:
         return detail + (f" ({reasons[0]})" if reasons else "")
     if "skipped" in figures:
         return figures["skipped"]
-    if figures.get("worst_reorder_ratio") is not None:
-        return f"reorder / copy, worst size: {figures['worst_reorder_ratio']:.2f} (goal 0.80)"
+    if "goals" in figures:
+        met = sum(goal["verdict"] == "pass" for goal in figures["goals"])
+        return f"goals met: {met} of {len(figures['goals'])}"
     if "result" in figures:
         return figures["result"]
     return step["tail"][-1] if step["tail"] else ""

@@ -43,13 +43,13 @@ def _kit(out: Path, *args: str, seconds: int | None = None) -> subprocess.Comple
 
 @without_cuda
 def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(tmp_path) -> None:
-    steps = ["versions", "example-moe-torch-nccl", "reorder-cupy"]
+    steps = ["versions", "reorder-cupy", "example-moe-torch-nccl"]
     run = _kit(tmp_path, "--no-install", "--only", ",".join(steps))
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "logs.tar.gz", "summary.json", "summary.txt"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [step["name"] for step in summary["steps"]] == steps
-    versions, example, reorder = summary["steps"]
+    versions, reorder, example = summary["steps"]
     assert versions["status"] == "pass" and versions["exit_code"] == 0
     assert summary["versions"]["python"] == platform.python_version()
     assert summary["versions"]["torch"]["version"] == torch.__version__
@@ -74,6 +74,22 @@ def test_no_step_starts_once_the_runs_seconds_are_spent(tmp_path) -> None:
         ("bench-torch-nccl", "not run"),
     ]
     assert steps[0]["reason"] == "not run: the run's 0 s were spent"
+
+
+def test_the_default_run_leaves_the_later_steps_and_names_what_is_still_to_run(tmp_path) -> None:
+    run = _kit(tmp_path, "--no-install", seconds=0)
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    reasons = {step["name"]: step["reason"] for step in summary["steps"]}
+    assert reasons["moe-device"] == "not run: the run's 0 s were spent"
+    later = [name for name, reason in reasons.items() if reason == "not run: left for a second call (--only)"]
+    assert later == [
+        *(f"example-{e}-{b}" for b in ("torch-nccl", "cupy-nccl") for e in ("moe", "train")),
+        "bench-torch-nccl",
+        "bench-cupy-nccl",
+    ]
+    assert summary["still_to_run"] == list(reasons)
+    assert run.stdout.splitlines()[-2] == f"still to run: bash tools/gpu_check.sh --only {','.join(reasons)}"
 
 
 def test_only_refuses_a_step_that_does_not_exist(tmp_path) -> None:
@@ -152,7 +168,7 @@ REORDER_OUTPUT = """NVIDIA H100 80GB HBM3, torch float32, rows of 1024, 8 ranks 
        bytes  copy GB/s  reorder GB/s  ratio  unicoll GB/s  ratio
      1048576      812.3         640.1   0.79         402.7   0.50
   1073741824     2950.0        2714.0   0.92        2650.5   0.90
-reorder / copy, worst size: 0.79 (goal: 0.80 or more)
+goal: reorder / copy, worst size: 0.79 (goal >= 0.80): fail
 """
 
 
@@ -160,6 +176,9 @@ def test_figures_of_the_reorder_benchmark() -> None:
     found = gpu_check.figures(Path("."), "reorder-torch", REORDER_OUTPUT)
     assert found["device"] == "NVIDIA H100 80GB HBM3, torch float32, rows of 1024, 8 ranks x 4 experts"
     assert found["worst_reorder_ratio"] == 0.79
+    assert found["goals"] == [
+        {"goal": "reorder / copy, worst size", "figure": "0.79", "target": ">= 0.80", "verdict": "fail"}
+    ]
     assert found["reorder"][1] == {
         "bytes": 1073741824,
         "copy_gbps": 2950.0,
@@ -168,6 +187,43 @@ def test_figures_of_the_reorder_benchmark() -> None:
         "unicoll_gbps": 2650.5,
         "unicoll_ratio": 0.90,
     }
+
+
+OVERHEAD_OUTPUT = """# unicoll {backend} against raw torch.distributed, 1 rank(s) on NVIDIA H200
+                    op      bytes  unicoll (us)   raw (us)  overhead (us)  ratio
+       alltoall_single      65536          {mine}       10.0           {excess}   {ratio}
+  moe.dispatch+combine   67108864        3000.0     2200.0          800.0   1.36
+goal: moe.dispatch+combine at 67108864 bytes: 1.36x (goal <= 1.5x raw): pass
+"""
+
+
+def _overhead_step(backend: str, mine: float) -> dict:
+    text = OVERHEAD_OUTPUT.format(backend=backend, mine=mine, excess=mine - 10.0, ratio=mine / 10.0)
+    return {"name": f"overhead-{backend}", "figures": gpu_check.figures(Path("."), f"overhead-{backend}", text)}
+
+
+def test_figures_and_goals_of_the_overhead_benchmark() -> None:
+    step = _overhead_step("torch-nccl", 22.5)
+    assert step["figures"]["overhead"][0] == {
+        "op": "alltoall_single",
+        "bytes": 65536,
+        "unicoll_us": 22.5,
+        "raw_us": 10.0,
+        "overhead_us": 12.5,
+        "ratio": 2.25,
+    }
+    assert step["figures"]["goals"] == [
+        {
+            "goal": "moe.dispatch+combine at 67108864 bytes",
+            "figure": "1.36x",
+            "target": "<= 1.5x raw",
+            "verdict": "pass",
+        }
+    ]
+    assert gpu_check.front_end_goal([step]) == []
+    for cupy_us, verdict in ((42.0, "pass"), (43.0, "fail")):
+        (goal,) = gpu_check.front_end_goal([step, _overhead_step("cupy-nccl", cupy_us)])
+        assert (goal["figure"], goal["verdict"]) == (f"{cupy_us - 22.5:.1f}us", verdict)
 
 
 @pytest.mark.parametrize(
