@@ -42,7 +42,7 @@ REORDER_WORST = re.compile(r"^goal: reorder / copy, worst size: ([\d.]+)", re.MU
 #: One row of benchmarks/call_overhead.py's table: op, bytes, unicoll us, raw us, overhead us, ratio.
 OVERHEAD_ROW = re.compile(r"^\s*(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s*$", re.MULTILINE)
 #: A goal a benchmark checks: ``goal: WHAT: FIGURE (goal TARGET): pass|fail``.
-GOAL = re.compile(r"^goal: (.+): (\S+) \(goal ([^)]*)\): (pass|fail)$", re.MULTILINE)
+GOAL = re.compile(r"^(?:\[rank 0\] )?goal: (.+): (\S+) \(goal ([^)]*)\): (pass|fail)$", re.MULTILINE)
 #: The largest cost of cupy-nccl's front end over torch-nccl's, in microseconds (alltoall_single at
 #: 64 KiB, each backend's time over its raw all-to-all).
 FRONT_END_GOAL_US = 20.0

@@ -230,9 +230,14 @@ def test_compiled_code_reads_once_per_dispatch_and_nowhere_else(reports) -> None
 # -- CUDA (where a GPU is lent) ---------------------------------------------------------------
 
 
-def _cuda_step(rank: int, capacity: int | None) -> list[torch.Tensor]:
+def _cuda_inputs(rank: int, capacity: int | None) -> list[torch.Tensor]:
+    """:func:`_inputs` as CUDA tensors (copied there before the watch begins: an upload waits)."""
+    return [a.detach().cuda().requires_grad_(a.requires_grad) for a in _inputs(rank, 1, capacity, 0)]
+
+
+def _cuda_step(inputs: list[torch.Tensor], capacity: int | None) -> list[torch.Tensor]:
     """The step of :func:`_step` on CUDA tensors: its output and gradients."""
-    ids, x, h, w, scale = (a.detach().cuda().requires_grad_(a.requires_grad) for a in _inputs(rank, 1, capacity, 0))
+    ids, x, h, w, scale = inputs
     rows, rows_per_expert, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=E, capacity=capacity)
     rows = rows + uc.moe.redispatch(h, handle)
     y = torch.cat([part * scale[e] for e, part in enumerate(torch.split(rows, rows_per_expert))])
@@ -247,11 +252,13 @@ def dynamic_on_cuda(rank: int) -> dict[str, object]:
     the one each dispatch declares, which ``read_ints`` allows), equal to the same step run
     without it."""
     torch.cuda.set_device(0)
-    plain = [_cuda_step(rank, capacity) for capacity in (None, 1)]
+    capacities = (None, 1)
+    plain = [_cuda_step(_cuda_inputs(rank, capacity), capacity) for capacity in capacities]
+    inputs = [_cuda_inputs(rank, capacity) for capacity in capacities]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        watched = [_cuda_step(rank, capacity) for capacity in (None, 1)]
+        watched = [_cuda_step(step_inputs, capacity) for step_inputs, capacity in zip(inputs, capacities)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return {"same": [torch.equal(a, b) for got, want in zip(watched, plain) for a, b in zip(got, want)]}

@@ -524,16 +524,17 @@ def _matmul(a: Any, b: Any) -> Any:
 
 
 def host_as(host: Any, x: Any) -> Any:
-    """A host array as an array of ``x``'s library on ``x``'s device; an array that is not
-    numpy's (made on x's device already), or one for numpy's ``x``, as it is."""
+    """An index array of the routing as an array of ``x``'s library on ``x``'s device: a host
+    array copied there, a device array of the other GPU library (a cupy routing for a torch
+    ``x``, say) shared through DLPack; one already of x's library, or for a numpy ``x``, as it is."""
     library = library_of(x)
-    if library == "numpy" or not isinstance(host, np.ndarray):
+    if library == library_of(host) or library == "numpy":
         return host
     if library == "torch":
         import torch  # loaded already: x is a tensor
 
-        return torch.from_numpy(host).to(x.device)
+        return torch.from_numpy(host).to(x.device) if isinstance(host, np.ndarray) else torch.from_dlpack(host)
     import cupy  # loaded already: x is a cupy array
 
     with x.device:
-        return cupy.asarray(host)
+        return cupy.asarray(host) if isinstance(host, np.ndarray) else cupy.from_dlpack(host)

@@ -62,11 +62,18 @@ def _to_torch(x: Any) -> Any:
     return torch.from_dlpack(x)
 
 
+#: The byte alignment XLA needs of a GPU buffer it is handed: a tensor that starts elsewhere (a
+#: view into a larger buffer) is copied before JAX takes it.
+XLA_ALIGNMENT = 16
+
+
 def _from_torch(t: Any, like: Any) -> Any:
     """``t`` as a jax.Array on ``like``'s device: DLPack places a host tensor on JAX's default
-    device, which ``like`` (on ``cpu:1``, say) may not be on."""
+    device, which ``like`` (on ``cpu:1``, say) may not be on. A tensor not aligned as XLA needs
+    is copied first."""
     jax = _jax()
-    array = jax.dlpack.from_dlpack(t.detach())
+    t = t.detach()
+    array = jax.dlpack.from_dlpack(t if t.data_ptr() % XLA_ALIGNMENT == 0 else t.clone())
     devices = _devices(like)
     return array if not devices or array.devices() == devices else jax.device_put(array, next(iter(devices)))
 
