@@ -40,7 +40,9 @@ SKIPPED_LINE = re.compile(r"^\S+: skipped: (.*)$", re.MULTILINE)
 REORDER_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", re.MULTILINE)
 REORDER_WORST = re.compile(r"^goal: reorder / copy, worst size: ([\d.]+)", re.MULTILINE)
 #: One row of benchmarks/call_overhead.py's table: op, bytes, unicoll us, raw us, overhead us, ratio.
-OVERHEAD_ROW = re.compile(r"^\s*(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s*$", re.MULTILINE)
+OVERHEAD_ROW = re.compile(
+    r"^(?:\[rank 0\])?\s*(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(-?[\d.]+)\s+([\d.]+)\s*$", re.MULTILINE
+)
 #: A goal a benchmark checks: ``goal: WHAT: FIGURE (goal TARGET): pass|fail``.
 GOAL = re.compile(r"^(?:\[rank 0\] )?goal: (.+): (\S+) \(goal ([^)]*)\): (pass|fail)$", re.MULTILINE)
 #: The largest cost of cupy-nccl's front end over torch-nccl's, in microseconds (alltoall_single at

@@ -139,8 +139,10 @@ def _two_devices_world() -> dict[int, dict]:
 
 def test_results_come_back_on_the_jax_device_of_the_inputs() -> None:
     """Arrays on cpu:1 (of two JAX CPU devices): all_reduce's result and jax.grad's gradient
-    come back there, not on JAX's default device; a sharded array is refused."""
+    come back there, not on JAX's default device; a sharded array is refused; a traced array
+    is taken to live on JAX's default device (cpu:1 within jax.default_device)."""
     for seen in _two_devices_world().values():
+        assert seen["traced"] == "[{CpuDevice(id=1)}]"
         assert seen["all_reduce"] == "{CpuDevice(id=1)}"
         assert seen["grad"] == ["{CpuDevice(id=1)}", [4.0] * 4]  # x in both ranks' gather, times 2
         assert seen["sharded"] == (

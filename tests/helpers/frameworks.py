@@ -374,11 +374,15 @@ def jax_jit_ended_session(rank: int, backend: str) -> dict[str, str]:
 def jax_devices_and_a_lost_peer() -> None:
     """The program of each rank of a gloo world of 2 with two JAX CPU devices
     (``XLA_FLAGS=--xla_force_host_platform_device_count=2``): what an operator and a gradient
-    on ``cpu:1`` come back on, a sharded array's error; then rank 1 exits after the dispatch of
+    on ``cpu:1`` come back on, a sharded array's error, where a traced array is taken to live
+    (JAX's default device: a GPU machine's jitted step is checked against its concrete arrays
+    there); then rank 1 exits after the dispatch of
     a jitted top-1 step, and rank 0's step, inside uc.moe.jit_errors(), catches PeerLostError.
     Each rank prints one JSON line."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from unicoll.libraries.jax import _placement as placement
 
     uc.init()
     rank, (_, second) = uc.get_rank(), jax.devices()
@@ -391,6 +395,10 @@ def jax_devices_and_a_lost_peer() -> None:
         "grad": (str(grad.devices()), np.asarray(grad).tolist()),
         "sharded": raised(lambda: uc.all_reduce(sharded)),
     }
+    traced: list[object] = []
+    with jax.default_device(second):
+        jax.jit(lambda x: traced.append(placement(x)) or x)(np.ones(2, np.float32))
+    seen["traced"] = str(traced)
     x, ids = _placed(np.ones((4, 2)), np.float32), _placed(np.zeros((4, 1)), np.int32)
     if rank == 1:
         jax.jit(lambda x: uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=4)[0])(x).block_until_ready()

@@ -43,13 +43,29 @@ def _devices(x: Any) -> set[Any]:
 
 
 def _device(x: Any) -> str:
-    return "cpu" if all(device.platform == "cpu" for device in _devices(x)) else "cuda"
+    return "cpu" if all(device.platform == "cpu" for device in _placement(x)) else "cuda"
+
+
+def _placement(x: Any) -> set[Any]:
+    """The devices ``x`` lives on, or for a tracer, JAX's default device, where the traced
+    function's arrays are placed unless the caller puts them elsewhere."""
+    return _devices(x) or {_default_device()}
+
+
+def _default_device() -> Any:
+    """The device JAX places new arrays on: ``jax_default_device`` where set (a device or a
+    platform's name), else the first device of its default backend."""
+    jax = _jax()
+    chosen = jax.config.jax_default_device
+    if isinstance(chosen, str):
+        return jax.devices(chosen)[0]
+    return chosen or jax.devices()[0]
 
 
 def _place(x: Any) -> str:
     """``"cpu"`` (torch, which carries the arrays, has one host device) or ``"cuda:N"``
     (comma-separated for an array sharded over several GPUs)."""
-    return ",".join(sorted({"cpu" if d.platform == "cpu" else f"cuda:{d.id}" for d in _devices(x)})) or "cpu"
+    return ",".join(sorted({"cpu" if d.platform == "cpu" else f"cuda:{d.id}" for d in _placement(x)}))
 
 
 def _device_count(x: Any) -> int:
