@@ -22,7 +22,17 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from unicoll.backends import float_keys
+from unicoll.backends.blocks import (
+    StaticLayout,
+    counts_told,
+    expert_major,
+    refuse_other_capacities,
+    send_rows,
+    slot_values,
+    source_major,
+)
 from unicoll.backends.host import row_bytes, rows_over
+from unicoll.backends.layout import moe_plan
 from unicoll.counts import on_host
 from unicoll.forking import keep_forever
 from unicoll.workspace import FROM_BYTES, Workspace
@@ -66,7 +76,7 @@ class Capabilities:
     moe: frozenset[str] = frozenset()
 
 
-MOE_ENTRY_POINTS = ("moe_dispatch", "moe_combine")
+MOE_ENTRY_POINTS = ("moe_dispatch", "moe_combine", "moe_dispatch_static", "moe_combine_static")
 """The backend's MoE entry points, which :attr:`Capabilities.moe` may name."""
 
 
@@ -323,6 +333,119 @@ class Backend(ABC):
         rows, into ``out`` when given); the front end then sums each token's slots. Composed
         from :meth:`global_gather`; a transport that moves tokens itself overrides it."""
         return self.global_gather(y, plan, group, async_op, calc_stream, out)
+
+    def moe_dispatch_static(
+        self,
+        x: Any,
+        layout: StaticLayout,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        valid: Any | None = None,
+    ) -> Pending:
+        """A static-shape dispatch's rows: x's rows (one per token, or one per slot: a combine's
+        backward) laid into blocks by ``layout`` (:mod:`unicoll.backends.blocks`, arrays of x's
+        library on x's device) and moved, arriving as ``(E, W * C, ...)`` blocks, expert-major
+        then source rank, zeros after each block's valid rows. With ``valid`` None every rank
+        also tells the others its counts (:func:`~unicoll.backends.blocks.counts_told`), and
+        the call finishes as ``(blocks, heard)``: ``heard``, the ``W * (1 + 2E)`` ints every
+        rank told this one. With ``valid`` (``(E, W)``: the valid rows of each block this rank
+        receives, known from the dispatch of the same layout) it finishes as ``(blocks, None)``.
+
+        Composed from the primitives: where the arrays live in host memory
+        (:attr:`host_memory`), the counts travel first, every rank refuses capacities that
+        differ, and only the valid rows follow (:meth:`global_scatter` with a padded plan);
+        elsewhere the whole blocks and the counts travel as two even all-to-alls, whose sizes
+        the arguments fix, so nothing is read to the host. A transport that moves tokens itself
+        overrides it (and lists it in :attr:`Capabilities.moe`)."""
+        if self.host_memory:
+            return self._valid_rows_out(x, layout, group, async_op, calc_stream, valid)
+        xp, world = array_namespace(x), group.world_size
+        experts, _ = layout.blocks(world)
+        rows = self._even(send_rows(xp, x, layout), group, async_op, calc_stream)
+        heard = None if valid is not None else self._even(counts_told(xp, layout, world), group, async_op, calc_stream)
+        works = rows.works + (() if heard is None else heard.works)
+        return Pending(
+            works, lambda: (expert_major(xp, rows.finish(), world, experts), None if heard is None else heard.finish())
+        )
+
+    def moe_combine_static(
+        self,
+        y: Any,
+        layout: StaticLayout,
+        valid: Any,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """The inverse of :meth:`moe_dispatch_static`: expert blocks ``y`` (``(E, W * C, ...)``,
+        ``valid[e, c]`` rows of block ``(e, c)`` hold rows) sent back to the ranks of their
+        tokens, finishing as each slot's row, ``T * k`` rows in slot order (zeros for a dropped
+        slot); the front end weighs and sums them. Composed like :meth:`moe_dispatch_static`:
+        only the valid rows in host memory (:meth:`global_gather` with the padded plan), else
+        the even all-to-all of the whole blocks."""
+        if self.host_memory:
+            return self._valid_rows_back(y, layout, valid, group, async_op, calc_stream)
+        xp, world = array_namespace(y), group.world_size
+        back = self._even(source_major(xp, y, world, y.shape[0]), group, async_op, calc_stream)
+        return Pending(back.works, lambda: slot_values(xp, back.finish(), layout))
+
+    def _even(self, x: Any, group: Group, async_op: bool, calc_stream: bool) -> Pending:
+        """The even all-to-all of ``x``'s rows: ``W`` equal blocks, block c to rank c."""
+        splits = [x.shape[0] // group.world_size] * group.world_size
+        return self.alltoall_single(None, x, splits, splits, group, async_op, calc_stream)
+
+    def _valid_rows_out(
+        self, x: Any, layout: StaticLayout, group: Group, async_op: bool, calc_stream: bool, valid: Any | None
+    ) -> Pending:
+        """:meth:`moe_dispatch_static` in host memory: the counts first, then the valid rows."""
+        world = group.world_size
+        experts, capacity = layout.blocks(world)
+        heard = None
+        if valid is None:
+            told = on_host(counts_told(array_namespace(layout.sent), layout, world))
+            heard = self.exchange_ints(told, group).reshape(world, 1 + 2 * experts)
+            refuse_other_capacities(heard[:, 0], capacity)
+            received = heard[:, 1 : 1 + experts]
+        else:
+            received = on_host(valid).T
+        plan = moe_plan(on_host(layout.sent), np.ascontiguousarray(received).reshape(-1), world, capacity)
+        rows = on_host(layout.row_index(x.shape[0]))[on_host(layout.filled)]
+        pending = self.global_scatter(x, plan, group, async_op, calc_stream, rows)
+        told_here = None if heard is None else array_namespace(x).asarray(heard.reshape(-1), device=device(x))
+
+        def finish() -> tuple[Any, Any]:
+            blocks = pending.finish()
+            return blocks.reshape(experts, world * capacity, *blocks.shape[1:]), told_here
+
+        return Pending(pending.works, finish)
+
+    def _valid_rows_back(
+        self, y: Any, layout: StaticLayout, valid: Any, group: Group, async_op: bool, calc_stream: bool
+    ) -> Pending:
+        """:meth:`moe_combine_static` in host memory: the valid rows back, in send order (and a
+        zero row after them, which a dropped slot reads), then each slot's row taken from them."""
+        world = group.world_size
+        _, capacity = layout.blocks(world)
+        sent = on_host(layout.sent)
+        plan = moe_plan(sent, np.ascontiguousarray(on_host(valid).T).reshape(-1), world, capacity)
+        kept = on_host(layout.kept).reshape(-1)
+        where = on_host(layout.slot_rows).reshape(-1)
+        total, dropped = int(sent.sum()), int(not kept.all())
+        firsts = np.zeros_like(sent)
+        np.cumsum(sent[:-1], out=firsts[1:])
+        index = np.where(kept, firsts[where // max(capacity, 1)] + where % max(capacity, 1), total)
+        rows = y.reshape(-1, *y.shape[2:])
+        back = self.empty_rows(rows, total + dropped)
+        if dropped:
+            back[total:] = 0
+        pending = self.global_gather(rows, plan, group, async_op, calc_stream, back[:total])
+
+        def finish() -> Any:
+            pending.finish()
+            return self.take_rows(back, index)
+
+        return Pending(pending.works, finish)
 
     def global_gather(
         self,

@@ -36,6 +36,14 @@ class ArrayKind(NamedTuple):
 _kinds: dict[tuple[type, Any, Any], ArrayKind] = {}
 
 
+def place(a: Any) -> Any:
+    """An array's device, as the array API names it; None where the array has none to give
+    (numpy before 2.0, a tracer of jax.jit): the namespace's default. Read directly, not through
+    array-api-compat's ``device()``, whose cached type checks torch.compile would warn about
+    while tracing."""
+    return getattr(a, "device", None)
+
+
 def library_of(x: Any) -> str | None:
     """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, a joined
     library's name (``"paddle"``, ``"jax"``) for one of its arrays, else None.

@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
+from .arrays import place
+
 
 class SlotOrder(NamedTuple):
     """A top-k routing's slots sorted by expert, as arrays of topk_idx's library and device.
@@ -46,14 +48,6 @@ def index_dtype(xp: Any) -> Any:
     if getattr(xp, "__name__", "") == "jax.numpy":
         return sys.modules["jax"].dtypes.canonicalize_dtype(xp.int64)
     return xp.int64
-
-
-def place(a: Any) -> Any:
-    """An array's device, as the array API names it; None where the array has none to give
-    (numpy before 2.0, a tracer of jax.jit): the namespace's default. Read directly, not through
-    array-api-compat's ``device()``, whose cached type checks torch.compile would warn about
-    while tracing."""
-    return getattr(a, "device", None)
 
 
 def order_slots(xp: Any, topk_idx: Any, experts: int, capacity: int | None) -> SlotOrder:

@@ -6,10 +6,10 @@ bfloat16 included); reductions gather the blocks they need and fold them here, i
 in the array's dtype. It implements the primitives; the operators (``global_scatter``,
 ``global_gather``, ``alltoall_single``, ``all_gather``, ``all_reduce``, ``reduce_scatter``,
 ``broadcast``) come from the base class, and unicoll's conformance matrix holds them to the same
-results as the built-in backends. It moves the rows of a top-k dispatch and combine itself
-(the MoE entry points, named in its table's ``moe`` column): one message per (rank, expert)
-chunk, received straight into the chunk's place, so no rows are staged or reordered after the
-transfer.
+results as the built-in backends. It moves the rows of a top-k dispatch and combine itself, in
+both MoE modes (the MoE entry points, named in its table's ``moe`` column): one message per
+(rank, expert) chunk, received straight into the chunk's place, so no rows are staged or
+reordered after the transfer; in the static-shape mode only each block's valid rows travel.
 
     pip install ./examples/backend_plugin
     UNICOLL_BACKEND=pairwise unicoll run -n 2 examples/moe_dispatch.py
@@ -25,9 +25,11 @@ from itertools import accumulate
 from typing import Any
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued, reductions
+from unicoll.backends.blocks import StaticLayout, counts_told, refuse_other_capacities, slot_values
 from unicoll.backends.layout import MoePlan, Routing
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.errors import TransportError, init_error
@@ -40,7 +42,7 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),
     reductions=reductions(frozenset(DTYPES)),
-    moe=frozenset({"moe_dispatch", "moe_combine"}),
+    moe=frozenset({"moe_dispatch", "moe_combine", "moe_dispatch_static", "moe_combine_static"}),
 )
 
 
@@ -293,6 +295,70 @@ class PairwiseBackend(Backend):
         pieces = _chunk_pieces(group, plan.expert_major_chunks, _as_bytes(y),
                                _chunks(plan.send, _sent_by_expert(routing, group)), _as_bytes(out))  # fmt: skip
         return issued(self._exchange(pieces, group, async_op), lambda: out)
+
+    # -- the static mode's entry points: the valid rows of each block straight to their places --
+
+    def moe_dispatch_static(
+        self,
+        x: Any,
+        layout: StaticLayout,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+        valid: Any | None = None,
+    ) -> Pending:
+        """The valid rows of each (rank, expert) block, one message each, received into the
+        block's place among the ``(E, W * C)`` rows, which start as zeros; the counts travel
+        first where the receivers do not know them yet (``valid`` None)."""
+        world = group.world_size
+        experts, capacity = layout.blocks(world)
+        heard = None
+        if valid is None:
+            heard = self.exchange_ints(counts_told(array_namespace(layout.sent), layout, world).numpy(), group)
+            heard = heard.reshape(world, 1 + 2 * experts)
+            refuse_other_capacities(heard[:, 0], capacity)
+            received = heard[:, 1 : 1 + experts]
+        else:
+            received = valid.numpy().T
+        sent = layout.sent.numpy().reshape(world, experts)
+        rows = self.take_rows(x, layout.row_index(x.shape[0])[layout.filled])
+        out = x.new_zeros((experts * world * capacity, *x.shape[1:]))
+        firsts = _starts(sent.reshape(-1).tolist())
+        send, recv = _as_bytes(rows), _as_bytes(out)
+        pieces = []
+        for p, peer in enumerate(group.ranks):
+            for e in range(experts):
+                at_out, at_in = firsts[p * experts + e], (e * world + p) * capacity
+                pieces.append((peer, send[at_out : at_out + sent[p, e]], recv[at_in : at_in + received[p, e]]))
+        told = None if heard is None else self.to_native(heard.reshape(-1))
+        blocks = out.view(experts, world * capacity, *x.shape[1:])
+        return issued(self._exchange(pieces, group, async_op), lambda: (blocks, told))
+
+    def moe_combine_static(
+        self,
+        y: Any,
+        layout: StaticLayout,
+        valid: Any,
+        group: Group,
+        async_op: bool,
+        calc_stream: bool = False,
+    ) -> Pending:
+        """The inverse of :meth:`moe_dispatch_static`: each block's valid rows back to their
+        rank, one message each, received into their place in the send buffer's layout, from
+        which each slot takes its row."""
+        world = group.world_size
+        experts, capacity = layout.blocks(world)
+        y = y.contiguous().view(experts * world * capacity, *y.shape[2:])
+        back = y.new_zeros(y.shape)
+        sent, valid = layout.sent.numpy().reshape(world, experts), valid.numpy()
+        send, recv = _as_bytes(y), _as_bytes(back)
+        pieces = []
+        for p, peer in enumerate(group.ranks):
+            for e in range(experts):
+                at_out, at_in = (e * world + p) * capacity, (p * experts + e) * capacity
+                pieces.append((peer, send[at_out : at_out + valid[e, p]], recv[at_in : at_in + sent[p, e]]))
+        work = self._exchange(pieces, group, async_op)
+        return issued(work, lambda: slot_values(array_namespace(back), back, layout))
 
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self.to_native(np.ascontiguousarray(values, dtype=np.int64))

@@ -80,4 +80,41 @@ def test_the_moe_column_names_the_entry_points_the_backend_overrides(installed: 
 
     overridden = {name for name in MOE_ENTRY_POINTS if getattr(unicoll_pairwise.PairwiseBackend, name)
                   is not getattr(Backend, name)}  # fmt: skip
-    assert overridden == set(unicoll_pairwise.CAPABILITIES.moe) == {"moe_dispatch", "moe_combine"}
+    assert overridden == set(unicoll_pairwise.CAPABILITIES.moe) == set(MOE_ENTRY_POINTS)
+
+
+def _static_step_counted(rank: int) -> dict:
+    """A static dispatch, combine and backward pass on the plugin, counting the calls of its
+    static entry points (the front end goes through them, the backward passes too)."""
+    import torch
+    import unicoll_pairwise
+
+    import unicoll as uc
+
+    calls: list[str] = []
+    for name in ("moe_dispatch_static", "moe_combine_static"):
+        original = getattr(unicoll_pairwise.PairwiseBackend, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        setattr(unicoll_pairwise.PairwiseBackend, name, counted)
+    x = (torch.arange(8.0).reshape(4, 2) + 10 * rank).requires_grad_()
+    ids = torch.tensor([[0, 1], [1, -1], [0, 0], [1, 0]])
+    rows, counts, handle = uc.moe.dispatch_static(x, ids, experts_per_rank=1, capacity=4)
+    out = uc.moe.combine_static(rows * 2, handle)
+    out.sum().backward()
+    return {"calls": calls, "out": out.tolist(), "x": x.tolist(), "grad": x.grad.tolist()}
+
+
+def test_the_static_mode_goes_through_the_entry_points(installed: Path) -> None:
+    """dispatch_static, combine_static and both backward passes reach the plugin's own static
+    entry points, and give the hand-computed result: each token's row times 2 per slot sent."""
+    import unicoll as uc
+
+    slots = [2, 1, 2, 2]  # slots of each token that are not -1 (capacity 4 keeps every one)
+    for report in uc.testing.spawn(_static_step_counted, 2, backend="pairwise", timeout=120):
+        assert report["calls"] == ["moe_dispatch_static", "moe_combine_static"] * 2
+        assert report["out"] == [[2 * n * v for v in row] for n, row in zip(slots, report["x"])]
+        assert report["grad"] == [[2.0 * n] * 2 for n in slots]

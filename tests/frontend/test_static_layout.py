@@ -14,7 +14,7 @@ import torch
 
 from helpers.static_world import world_combine, world_dispatch
 from unicoll import reference, static_layout
-from unicoll.static_layout import expert_major, send_rows, source_major, sum_slots
+from unicoll.backends.blocks import expert_major, send_rows, slot_values, source_major, weighted_sum
 from unicoll.static_layout import static_layout as layout_of
 
 
@@ -69,7 +69,7 @@ def test_gradients_flow_to_x_the_outputs_and_the_weights_and_are_zero_for_droppe
     rows = expert_major(xtorch, send_rows(xtorch, x, lay), 1, 2)  # (2, 1, 2): expert 0 gets token 0, expert 1 too
     assert rows.tolist() == [[[1.0, 2.0]], [[1.0, 2.0]]]
     y = rows * torch.tensor([[[10.0]], [[100.0]]])
-    out = sum_slots(xtorch, source_major(xtorch, y, 1, 2), lay, w)
+    out = weighted_sum(xtorch, slot_values(xtorch, source_major(xtorch, y, 1, 2), lay), lay.kept, w)
     assert out.tolist() == [[5.0 + 200.0, 10.0 + 400.0], [0.0, 0.0]]
     out.sum().backward()
     assert w.grad.tolist() == [[30.0, 300.0], [0.0, 0.0]]  # dropped slots: exactly zero

@@ -5,7 +5,8 @@ differentiable, so it gives the gradients a spawned world must match."""
 
 from __future__ import annotations
 
-from unicoll.static_layout import dispatch_arrived, dispatch_outgoing, source_major, sum_slots
+from unicoll.backends.blocks import slot_values, source_major, weighted_sum
+from unicoll.static_layout import dispatch_arrived, dispatch_outgoing
 
 
 def _even_exchange(xp, sent: list) -> list:
@@ -32,4 +33,7 @@ def world_combine(xp, ys, layouts, weights, experts_per_rank: int, capacity: int
     """Every rank's combine: each rank's blocks sent back by slicing, then its slots summed."""
     world = len(ys)
     back = _even_exchange(xp, [source_major(xp, y, world, experts_per_rank) for y in ys])
-    return [sum_slots(xp, b, layouts[c], None if weights is None else weights[c]) for c, b in enumerate(back)]
+    return [
+        weighted_sum(xp, slot_values(xp, b, layouts[c]), layouts[c].kept, None if weights is None else weights[c])
+        for c, b in enumerate(back)
+    ]

@@ -27,7 +27,7 @@ import numpy as np
 from .. import runtime
 from ..backends.base import Backend
 from ..eager import ops
-from ..eager.static_host import refuse_drops
+from ..eager.static_moe import refuse_drops
 from ..entry import exclusive_as
 from ..errors import CommunicationError, TransportError, bad_input, reported, translated
 from ..group import Group
@@ -35,7 +35,6 @@ from ..libraries.jax import failed_in_callback
 from ..spec import OpSpec
 from ..static_layout import (
     StaticHandle,
-    StaticLayout,
     combine_blocks,
     dispatch_arrived,
     dispatch_outgoing,
@@ -73,7 +72,7 @@ def call(name: str, spec: OpSpec, arguments: dict[str, Any]) -> Any:
     if arguments.get("sync_op") is False:
         raise TypeError(f"{name}: sync_op: expected True inside jax.jit (a Task cannot be traced), got False")
     handle = arguments.get("handle")
-    if handle is not None and not (isinstance(handle, StaticHandle) and isinstance(handle.layout, StaticLayout)):
+    if handle is not None and not (isinstance(handle, StaticHandle) and handle.library == "jax"):
         raise TypeError(f"{name}: handle: expected a handle moe.dispatch_static returned inside the same jax.jit")
     if handle is not None:
         arguments["group"] = handle.group

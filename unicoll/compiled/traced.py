@@ -25,7 +25,7 @@ from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
 from ..group import Group
 from ..routing import Handle, Routing
-from ..static_layout import StaticHandle, StaticLayout, combine_blocks, dispatch_blocks, redispatch_blocks
+from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks
 from . import locked
 from .custom_ops import WORLD, group_of, world_size
 
@@ -476,9 +476,8 @@ def moe_dispatch_static(
 
 def _static_handle(rows: Any, handle: Any, sync_op: Any) -> tuple[int, bool]:
     """The group number of a static handle, and whether a call with it traces: a handle of the
-    running session whose layout is in arrays (one made on a host backend, whose transfers
-    follow a plan on the host, runs eagerly)."""
-    if not (isinstance(handle, StaticHandle) and handle.ended is None and isinstance(handle.layout, StaticLayout)):
+    running session."""
+    if not (isinstance(handle, StaticHandle) and handle.ended is None):
         return WORLD, False
     number = _number(handle.group)
     return number, isinstance(rows, torch.Tensor) and _flags(sync_op) and _traced(number)

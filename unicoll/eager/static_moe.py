@@ -1,46 +1,41 @@
 """``unicoll.moe``'s static-shape operators, eagerly: ``dispatch_static``, ``redispatch_static``
 and ``combine_static``.
 
-On a device backend (NCCL) the layout (:mod:`unicoll.static_layout`) is computed where the
-router's ids are, with array-API operations, so nothing is read to the host; the rows and the
-counts travel as even all-to-alls (``W`` blocks of ``E * C`` rows, and of ``2 * E`` counts),
-whose shapes the call's arguments fix. Gradients: the gathers, the padding and the weighted sum
-are the array library's own differentiable operations, and the transfer's backward is
-alltoall_single's (the even all-to-all back). On a host backend, where reading a count waits
-for nothing, the same layout sends only the valid rows (:mod:`unicoll.eager.static_host`). The
-semantics are in docs/semantics.md.
+The layout (:mod:`unicoll.static_layout`) is computed where the router's ids are, with
+array-API operations, so nothing is read to the host, and the backend's entry points move the
+rows: :meth:`~unicoll.backends.base.Backend.moe_dispatch_static` lays x's rows into blocks and
+moves them with the counts, :meth:`~unicoll.backends.base.Backend.moe_combine_static` moves
+blocks back as each slot's row, which the front end weighs and sums. Built in, a device backend
+moves whole blocks by even all-to-alls whose shapes the arguments fix; a host backend, where
+reading a count waits for nothing, sends only the valid rows. Gradients: dispatch's backward is
+a combine of the gradient blocks, summed over each token's slots; combine's is a dispatch of the
+slots' gradient rows; the weighted sum is the array library's own differentiable operations.
+The semantics are in docs/semantics.md.
 """
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 from array_api_compat import array_namespace
 
 from .. import runtime
 from ..arrays import library_of
 from ..backends.base import Backend, Pending
+from ..backends.blocks import StaticLayout, counts_heard, weighted_sum
 from ..check import call_number, count_call, verify
 from ..counts import on_host
-from ..errors import translated
+from ..errors import bad_input, translated
 from ..group import Group
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
-from ..static_layout import (
-    StaticHandle,
-    dispatch_arrived,
-    dispatch_outgoing,
-    expert_major,
-    send_rows,
-    source_major,
-    sum_slots,
-)
+from ..static_layout import Arrived, StaticHandle, static_layout
 from ..task import Task
 from ..validate import prepare, read_only
-from . import static_host
 from .moe import check_handled, handle_group
-from .ops import _functional, _run, alltoall_single_backward
-from .static_host import refuse_drops
+from .ops import _functional, _run
 
 
 def dispatch_static(
@@ -143,95 +138,115 @@ def _static_group(op: str, handle: Any) -> Group:
     return handle_group(op, handle, StaticHandle, "moe.dispatch_static")
 
 
-def _even(rows: int, world: int) -> list[int]:
-    return [rows // world] * world
-
-
-def _transfer(backend: Backend, native: Any, group: Group, async_op: bool, calc_stream: bool) -> Pending:
-    """The even all-to-all of ``native``'s rows (W equal blocks)."""
-    splits = _even(native.shape[0], group.world_size)
-    return backend.alltoall_single(None, native, splits, splits, group, async_op, calc_stream)
+def _native(backend: Backend, layout: StaticLayout, like: Any) -> StaticLayout:
+    """``layout`` as arrays of the backend's native library (the caller's arrays may be the
+    other GPU library's, shared through DLPack); as it is where they are already."""
+    if library_of(layout.sent) == library_of(like):
+        return layout
+    return StaticLayout(*(backend.to_native(a) for a in layout))
 
 
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
-    if call.backend.host_memory:
-        return static_host.dispatch(call, arguments)
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
-    xp = array_namespace(x)
-    out = dispatch_outgoing(xp, x, arguments["topk_idx"], world, experts, capacity)
-    layout, number = out.layout, -1
+    topk_idx = arguments["topk_idx"]
+    layout = static_layout(array_namespace(topk_idx), topk_idx, world * experts, capacity)
+    native_x = backend.to_native(x)
+    native = _native(backend, layout, native_x)
+    number, valid = -1, None
 
     def issue() -> Pending:
         nonlocal number
         if call.compare:
-            verify(MOE_DISPATCH_STATIC, call, topk_idx=arguments["topk_idx"])
+            verify(MOE_DISPATCH_STATIC, call, topk_idx=topk_idx)
             number = call_number(grp)
         if call.overflow == "error":
             refuse_drops(backend, grp, on_host(layout.demand), capacity)
-        rows = _transfer(backend, backend.to_native(out.rows), grp, not call.sync_op, call.sync_op)
-        got = _transfer(backend, backend.to_native(out.counts), grp, not call.sync_op, call.sync_op)
-        return Pending(rows.works + got.works, lambda: (rows.finish(), got.finish()))
+        return backend.moe_dispatch_static(native_x, native, grp, not call.sync_op, call.sync_op)
 
-    received = _functional(MOE_DISPATCH_STATIC.name, call, out.rows, _backward(call))
+    received = _functional(MOE_DISPATCH_STATIC.name, call, x, lambda grad: _slots_summed(backend, grp, grad, native,
+                                                                                        valid))  # fmt: skip
 
     def finish(result: tuple[Any, Any]) -> tuple[Any, Any, StaticHandle]:
-        rows, got = result
-        arrived = dispatch_arrived(xp, received(rows), backend.from_native(got, library_of(x)), world, experts)
+        nonlocal valid
+        blocks, heard = result
+        _, valid, before = counts_heard(array_namespace(heard), heard, world, experts)
+        library = library_of(x)
+        arrived = Arrived(received(blocks), backend.from_native(valid, library), backend.from_native(before, library))
         handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number)
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
 
 
+def _slots_summed(backend: Backend, group: Group, grad: Any, layout: StaticLayout, valid: Any) -> Any:
+    """dispatch's backward: the gradient blocks (native) sent back as each slot's row and
+    summed over each token's slots (a combine without weights)."""
+    slots = backend.moe_combine_static(grad, layout, valid, group, False).finish()
+    return weighted_sum(array_namespace(slots), slots, layout.kept, None)
+
+
+def _placed(backend: Backend, group: Group, rows: Any, layout: StaticLayout, valid: Any) -> Any:
+    """combine's backward: the slots' gradient rows (native) laid into the blocks of the
+    dispatch, whose blocks' valid rows are known (``valid``)."""
+    blocks, _ = backend.moe_dispatch_static(rows, layout, group, False, valid=valid).finish()
+    return blocks
+
+
+def _handled(backend: Backend, handle: StaticHandle, like: Any) -> tuple[StaticLayout, Any]:
+    """A handle's layout and its blocks' valid rows as the backend's native arrays."""
+    return _native(backend, handle.layout, like), backend.to_native(handle.valid)
+
+
 def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
-    if call.backend.host_memory:
-        return static_host.redispatch(call, arguments)
     backend, grp, handle, x = call.backend, call.group, arguments["handle"], arguments["x"]
-    xp = array_namespace(x)
-    outgoing = send_rows(xp, x, handle.layout)
+    native_x = backend.to_native(x)
+    layout, valid = _handled(backend, handle, native_x)
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_REDISPATCH_STATIC, call)
-        return _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
+        return backend.moe_dispatch_static(native_x, layout, grp, not call.sync_op, call.sync_op, valid)
 
-    received = _functional(MOE_REDISPATCH_STATIC.name, call, outgoing, _backward(call))
-
-    def finish(rows: Any) -> Any:
-        return expert_major(xp, received(rows), handle.world, handle.experts_per_rank)
-
-    return _run(MOE_REDISPATCH_STATIC.name, call, issue, finish)
+    backward = functools.partial(_slots_summed, backend, grp, layout=layout, valid=valid)
+    received = _functional(MOE_REDISPATCH_STATIC.name, call, x, backward)
+    return _run(MOE_REDISPATCH_STATIC.name, call, issue, lambda result: received(result[0]))
 
 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
-    if call.backend.host_memory:
-        return static_host.combine(call, arguments)
     backend, grp, handle, y = call.backend, call.group, arguments["handle"], arguments["y"]
-    xp = array_namespace(y)
-    outgoing = source_major(xp, y, handle.world, handle.experts_per_rank)
+    native_y = backend.to_native(y)
+    layout, valid = _handled(backend, handle, native_y)
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_COMBINE_STATIC, call)
-        return _transfer(backend, backend.to_native(outgoing), grp, not call.sync_op, call.sync_op)
+        return backend.moe_combine_static(native_y, layout, valid, grp, not call.sync_op, call.sync_op)
 
-    returned = _functional(MOE_COMBINE_STATIC.name, call, outgoing, _backward(call))
-    return _run(
-        MOE_COMBINE_STATIC.name,
-        call,
-        issue,
-        lambda back: sum_slots(xp, returned(back), handle.layout, handle.weights),
-    )
+    returned = _functional(MOE_COMBINE_STATIC.name, call, y, lambda grad: _placed(backend, grp, grad, layout, valid))
+
+    def finish(slots: Any) -> Any:
+        rows = returned(slots)
+        return weighted_sum(array_namespace(rows), rows, handle.layout.kept, handle.weights)
+
+    return _run(MOE_COMBINE_STATIC.name, call, issue, finish)
 
 
-def _backward(call: Call) -> Any:
-    """The backward of a call's transfer: the even all-to-all back (alltoall_single's backward
-    with the same W equal blocks both ways)."""
-    backend, grp = call.backend, call.group
-
-    def backward(grad: Any) -> Any:
-        splits = _even(grad.shape[0], grp.world_size)
-        return alltoall_single_backward(backend, grp, grad, splits, splits)
-
-    return backward
+def refuse_drops(backend: Backend, group: Group, demand: np.ndarray, capacity: int) -> None:
+    """overflow='error': every rank's dropped slots (beyond the capacity; ``demand``: its slots
+    routed to each global expert, on the host), then the same ValueError on every rank if any
+    rank dropped one."""
+    demand = np.asarray(demand, dtype=np.int64)
+    over = int(np.maximum(demand - capacity, 0).sum())
+    worst = int(demand.argmax()) if demand.size else 0
+    mine = np.array([over, worst, int(demand.max()) if demand.size else 0], np.int64)
+    every = backend.gather_ints(mine, group)
+    for c, (dropped, expert, wanted) in enumerate(every.tolist()):
+        if dropped:
+            raise bad_input(
+                MOE_DISPATCH_STATIC.name,
+                "capacity",
+                f"room for every slot (overflow='error'): at least {max(r[2] for r in every.tolist())}",
+                f"{capacity}: rank {c} routes {wanted} slots to expert {expert} "
+                f"({dropped} of its slots would be dropped)",
+            )
