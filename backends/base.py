@@ -443,7 +443,7 @@ class Backend(ABC):
 
         def finish() -> Any:
             pending.finish()
-            return self.take_rows(back, index)
+            return self.take_rows(back, index, self.empty_rows(back, index.size))
 
         return Pending(pending.works, finish)
 
