@@ -146,11 +146,24 @@ def _native(backend: Backend, layout: StaticLayout, like: Any) -> StaticLayout:
     return StaticLayout(*(backend.to_native(a) for a in layout))
 
 
+def _layout(backend: Backend, topk_idx: Any, x: Any, experts: int, capacity: int) -> StaticLayout:
+    """The layout of ``topk_idx`` as arrays of x's library on x's device: computed there, or in
+    host memory by numpy (twice as fast as torch's CPU kernels on these small arrays) and
+    handed to x's library without a copy."""
+    if not backend.host_memory:
+        return static_layout(array_namespace(topk_idx), topk_idx, experts, capacity)
+    import array_api_compat.numpy as numpy_namespace  # on first use: it loads importlib.metadata
+
+    layout = static_layout(numpy_namespace, on_host(topk_idx), experts, capacity)
+    xp = array_namespace(x)
+    return layout if xp is numpy_namespace else StaticLayout(*(xp.asarray(a) for a in layout))
+
+
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
     topk_idx = arguments["topk_idx"]
-    layout = static_layout(array_namespace(topk_idx), topk_idx, world * experts, capacity)
+    layout = _layout(backend, topk_idx, x, world * experts, capacity)
     native_x = backend.to_native(x)
     native = _native(backend, layout, native_x)
     number, valid = -1, None
