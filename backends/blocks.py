@@ -6,7 +6,9 @@ share. :mod:`unicoll.static_layout` computes the layout.
 
 With ``capacity`` C, ``W`` ranks and ``E`` experts per rank, a rank's send buffer has
 ``W * E * C`` rows: block ``g = c * E + e`` (C rows) holds what it sends to local expert e of
-rank c, its kept slots first in slot order ``s = t * k + j``, then padding (zeros). The even
+rank c, its kept slots first in slot order ``s = t * k + j``, then padding (zeros); a slot
+whose expert already has C earlier slots is dropped, as is a slot whose id is -1 (or outside
+``0 .. W * E - 1``). The even
 all-to-all of that buffer hands each rank a ``(W, E, C)`` grid of blocks by source rank, which
 :func:`expert_major` turns into the ``(E, W * C)`` rows the experts see. With each block, a rank
 tells its destination ``1 + 2E`` ints (:func:`counts_told`): the capacity, the rows it sends
