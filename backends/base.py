@@ -24,6 +24,7 @@ from array_api_compat import array_namespace, device
 from unicoll.backends import float_keys
 from unicoll.backends.blocks import (
     StaticLayout,
+    counts_heard,
     counts_told,
     expert_major,
     refuse_other_capacities,
@@ -404,15 +405,14 @@ class Backend(ABC):
         heard = None
         if valid is None:
             told = on_host(counts_told(array_namespace(layout.sent), layout, world))
-            heard = self.exchange_ints(told, group).reshape(world, 1 + 2 * experts)
-            refuse_other_capacities(heard[:, 0], capacity)
-            received = heard[:, 1 : 1 + experts]
-        else:
-            received = on_host(valid).T
-        plan = moe_plan(on_host(layout.sent), np.ascontiguousarray(received).reshape(-1), world, capacity)
+            heard = self.exchange_ints(told, group)
+            capacities, valid, _ = counts_heard(array_namespace(heard), heard, world, experts)
+            refuse_other_capacities(capacities, capacity)
+        received = np.ascontiguousarray(on_host(valid).T).reshape(-1)
+        plan = moe_plan(on_host(layout.sent), received, world, capacity)
         rows = on_host(layout.row_index(x.shape[0]))[on_host(layout.filled)]
         pending = self.global_scatter(x, plan, group, async_op, calc_stream, rows)
-        told_here = None if heard is None else array_namespace(x).asarray(heard.reshape(-1), device=device(x))
+        told_here = None if heard is None else array_namespace(x).asarray(heard, device=device(x))
 
         def finish() -> tuple[Any, Any]:
             blocks = pending.finish()

@@ -29,7 +29,7 @@ from array_api_compat import array_namespace
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued, reductions
-from unicoll.backends.blocks import StaticLayout, counts_told, refuse_other_capacities, slot_values
+from unicoll.backends.blocks import StaticLayout, counts_heard, counts_told, refuse_other_capacities, slot_values
 from unicoll.backends.layout import MoePlan, Routing
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.errors import TransportError, init_error
@@ -315,11 +315,9 @@ class PairwiseBackend(Backend):
         heard = None
         if valid is None:
             heard = self.exchange_ints(counts_told(array_namespace(layout.sent), layout, world).numpy(), group)
-            heard = heard.reshape(world, 1 + 2 * experts)
-            refuse_other_capacities(heard[:, 0], capacity)
-            received = heard[:, 1 : 1 + experts]
-        else:
-            received = valid.numpy().T
+            capacities, valid, _ = counts_heard(array_namespace(heard), heard, world, experts)
+            refuse_other_capacities(capacities, capacity)
+        received = np.asarray(valid).T
         sent = layout.sent.numpy().reshape(world, experts)
         rows = self.take_rows(x, layout.row_index(x.shape[0])[layout.filled])
         out = x.new_zeros((experts * world * capacity, *x.shape[1:]))
@@ -330,7 +328,7 @@ class PairwiseBackend(Backend):
             for e in range(experts):
                 at_out, at_in = firsts[p * experts + e], (e * world + p) * capacity
                 pieces.append((peer, send[at_out : at_out + sent[p, e]], recv[at_in : at_in + received[p, e]]))
-        told = None if heard is None else self.to_native(heard.reshape(-1))
+        told = None if heard is None else self.to_native(heard)
         blocks = out.view(experts, world * capacity, *x.shape[1:])
         return issued(self._exchange(pieces, group, async_op), lambda: (blocks, told))
 
