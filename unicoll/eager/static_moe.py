@@ -177,8 +177,10 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             refuse_drops(backend, grp, on_host(layout.demand), capacity)
         return backend.moe_dispatch_static(native_x, native, grp, not call.sync_op, call.sync_op)
 
-    received = _functional(MOE_DISPATCH_STATIC.name, call, x, lambda grad: _slots_summed(backend, grp, grad, native,
-                                                                                        valid))  # fmt: skip
+    def backward(grad: Any) -> Any:  # valid is known once the dispatch finishes, before any backward
+        return _slots_summed(backend, grp, grad, native, valid)
+
+    received = _functional(MOE_DISPATCH_STATIC.name, call, x, backward)
 
     def finish(result: tuple[Any, Any]) -> tuple[Any, Any, StaticHandle]:
         nonlocal valid
