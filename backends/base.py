@@ -29,7 +29,7 @@ from unicoll.backends.blocks import (
     expert_major,
     refuse_other_capacities,
     send_rows,
-    slot_values,
+    slot_index,
     source_major,
 )
 from unicoll.backends.host import row_bytes, rows_over
@@ -381,15 +381,28 @@ class Backend(ABC):
     ) -> Pending:
         """The inverse of :meth:`moe_dispatch_static`: expert blocks ``y`` (``(E, W * C, ...)``,
         ``valid[e, c]`` rows of block ``(e, c)`` hold rows) sent back to the ranks of their
-        tokens, finishing as each slot's row, ``T * k`` rows in slot order (zeros for a dropped
-        slot); the front end weighs and sums them. Composed like :meth:`moe_dispatch_static`:
-        only the valid rows in host memory (:meth:`global_gather` with the padded plan), else
-        the even all-to-all of the whole blocks."""
+        tokens, finishing as ``(back, index)``: the rows that came back and a zero row,
+        ``back[index[s]]`` slot s's row (:func:`~unicoll.backends.blocks.slot_index`: ``T * k``
+        ints in slot order, on the host or on y's device; a dropped slot's is the zero row). The
+        front end weighs and sums each token's slots from them, without making the ``T * k``
+        rows where it need not. Composed like :meth:`moe_dispatch_static`: only the valid rows
+        in host memory (:meth:`global_gather` with the padded plan), else the even all-to-all
+        of the whole blocks into rows followed by the zero row."""
         if self.host_memory:
             return self._valid_rows_back(y, layout, valid, group, async_op, calc_stream)
         xp, world = array_namespace(y), group.world_size
-        back = self._even(source_major(xp, y, world, y.shape[0]), group, async_op, calc_stream)
-        return Pending(back.works, lambda: slot_values(xp, back.finish(), layout))
+        sent = source_major(xp, y, world, y.shape[0])
+        rows = sent.shape[0]
+        back = self.empty_rows(sent, rows + 1)
+        back[rows:, ...] = 0
+        splits = [rows // world] * world
+        pending = self.alltoall_single(back[:rows], sent, splits, splits, group, async_op, calc_stream)
+
+        def finish() -> tuple[Any, Any]:
+            pending.finish()
+            return back, slot_index(xp, layout, rows)
+
+        return Pending(pending.works, finish)
 
     def _even(self, x: Any, group: Group, async_op: bool, calc_stream: bool) -> Pending:
         """The even all-to-all of ``x``'s rows: ``W`` equal blocks, block c to rank c."""
@@ -423,27 +436,26 @@ class Backend(ABC):
     def _valid_rows_back(
         self, y: Any, layout: StaticLayout, valid: Any, group: Group, async_op: bool, calc_stream: bool
     ) -> Pending:
-        """:meth:`moe_combine_static` in host memory: the valid rows back, in send order (and a
-        zero row after them, which a dropped slot reads), then each slot's row taken from them."""
+        """:meth:`moe_combine_static` in host memory: the valid rows back, in send order, then a
+        zero row, which a dropped slot reads (host ``index``)."""
         world = group.world_size
         _, capacity = layout.blocks(world)
         sent = on_host(layout.sent)
         plan = moe_plan(sent, np.ascontiguousarray(on_host(valid).T).reshape(-1), world, capacity)
         kept = on_host(layout.kept).reshape(-1)
         where = on_host(layout.slot_rows).reshape(-1)
-        total, dropped = int(sent.sum()), int(not kept.all())
+        total = int(sent.sum())
         firsts = np.zeros_like(sent)
         np.cumsum(sent[:-1], out=firsts[1:])
         index = np.where(kept, firsts[where // max(capacity, 1)] + where % max(capacity, 1), total)
         rows = y.reshape(-1, *y.shape[2:])
-        back = self.empty_rows(rows, total + dropped)
-        if dropped:
-            back[total:] = 0
+        back = self.empty_rows(rows, total + 1)
+        back[total:] = 0
         pending = self.global_gather(rows, plan, group, async_op, calc_stream, back[:total])
 
-        def finish() -> Any:
+        def finish() -> tuple[Any, np.ndarray]:
             pending.finish()
-            return self.take_rows(back, index, self.empty_rows(back, index.size))
+            return back, index
 
         return Pending(pending.works, finish)
 

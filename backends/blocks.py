@@ -79,11 +79,22 @@ def source_major(xp: Any, rows: Any, world: int, experts_per_rank: int) -> Any:
     return xp.reshape(swapped, (world * experts_per_rank * capacity, *trailing))
 
 
-def slot_values(xp: Any, back: Any, layout: StaticLayout) -> Any:
-    """Each slot's row of the send buffer ``back`` (what came back there), ``T * k`` rows in
-    slot order; a dropped slot's row is zeros (its row is not read: inf or nan there stay out)."""
-    rows = xp.take(_one_row_at_least(xp, back), xp.reshape(layout.slot_rows, (-1,)), axis=0)
-    return xp.where(_column(xp, xp.reshape(layout.kept, (-1,)), back.ndim), rows, xp.zeros_like(rows))
+def slot_index(xp: Any, layout: StaticLayout, rows: int) -> Any:
+    """Each slot's row in what a combine's transfer brought back (``rows`` rows in send order,
+    then one zero row): its send row, or for a dropped slot the zero row (index ``rows``), so
+    that whatever the padding holds (inf, nan) is never read. ``T * k`` int64, slot order."""
+    return xp.where(xp.reshape(layout.kept, (-1,)), xp.reshape(layout.slot_rows, (-1,)), rows)
+
+
+def with_zero_row(xp: Any, rows: Any) -> Any:
+    """``rows`` followed by one row of zeros (the row :func:`slot_index` gives a dropped slot)."""
+    zero = xp.zeros((1, *rows.shape[1:]), dtype=rows.dtype, device=place(rows))
+    return xp.concat([rows, zero], axis=0)
+
+
+def slots_of(xp: Any, back: Any, index: Any) -> Any:
+    """Each slot's row, ``back[index]``: ``T * k`` rows in slot order (see :func:`slot_index`)."""
+    return xp.take(back, index, axis=0)
 
 
 def weighted_sum(xp: Any, slots: Any, kept: Any, weights: Any) -> Any:

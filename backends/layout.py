@@ -231,11 +231,6 @@ class Routing:
     topk: int
 
     @cached_property
-    def slots_by_column(self) -> np.ndarray:
-        """``slot_rows`` as a ``(k, tokens)`` array: row j holds the row of each token's slot j."""
-        return np.ascontiguousarray(self.slot_rows.reshape(-1, self.topk).T)  # host routings only
-
-    @cached_property
     def kept(self) -> np.ndarray:
         """Whether each slot is kept, as a ``(tokens, k)`` bool array."""
         return (self.slot_rows < self.send_tokens.shape[0]).reshape(-1, self.topk)

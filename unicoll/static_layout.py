@@ -20,9 +20,11 @@ from .backends.blocks import (
     counts_told,
     expert_major,
     send_rows,
-    slot_values,
+    slot_index,
+    slots_of,
     source_major,
     weighted_sum,
+    with_zero_row,
 )
 from .device_routing import index_dtype, order_slots
 from .routing import SessionHandle
@@ -113,7 +115,8 @@ def combine_blocks(
 ) -> Any:
     """A static combine of blocks ``y`` by ``exchange``: sent back, each token's slots summed."""
     back = exchange(source_major(xp, y, world, experts_per_rank))
-    return weighted_sum(xp, slot_values(xp, back, layout), layout.kept, weights)
+    slots = slots_of(xp, with_zero_row(xp, back), slot_index(xp, layout, back.shape[0]))
+    return weighted_sum(xp, slots, layout.kept, weights)
 
 
 class StaticHandle(SessionHandle):

@@ -29,7 +29,7 @@ from array_api_compat import array_namespace
 
 from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued, reductions
-from unicoll.backends.blocks import StaticLayout, counts_heard, counts_told, refuse_other_capacities, slot_values
+from unicoll.backends.blocks import StaticLayout, counts_heard, counts_told, refuse_other_capacities, slot_index
 from unicoll.backends.layout import MoePlan, Routing
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.errors import TransportError, init_error
@@ -342,12 +342,13 @@ class PairwiseBackend(Backend):
         calc_stream: bool = False,
     ) -> Pending:
         """The inverse of :meth:`moe_dispatch_static`: each block's valid rows back to their
-        rank, one message each, received into their place in the send buffer's layout, from
-        which each slot takes its row."""
+        rank, one message each, received into their place in the send buffer's layout, which a
+        zero row follows: each slot's row is there (:func:`slot_index`)."""
         world = group.world_size
         experts, capacity = layout.blocks(world)
-        y = y.contiguous().view(experts * world * capacity, *y.shape[2:])
-        back = y.new_zeros(y.shape)
+        rows = experts * world * capacity
+        y = y.contiguous().view(rows, *y.shape[2:])
+        back = y.new_zeros((rows + 1, *y.shape[1:]))
         sent, valid = layout.sent.numpy().reshape(world, experts), valid.numpy()
         send, recv = _as_bytes(y), _as_bytes(back)
         pieces = []
@@ -356,7 +357,7 @@ class PairwiseBackend(Backend):
                 at_out, at_in = (e * world + p) * capacity, (p * experts + e) * capacity
                 pieces.append((peer, send[at_out : at_out + valid[e, p]], recv[at_in : at_in + sent[p, e]]))
         work = self._exchange(pieces, group, async_op)
-        return issued(work, lambda: slot_values(array_namespace(back), back, layout))
+        return issued(work, lambda: (back, slot_index(array_namespace(back), layout, rows)))
 
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self.to_native(np.ascontiguousarray(values, dtype=np.int64))

@@ -14,7 +14,16 @@ import torch
 
 from helpers.static_world import world_combine, world_dispatch
 from unicoll import reference, static_layout
-from unicoll.backends.blocks import expert_major, send_rows, slot_values, source_major, weighted_sum
+from unicoll.backends.blocks import (
+    expert_major,
+    send_rows,
+    slot_index,
+    slots_of,
+    source_major,
+    weighted_sum,
+    with_zero_row,
+)
+from unicoll.routing import static_route
 from unicoll.static_layout import static_layout as layout_of
 
 
@@ -69,8 +78,23 @@ def test_gradients_flow_to_x_the_outputs_and_the_weights_and_are_zero_for_droppe
     rows = expert_major(xtorch, send_rows(xtorch, x, lay), 1, 2)  # (2, 1, 2): expert 0 gets token 0, expert 1 too
     assert rows.tolist() == [[[1.0, 2.0]], [[1.0, 2.0]]]
     y = rows * torch.tensor([[[10.0]], [[100.0]]])
-    out = weighted_sum(xtorch, slot_values(xtorch, source_major(xtorch, y, 1, 2), lay), lay.kept, w)
+    back = source_major(xtorch, y, 1, 2)
+    slots = slots_of(xtorch, with_zero_row(xtorch, back), slot_index(xtorch, lay, back.shape[0]))
+    out = weighted_sum(xtorch, slots, lay.kept, w)
     assert out.tolist() == [[5.0 + 200.0, 10.0 + 400.0], [0.0, 0.0]]
     out.sum().backward()
     assert w.grad.tolist() == [[30.0, 300.0], [0.0, 0.0]]  # dropped slots: exactly zero
     assert x.grad.tolist() == [[0.5 * 10 + 2.0 * 100] * 2, [0.0, 0.0]]
+
+
+def test_the_host_route_makes_the_same_layout() -> None:
+    """:func:`unicoll.routing.static_route` (the host backends' layout, from the host routing's
+    send order) equals the array-API layout field by field, dtype and shape included, on
+    random ids with -1, ids out of range, no tokens, repeated experts and capacities from 0."""
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        tokens, k, experts, capacity = (int(v) for v in rng.integers((0, 1, 1, 0), (9, 4, 6, 5)))
+        ids = rng.integers(-2, experts + 2, (tokens, k))
+        want, got = layout_of(xnp, ids, experts, capacity), static_route(ids, experts, capacity)
+        for name, a, b in zip(want._fields, want, got):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (name, ids, experts, capacity)

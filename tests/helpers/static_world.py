@@ -5,7 +5,7 @@ differentiable, so it gives the gradients a spawned world must match."""
 
 from __future__ import annotations
 
-from unicoll.backends.blocks import slot_values, source_major, weighted_sum
+from unicoll.backends.blocks import slot_index, slots_of, source_major, weighted_sum, with_zero_row
 from unicoll.static_layout import dispatch_arrived, dispatch_outgoing
 
 
@@ -33,7 +33,5 @@ def world_combine(xp, ys, layouts, weights, experts_per_rank: int, capacity: int
     """Every rank's combine: each rank's blocks sent back by slicing, then its slots summed."""
     world = len(ys)
     back = _even_exchange(xp, [source_major(xp, y, world, experts_per_rank) for y in ys])
-    return [
-        weighted_sum(xp, slot_values(xp, b, layouts[c]), layouts[c].kept, None if weights is None else weights[c])
-        for c, b in enumerate(back)
-    ]
+    slots = [slots_of(xp, with_zero_row(xp, b), slot_index(xp, layouts[c], b.shape[0])) for c, b in enumerate(back)]
+    return [weighted_sum(xp, s, layouts[c].kept, None if weights is None else weights[c]) for c, s in enumerate(slots)]

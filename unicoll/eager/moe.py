@@ -281,7 +281,7 @@ def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, 
     back, lent = _rows_back(backend, grad, routing)
     try:
         sent = global_scatter_backward(backend, group, grad, plan, _head(back, routing))
-        return sum_slots(backend, sent if back is None else back, routing, None, None)
+        return sum_slots(backend, sent if back is None else back, routing.slot_rows, routing.topk, None, None)
     finally:
         backend.give_back(lent)
 
@@ -312,7 +312,7 @@ def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePl
             native_weights = backend.to_native(weights)
             kept = host_as(routing.kept, native_weights) if routing.dropped else None
         try:
-            out = sum_slots(backend, back, routing, native_weights, kept)
+            out = sum_slots(backend, back, routing.slot_rows, routing.topk, native_weights, kept)
         finally:
             backend.give_back(lent)
         return backend.from_native(out, library)
@@ -354,20 +354,20 @@ def _head(back: Any, routing: Routing) -> Any:
     return None if back is None else back[: routing.send_tokens.size]
 
 
-def sum_slots(backend: Backend, back: Any, routing: Routing, weights: Any, kept: Any) -> Any:
-    """``out[t] = sum_j w[t, j] * back[row of slot (t, j)]`` on the backend's native arrays,
-    summed in slot order (w = 1 without ``weights``; a dropped slot reads back's final zero
-    row and weighs zero where ``kept`` says so): one slot at a time, each slot's rows taken into
-    one buffer of a row per token, so no array of k rows per token is made. Sums run in the
-    promoted dtype of the rows and the weights, 2-byte floats in float32 (one rounding at the
-    end, as a matrix product rounds), and the result has back's dtype. Below
-    :data:`~unicoll.workspace.FROM_BYTES` of rows, :func:`sum_at_once` (fewer calls)."""
-    k, tokens = routing.topk, routing.slot_rows.size // routing.topk
+def sum_slots(backend: Backend, back: Any, slot_rows: np.ndarray, k: int, weights: Any, kept: Any) -> Any:
+    """``out[t] = sum_j w[t, j] * back[slot_rows[t * k + j]]`` on the backend's native arrays,
+    summed in slot order (``slot_rows``: host int64; w = 1 without ``weights``; a dropped slot
+    reads a zero row of back and weighs zero where ``kept`` says so): one slot at a time, each
+    slot's rows taken into one buffer of a row per token, so no array of k rows per token is
+    made. Sums run in the promoted dtype of the rows and the weights, 2-byte floats in float32
+    (one rounding at the end, as a matrix product rounds), and the result has back's dtype.
+    Below :data:`~unicoll.workspace.FROM_BYTES` of rows, :func:`sum_at_once` (fewer calls)."""
+    tokens = slot_rows.size // k
     if weights is None and k == 1:
-        return backend.take_rows(back, routing.slot_rows)
-    if routing.slot_rows.size * row_bytes(back) < FROM_BYTES:  # small: one gather costs less than k
-        return sum_at_once(back, host_as(routing.slot_rows, back), tokens, k, weights, kept)
-    slots, library = routing.slots_by_column, library_of(back)
+        return backend.take_rows(back, slot_rows)
+    if slot_rows.size * row_bytes(back) < FROM_BYTES:  # small: one gather costs less than k
+        return sum_at_once(back, host_as(slot_rows, back), tokens, k, weights, kept)
+    slots, library = np.ascontiguousarray(slot_rows.reshape(tokens, k).T), library_of(back)
     dtype = _sum_dtype(library, back, weights)
     apart = dtype != back.dtype  # summed in a wider dtype, then rounded into the result
     out, out_lent = _scratch_as(backend, back, tokens, dtype) if apart else (backend.empty_rows(back, tokens), None)
