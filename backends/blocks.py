@@ -152,9 +152,7 @@ def _one_row_at_least(xp: Any, x: Any) -> Any:
     """``x``, or for an array of no rows one row of zeros made from it: a take then reads a row
     it masks out, and the result still comes from x, so autograd runs its backward on this rank
     as on the others (a rank without tokens joins the transfer back)."""
-    if x.shape[0]:
-        return x
-    return xp.concat([x, xp.zeros((1, *x.shape[1:]), dtype=x.dtype, device=place(x))], axis=0)
+    return x if x.shape[0] else with_zero_row(xp, x)
 
 
 def _column(xp: Any, mask: Any, ndim: int) -> Any:

@@ -73,8 +73,9 @@ def static_route(topk_idx: np.ndarray, experts: int, capacity: int) -> StaticLay
     flat = ids.reshape(-1)
     kept = routing.slot_rows < routing.send_tokens.size
     slot_rows = np.zeros(flat.size, dtype=np.int64)
+    experts_kept = flat[kept]
     starts = np.cumsum(sent) - sent
-    slot_rows[kept] = flat[kept] * capacity + routing.slot_rows[kept] - starts[flat[kept]]
+    slot_rows[kept] = experts_kept * capacity + routing.slot_rows[kept] - starts[experts_kept]
     row_slots = np.zeros(experts * capacity, dtype=np.int64)
     row_slots[slot_rows[kept]] = np.flatnonzero(kept)
     filled = np.zeros(experts * capacity, dtype=bool)

@@ -27,6 +27,7 @@ from array_api_compat import array_namespace, device
 
 from ..arrays import describe, library_of, place_of
 from ..backends.base import Backend, Pending
+from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
 from ..check import call_number, verify
@@ -484,7 +485,7 @@ def _summed(back: Any, routing: Routing, weights: Any) -> Any:
     xp = array_namespace(back)
     kept = None
     if routing.dropped:  # dropped slots read a zero row
-        back = xp.concat([back, xp.zeros((1, *back.shape[1:]), dtype=back.dtype, device=device(back))])
+        back = with_zero_row(xp, back)
         kept = None if weights is None else host_as(routing.kept, weights)
     return sum_at_once(back, host_as(routing.slot_rows, back), routing.tokens, routing.topk, weights, kept)
 

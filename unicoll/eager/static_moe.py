@@ -201,9 +201,18 @@ def _slots_summed(backend: Backend, group: Group, grad: Any, layout: StaticLayou
     slots (a combine without weights)."""
     back, index = backend.moe_combine_static(grad, layout, valid, group, False).finish()
     if backend.host_memory:
-        return sum_slots(backend, back, on_host(index), layout.kept.shape[1], None, None)
+        return _summed_by_slot(backend, back, index, layout, None)
     slots = backend.take_rows(back, index)
     return weighted_sum(array_namespace(slots), slots, layout.kept, None)
+
+
+def _summed_by_slot(backend: Backend, back: Any, index: Any, layout: StaticLayout, weights: Any) -> Any:
+    """Each token's slots (``back[index]``, :meth:`~unicoll.backends.base.Backend.moe_combine_static`'s
+    pair in host memory) weighed by ``weights`` (or 1) and summed one slot at a time into rows
+    the workspace lends (:func:`~unicoll.eager.moe.sum_slots`); ``layout``: native."""
+    native = None if weights is None else backend.to_native(weights)
+    kept = None if weights is None else layout.kept
+    return sum_slots(backend, back, on_host(index), layout.kept.shape[1], native, kept)
 
 
 def _placed(backend: Backend, group: Group, rows: Any, layout: StaticLayout, valid: Any) -> Any:
@@ -254,10 +263,7 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     def finish(result: tuple[Any, Any]) -> Any:
         back, index = result
         if by_slot:
-            native_weights = None if weights is None else backend.to_native(weights)
-            kept = None if weights is None else layout.kept
-            out = sum_slots(backend, back, on_host(index), layout.kept.shape[1], native_weights, kept)
-            return backend.from_native(out, library_of(y))
+            return backend.from_native(_summed_by_slot(backend, back, index, layout, weights), library_of(y))
         rows = returned(backend.take_rows(back, index))
         return weighted_sum(array_namespace(rows), rows, handle.layout.kept, weights)
 
