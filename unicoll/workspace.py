@@ -26,7 +26,9 @@ had lent at once over its last :data:`WINDOW` loans: a step whose rows need more
 training loop, and a workspace never keeps more than what was in use at its recent peak (a
 loan dropped unreturned, a Task never waited for, stops counting once it is garbage); after
 :data:`WINDOW` loans of smaller steps, the bound is back to :data:`MAX_BYTES`, and so are the
-buffers kept. Every loan counts, one of fewer than :data:`FROM_BYTES` too, which the caller
+buffers kept; and a kept buffer that no loan took over the last :data:`IDLE_LOANS` loans
+goes, whatever the bound, so the buffers of one large step leave once smaller steps follow (a large
+buffer serves no small loan, see below). Every loan counts, one of fewer than :data:`FROM_BYTES` too, which the caller
 makes from fresh memory and only reports (:meth:`Workspace.count_fresh`); and a kept buffer
 serves only a loan of at least about half its size, so a large step's buffers never serve a
 smaller step's loans, which would keep them lent, counted at the peak, step after step.
@@ -51,6 +53,12 @@ sent, received, and sent back, and one row per token)."""
 WINDOW = 64
 """The loans over which a workspace remembers the most it had lent at once (its bound above
 :data:`MAX_BYTES`): a MoE step lends a few buffers, so this spans several steps."""
+
+IDLE_LOANS = 4 * WINDOW
+"""The loans after which a kept buffer that none of them took is dropped, however little the
+workspace keeps: long enough for a buffer that one layer of a deep model uses once a step to
+serve the next step, short enough that a large step's buffers, which no smaller loan takes,
+leave within a few dozen steps of a MoE layer."""
 
 FROM_BYTES = 1 << 20
 """Calls move rows of fewer bytes through fresh memory: small arrays come from the allocator's
@@ -84,7 +92,8 @@ class Workspace:
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._free: list[np.ndarray] = []  # oldest first
+        self._free: list[tuple[np.ndarray, int]] = []  # (buffer, loans made before it was kept), oldest first
+        self._loans = 0  # loans made so far, count_fresh's included
         self._freed: deque[np.ndarray] = deque()  # given back by results that became garbage
         self._lent: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
         """The buffers lent now, by id: one dropped unreturned leaves by itself once garbage."""
@@ -95,7 +104,7 @@ class Workspace:
     @property
     def kept_bytes(self) -> int:
         """The bytes of the buffers kept, not lent."""
-        return sum(buffer.nbytes for buffer in (*self._free, *self._freed))
+        return sum(buffer.nbytes for buffer, _ in self._free) + sum(buffer.nbytes for buffer in self._freed)
 
     @property
     def bound(self) -> int:
@@ -122,8 +131,8 @@ class Workspace:
         largest = 2 * _rounded(nbytes)
         with self._lock:
             self._take_freed()
-            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.nbytes <= largest]
-            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes)) if fitting else None
+            fitting = [i for i, (buffer, _) in enumerate(self._free) if nbytes <= buffer.nbytes <= largest]
+            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i][0].nbytes))[0] if fitting else None
         if buffer is None:
             buffer = np.empty(_rounded(nbytes), dtype=np.uint8)
         with self._lock:
@@ -174,7 +183,7 @@ class Workspace:
         the oldest kept buffers go first when the workspace would hold more than its bound."""
         with self._lock:
             self._lent.pop(id(buffer), None)
-            self._free.append(buffer)
+            self._free.append((buffer, self._loans))
             self._take_freed()
             self._trim()
 
@@ -184,6 +193,7 @@ class Workspace:
         self._take_freed()
         lent = sum(buffer.nbytes for buffer in self._lent.values()) if self._lent else 0
         self._peaks.append(nbytes + lent)
+        self._loans += 1
         self._trim()
 
     def _take_freed(self) -> None:
@@ -192,17 +202,21 @@ class Workspace:
         while self._freed:
             buffer = self._freed.popleft()
             self._lent.pop(id(buffer), None)
-            self._free.append(buffer)
+            self._free.append((buffer, self._loans))
 
     def _trim(self) -> None:
-        """Drop the oldest kept buffers while the workspace holds more than its bound (which is
-        at least :attr:`max_bytes`: the window is read only past that)."""
-        kept = sum(buffer.nbytes for buffer in self._free)
+        """Drop the kept buffers that no loan took over the last :data:`IDLE_LOANS` loans, then the
+        oldest while the workspace holds more than its bound (which is at least
+        :attr:`max_bytes`: the window is read only past that)."""
+        idle_since = self._loans - IDLE_LOANS
+        if self._free and self._free[0][1] < idle_since:  # the oldest first: is any idle that long?
+            self._free = [(buffer, kept_at) for buffer, kept_at in self._free if kept_at >= idle_since]
+        kept = sum(buffer.nbytes for buffer, _ in self._free)
         if kept <= self.max_bytes:
             return
         bound = self.bound
         while kept > bound:
-            kept -= self._free.pop(0).nbytes
+            kept -= self._free.pop(0)[0].nbytes
 
     def clear(self) -> None:
         """Let go of every kept buffer, for good: buffers given back later are dropped (lent

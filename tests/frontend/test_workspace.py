@@ -16,7 +16,7 @@ import unicoll as uc
 from helpers.several import SESSION, Case, share
 from unicoll import runtime
 from unicoll.backends.host import host_rows, row_bytes
-from unicoll.workspace import FROM_BYTES, WINDOW, Workspace
+from unicoll.workspace import FROM_BYTES, IDLE_LOANS, WINDOW, Workspace
 
 # -- the workspace alone ---------------------------------------------------------------------
 
@@ -90,6 +90,25 @@ def test_a_small_loan_is_not_handed_a_large_buffer() -> None:
     small = ws.lend(FROM_BYTES)
     assert small.nbytes == FROM_BYTES and ws.kept_bytes == _LARGE  # a new buffer of its own size
     assert ws.lend(_LARGE // 3).nbytes == _LARGE // 3  # a loan of the large step's size gets one of them
+
+
+def test_a_large_steps_buffers_go_once_smaller_steps_follow_even_under_the_bound() -> None:
+    """The large step's 24 MiB fit under a bound of 256 MiB, and a small loan never takes one of
+    them: before, they stayed kept until finalize() (a training loop's resident memory grew by
+    its largest step for good). A buffer the smaller steps use stays."""
+    ws = Workspace(max_bytes=256 << 20)
+    step = [ws.lend(_LARGE // 3) for _ in range(3)]
+    for buffer in step:
+        ws.give_back(buffer)
+    small = ws.lend(FROM_BYTES)
+    ws.give_back(small)
+    for _ in range(IDLE_LOANS - 1):
+        assert ws.kept_bytes == _LARGE + FROM_BYTES  # still kept for a step of that size
+        again = ws.lend(FROM_BYTES)
+        assert again is small
+        ws.give_back(again)
+    ws.give_back(ws.lend(FROM_BYTES))
+    assert ws.kept_bytes == FROM_BYTES  # no loan took the large ones over the last IDLE_LOANS loans
 
 
 def test_a_loan_dropped_unreturned_stops_counting_toward_the_bound() -> None:
