@@ -27,11 +27,12 @@ training loop, and a workspace never keeps more than what was in use at its rece
 loan dropped unreturned, a Task never waited for, stops counting once it is garbage); after
 :data:`WINDOW` loans of smaller steps, the bound is back to :data:`MAX_BYTES`, and so are the
 buffers kept; and a kept buffer that no loan took over the last :data:`IDLE_LOANS` loans
-goes, whatever the bound, so the buffers of one large step leave once smaller steps follow (a large
-buffer serves no small loan, see below). Every loan counts, one of fewer than :data:`FROM_BYTES` too, which the caller
-makes from fresh memory and only reports (:meth:`Workspace.count_fresh`); and a kept buffer
-serves only a loan of at least about half its size, so a large step's buffers never serve a
-smaller step's loans, which would keep them lent, counted at the peak, step after step.
+goes, whatever the bound, so the buffers of one large step leave once smaller steps follow (a
+large buffer serves no small loan, see below). Every loan counts, one of fewer than
+:data:`FROM_BYTES` too, which the caller makes from fresh memory and only reports
+(:meth:`Workspace.count_fresh`); and a kept buffer serves only a loan of at least about half
+its size, so a large step's buffers never serve a smaller step's loans, which would keep them
+lent, counted at the peak, step after step.
 
 Buffers are numpy ``uint8`` arrays, made by numpy, which asks the kernel for huge pages for
 arrays this large, so even a first use faults in a fraction of the pages.
