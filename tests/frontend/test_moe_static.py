@@ -124,7 +124,9 @@ def _draw(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _large_steps(rank: int, world: int) -> list[str]:
     """Steps through the backend's workspace, numpy and torch, a new routing and capacity each;
-    every result checked after the last step, so reused memory cannot corrupt a live one."""
+    every result checked after the last step, so reused memory cannot corrupt a live one. The
+    slots the capacity drops weigh inf and the blocks' padding holds nan when combine runs:
+    neither may reach a result (combine sums these steps one slot at a time into lent rows)."""
     kept, failures = [], []
     for step, convert in enumerate((lambda a: a.numpy(), lambda a: a, lambda a: a.numpy())):
         x, ids, w = _draw(step, rank)
@@ -133,7 +135,11 @@ def _large_steps(rank: int, world: int) -> list[str]:
         rows, counts, handle = uc.moe.dispatch_static(
             convert(x), convert(ids), convert(w), experts_per_rank=E, capacity=capacity
         )
-        kept.append((step, capacity, rows, counts, uc.moe.combine_static(rows * 2, handle)))
+        w[~torch.as_tensor(handle.kept)] = float("inf")  # w shares memory with what dispatch was given
+        y = torch.as_tensor(rows) * 2
+        padding = torch.arange(capacity)[None, None, :] >= torch.as_tensor(counts)[:, :, None]  # (E, W, C)
+        y.view(E, world, capacity, -1)[padding] = float("nan")
+        kept.append((step, capacity, rows, counts, uc.moe.combine_static(convert(y), handle)))
     for step, capacity, rows, counts, out in kept:
         xs, ids, ws = zip(*(_draw(step, r) for r in range(world)))
         layouts, wrows, wcounts, _ = world_dispatch(xtorch, xs, [i % (world * E) for i in ids], E, capacity)
