@@ -345,13 +345,14 @@ class Backend(ABC):
         valid: Any | None = None,
     ) -> Pending:
         """A static-shape dispatch's rows: x's rows (one per token, or one per slot: a combine's
-        backward) laid into blocks by ``layout`` (:mod:`unicoll.backends.blocks`, arrays of x's
-        library on x's device) and moved, arriving as ``(E, W * C, ...)`` blocks, expert-major
-        then source rank, zeros after each block's valid rows. With ``valid`` None every rank
-        also tells the others its counts (:func:`~unicoll.backends.blocks.counts_told`), and
-        the call finishes as ``(blocks, heard)``: ``heard``, the ``W * (1 + 2E)`` ints every
-        rank told this one. With ``valid`` (``(E, W)``: the valid rows of each block this rank
-        receives, known from the dispatch of the same layout) it finishes as ``(blocks, None)``.
+        backward) laid into blocks by ``layout`` (:mod:`unicoll.backends.blocks`: numpy arrays on a
+        :attr:`host_memory` backend, else arrays of x's library on x's device) and moved, arriving
+        as ``(E, W * C, ...)`` blocks, expert-major then source rank, zeros after each block's valid
+        rows. With ``valid`` None every rank also tells the others its counts
+        (:func:`~unicoll.backends.blocks.counts_told`), and the call finishes as ``(blocks,
+        heard)``: ``heard``, the ``W * (1 + 2E)`` ints every rank told this one. With ``valid``
+        (``(E, W)``: the valid rows of each block this rank receives, known from the dispatch of the
+        same layout) it finishes as ``(blocks, None)``.
 
         Composed from the primitives: where the arrays live in host memory
         (:attr:`host_memory`), the counts travel first, every rank refuses capacities that

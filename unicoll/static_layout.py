@@ -147,7 +147,8 @@ class StaticHandle(SessionHandle):
     ) -> None:
         """``like``: the dispatched x, whose library and device later rows must have (not kept).
         ``counts``: ``counts``, ``received_before_drop`` and ``sent_before_drop``. ``layout``:
-        the :class:`~unicoll.backends.blocks.StaticLayout`, where the router's ids were.
+        the :class:`~unicoll.backends.blocks.StaticLayout` as the backend takes it (numpy
+        arrays on a host backend, else where the router's ids were).
         ``dispatch_number``: in check mode, the dispatch's collective number on ``group``."""
         self.layout = layout
         """What combine, redispatch and the backward passes follow (see above)."""

@@ -314,11 +314,11 @@ class PairwiseBackend(Backend):
         experts, capacity = layout.blocks(world)
         heard = None
         if valid is None:
-            heard = self.exchange_ints(counts_told(array_namespace(layout.sent), layout, world).numpy(), group)
+            heard = self.exchange_ints(counts_told(np, layout, world), group)
             capacities, valid, _ = counts_heard(array_namespace(heard), heard, world, experts)
             refuse_other_capacities(capacities, capacity)
         received = np.asarray(valid).T
-        sent = layout.sent.numpy().reshape(world, experts)
+        sent = layout.sent.reshape(world, experts)
         rows = self.take_rows(x, layout.row_index(x.shape[0])[layout.filled])
         out = x.new_zeros((experts * world * capacity, *x.shape[1:]))
         firsts = _starts(sent.reshape(-1).tolist())
@@ -349,7 +349,7 @@ class PairwiseBackend(Backend):
         rows = experts * world * capacity
         y = y.contiguous().view(rows, *y.shape[2:])
         back = y.new_zeros((rows + 1, *y.shape[1:]))
-        sent, valid = layout.sent.numpy().reshape(world, experts), valid.numpy()
+        sent, valid = layout.sent.reshape(world, experts), valid.numpy()
         send, recv = _as_bytes(y), _as_bytes(back)
         pieces = []
         for p, peer in enumerate(group.ranks):
@@ -357,7 +357,7 @@ class PairwiseBackend(Backend):
                 at_out, at_in = (e * world + p) * capacity, (p * experts + e) * capacity
                 pieces.append((peer, send[at_out : at_out + valid[e, p]], recv[at_in : at_in + sent[p, e]]))
         work = self._exchange(pieces, group, async_op)
-        return issued(work, lambda: (back, slot_index(array_namespace(back), layout, rows)))
+        return issued(work, lambda: (back, slot_index(np, layout, rows)))
 
     def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
         send = self.to_native(np.ascontiguousarray(values, dtype=np.int64))

@@ -89,7 +89,7 @@ def compiled_static_layer(rank: int) -> dict:
             results.append([out.detach(), *grads])
         same.append(all(torch.equal(a, b) for a, b in zip(*results)))
     ours = [sorted(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("unicoll.")) for gm in graphs]
-    # an eager handle, made on gloo (its layout a plan on the host), in compiled code: combine runs eagerly
+    # an eager handle, made on gloo (its layout numpy arrays), in compiled code: the same sums
     x = torch.randn(TOKENS, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
     gates, chosen = (x @ params[0]).softmax(-1).topk(TOP_K, dim=-1)
     rows, _, handle = uc.moe.dispatch_static(x, chosen, gates, experts_per_rank=params[1].shape[0], capacity=CAPACITY)

@@ -35,7 +35,7 @@ from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATI
 from ..static_layout import Arrived, StaticHandle, static_layout
 from ..task import Task
 from ..validate import prepare, read_only
-from .moe import check_handled, handle_group, records_gradient, sum_slots
+from .moe import check_handled, handle_group, host_as, records_gradient, sum_slots
 from .ops import _functional, _run
 
 
@@ -140,32 +140,29 @@ def _static_group(op: str, handle: Any) -> Group:
 
 
 def _native(backend: Backend, layout: StaticLayout, like: Any) -> StaticLayout:
-    """``layout`` as arrays of the backend's native library (the caller's arrays may be the
-    other GPU library's, shared through DLPack); as it is where they are already."""
-    if library_of(layout.sent) == library_of(like):
+    """``layout`` as the backend takes it: on a host backend as it is (numpy), elsewhere as
+    arrays of the backend's native library (the caller's arrays may be the other GPU
+    library's, shared through DLPack)."""
+    if backend.host_memory or library_of(layout.sent) == library_of(like):
         return layout
     return StaticLayout(*(backend.to_native(a) for a in layout))
 
 
-def _layout(backend: Backend, topk_idx: Any, x: Any, experts: int, capacity: int) -> StaticLayout:
-    """The layout of ``topk_idx`` as arrays of x's library on x's device: computed there, or in
-    host memory from the host routing's send order (:func:`~unicoll.routing.static_route`,
-    under a third of the array-API layout's time in numpy) and handed to x's library without
-    a copy."""
-    if not backend.host_memory:
-        return static_layout(array_namespace(topk_idx), topk_idx, experts, capacity)
-    layout = static_route(on_host(topk_idx), experts, capacity)
-    if library_of(x) == "numpy":
-        return layout
-    xp = array_namespace(x)
-    return StaticLayout(*(xp.asarray(a) for a in layout))
+def _layout(backend: Backend, topk_idx: Any, experts: int, capacity: int) -> StaticLayout:
+    """The layout of ``topk_idx`` where the backend's arrays live: on a host backend numpy
+    arrays from the host routing's send order (:func:`~unicoll.routing.static_route`, under a
+    third of the array-API layout's time in numpy), which its transfers read as they are;
+    elsewhere computed where the router's ids are, with array-API operations."""
+    if backend.host_memory:
+        return static_route(on_host(topk_idx), experts, capacity)
+    return static_layout(array_namespace(topk_idx), topk_idx, experts, capacity)
 
 
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
     topk_idx = arguments["topk_idx"]
-    layout = _layout(backend, topk_idx, x, world * experts, capacity)
+    layout = _layout(backend, topk_idx, world * experts, capacity)
     native_x = backend.to_native(x)
     native = _native(backend, layout, native_x)
     number, valid = -1, None
@@ -190,7 +187,8 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         _, valid, before = counts_heard(array_namespace(heard), heard, world, experts)
         library = library_of(x)
         arrived = Arrived(received(blocks), backend.from_native(valid, library), backend.from_native(before, library))
-        handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number)
+        counts = (arrived.counts, arrived.received_before_drop, host_as(layout.demand, x))
+        handle = StaticHandle(grp, experts, capacity, weights, x, counts, host_as(layout.kept, x), layout, number)
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
@@ -211,7 +209,7 @@ def _summed_by_slot(backend: Backend, back: Any, index: Any, layout: StaticLayou
     pair in host memory) weighed by ``weights`` (or 1) and summed one slot at a time into rows
     the workspace lends (:func:`~unicoll.eager.moe.sum_slots`); ``layout``: native."""
     native = None if weights is None else backend.to_native(weights)
-    kept = None if weights is None else layout.kept
+    kept = None if weights is None else host_as(layout.kept, native)
     return sum_slots(backend, back, on_host(index), layout.kept.shape[1], native, kept)
 
 
@@ -265,7 +263,7 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
         if by_slot:
             return backend.from_native(_summed_by_slot(backend, back, index, layout, weights), library_of(y))
         rows = returned(backend.take_rows(back, index))
-        return weighted_sum(array_namespace(rows), rows, handle.layout.kept, weights)
+        return weighted_sum(array_namespace(rows), rows, host_as(handle.layout.kept, rows), weights)
 
     return _run(MOE_COMBINE_STATIC.name, call, issue, finish)
 
