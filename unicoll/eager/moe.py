@@ -525,9 +525,10 @@ def _matmul(a: Any, b: Any) -> Any:
 
 
 def host_as(host: Any, x: Any) -> Any:
-    """An index array of the routing as an array of ``x``'s library on ``x``'s device: a host
-    array copied there, a device array of the other GPU library (a cupy routing for a torch
-    ``x``, say) shared through DLPack; one already of x's library, or for a numpy ``x``, as it is."""
+    """An array of a routing or layout (indices, a mask, counts) as an array of ``x``'s library on
+    ``x``'s device: a host array copied there, a device array of the other GPU library (a cupy
+    routing for a torch ``x``, say) shared through DLPack; one already of x's library, or for a
+    numpy ``x``, as it is."""
     library = library_of(x)
     if library == library_of(host) or library == "numpy":
         return host

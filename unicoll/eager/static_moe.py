@@ -205,9 +205,10 @@ def _slots_summed(backend: Backend, group: Group, grad: Any, layout: StaticLayou
 
 
 def _summed_by_slot(backend: Backend, back: Any, index: Any, layout: StaticLayout, weights: Any) -> Any:
-    """Each token's slots (``back[index]``, :meth:`~unicoll.backends.base.Backend.moe_combine_static`'s
-    pair in host memory) weighed by ``weights`` (or 1) and summed one slot at a time into rows
-    the workspace lends (:func:`~unicoll.eager.moe.sum_slots`); ``layout``: native."""
+    """Each token's slots (``back[index]``,
+    :meth:`~unicoll.backends.base.Backend.moe_combine_static`'s pair in host memory) weighed by
+    ``weights`` (or 1) and summed one slot at a time into rows the workspace lends
+    (:func:`~unicoll.eager.moe.sum_slots`); ``layout``: as the backend takes it."""
     native = None if weights is None else backend.to_native(weights)
     kept = None if weights is None else host_as(layout.kept, native)
     return sum_slots(backend, back, on_host(index), layout.kept.shape[1], native, kept)
