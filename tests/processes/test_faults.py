@@ -1,6 +1,10 @@
 """Fault injection with real processes: every fault ends in a clear error on every surviving
 rank within the timeout, or in what docs/reliability.md says happens instead, on gloo and on
-mpi; `unicoll run` stops the world when a rank fails."""
+mpi; `unicoll run` stops the world when a rank fails.
+
+A gloo world whose test needs no launcher runs its ranks forked from a server that imported
+torch once (helpers/forked.py), nothing between them and the test; the others, and every mpi
+world, run under `unicoll run`."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import pytest
 from faults import reporting
 
 import unicoll as uc
+from helpers.forked import start_script
 from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.launch.local import free_port, world_env
 
@@ -32,7 +37,7 @@ BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is n
 
 class World(NamedTuple):
     """What a world of inject.py left: each rank's reports, everything printed, the exit codes
-    (the launcher's, or each started rank's when no launcher ran)."""
+    (the launcher's, or each started rank's when no launcher ran: negative for a signal)."""
 
     reports: dict[int, list[dict]]
     output: str
@@ -44,9 +49,10 @@ def _env(backend: str, check: bool, timeout: float) -> dict[str, str]:
 
 
 class Started(NamedTuple):
-    """Processes of a world of inject.py, and the folder of its reports (faults/reporting.py)."""
+    """Processes of a world of inject.py (the launcher, or the ranks), and the folder of its
+    reports (faults/reporting.py) and of the ranks' output."""
 
-    procs: list[subprocess.Popen]
+    procs: list
     reports: Path
 
 
@@ -89,21 +95,24 @@ def finish_world(started: Started) -> World:
     return World(_read(started.reports), stdout + stderr, [proc.returncode])
 
 
-def start_ranks(fault: str, ranks: tuple[int, ...], *, timeout: float = TIMEOUT) -> Started:
-    """Start ``ranks`` of a gloo world of 2 running inject.py FAULT, without a launcher: nothing
-    stops the others when one dies, so the survivors report what they see."""
+def start_ranks(
+    fault: str, ranks: tuple[int, ...], *, check: bool = False, timeout: float = TIMEOUT, env: dict | None = None
+) -> Started:
+    """Start ``ranks`` of a gloo world of 2 running inject.py FAULT (with ``env`` added),
+    forked without a launcher (helpers/forked.py): nothing stops the others when one dies, so
+    the survivors report what they see."""
     port, folder = free_port(), _folder()
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), fault],
-            env={
-                **_env("gloo", False, timeout),
+        start_script(
+            SCRIPT,
+            [fault],
+            {
+                **_env("gloo", check, timeout),
+                **(env or {}),
                 **world_env(rank, 2, "127.0.0.1", port),
                 reporting.FOLDER: str(folder),
             },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            folder / f"output{rank}.txt",
         )
         for rank in ranks
     ]
@@ -112,15 +121,22 @@ def start_ranks(fault: str, ranks: tuple[int, ...], *, timeout: float = TIMEOUT)
 
 def finish(started: Started) -> World:
     """Wait for processes from :func:`start_ranks` (killing them after a minute)."""
-    outputs = []
+    deadline = time.monotonic() + 60
     for proc in started.procs:
-        try:
-            outputs.append(proc.communicate(timeout=60)[0])
-        except subprocess.TimeoutExpired:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
             proc.kill()
-            outputs.append(proc.communicate()[0])
-    output = "".join(outputs)
-    return World(_read(started.reports), output, [proc.returncode for proc in started.procs])
+            proc.join()
+    output = "".join(path.read_text() for path in sorted(started.reports.glob("output*.txt")))
+    return World(_read(started.reports), output, [proc.exitcode for proc in started.procs])
+
+
+def run_fault(fault: str, backend: str = "gloo", *, check: bool = False, env: dict | None = None) -> World:
+    """inject.py FAULT on 2 ranks where the test needs no launcher: on gloo forked
+    (:func:`start_ranks`), on mpi under `unicoll run --mpi` (:func:`run_world`)."""
+    if backend == "mpi":
+        return run_world(fault, backend, check=check, env=env)
+    return finish(start_ranks(fault, (0, 1), check=check, env=env))
 
 
 def _read(folder: Path) -> dict[int, list[dict]]:
@@ -132,21 +148,21 @@ def _read(folder: Path) -> dict[int, list[dict]]:
 
 
 def test_mismatched_counts_in_check_mode_fail_on_every_rank() -> None:
-    world = run_world("mismatch-checked", check=True)
+    world = run_fault("mismatch-checked", check=True)
     expected = "global_scatter: ranks disagree: rank 1 expects 2 row(s) from rank 0 for expert 1, but rank 0 sends 1"
     for rank in (0, 1):
         (record,) = world.reports[rank]
         assert record["error"] == "CrossRankMismatchError", world.output
         assert record["message"] == expected
         assert record["seconds"] < TIMEOUT
-    assert world.codes == [0]
+    assert set(world.codes) == {0}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_counts_without_check_mode(backend) -> None:
     """The handshake: both mismatches raise CrossRankMismatchError on both ranks, within the
     timeout, and the process lives on."""
-    world = run_world("mismatch-unchecked", backend)
+    world = run_fault("mismatch-unchecked", backend)
     expected = [
         "alltoall_single: ranks disagree: rank 1 expects 3 row(s) from rank 0, but rank 0 sends 2",
         "alltoall_single: ranks disagree: rank 1 expects 1 row(s) from rank 0, but rank 0 sends 2",
@@ -156,7 +172,7 @@ def test_mismatched_counts_without_check_mode(backend) -> None:
             ("CrossRankMismatchError", message) for message in expected
         ], world.output
         assert all(r["seconds"] < TIMEOUT for r in world.reports[rank])
-    assert world.codes == [0]
+    assert set(world.codes) == {0}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -185,7 +201,7 @@ def test_mismatched_counts_with_the_handshake_off(backend) -> None:
 
 
 def test_peer_that_exits_fails_the_current_and_next_operator() -> None:
-    world = run_world("peer-exits")
+    world = run_fault("peer-exits")
     assert world.reports[1] == [{"rank": 1, "action": "exits"}]
     assert len(world.reports[0]) == 2, world.output
     for record in world.reports[0]:
@@ -219,7 +235,7 @@ def test_a_rank_that_exits_mid_step_is_lost_in_its_peers_step(library: str) -> N
     """Rank 1 exits between dispatch and combine: rank 0's combine, inside the library's
     autograd, raises PeerLostError (not the library's own error type) within the timeout."""
     _skip_unless_installed(library)
-    world = run_world(f"exits-mid-step:{library}")
+    world = run_fault(f"exits-mid-step:{library}")
     assert world.reports[1] == [{"rank": 1, "action": "exits"}]
     (record,) = world.reports[0]
     assert record["error"] == "PeerLostError", world.output
@@ -267,10 +283,10 @@ def test_peer_that_never_calls_times_out(tmp_path) -> None:
     most of its time waiting out its timeout."""
     started = [
         # INJECT_DONE: the absent peer leaves once rank 0 has its error
-        (fault, op, bound, start_world(fault, env={"INJECT_DONE": str(tmp_path / f"{i}.done"), **env}))
+        (fault, op, bound, start_ranks(fault, (0, 1), env={"INJECT_DONE": str(tmp_path / f"{i}.done"), **env}))
         for i, (fault, op, bound, env) in enumerate(ABSENT_PEERS)
     ]
-    worlds = [(fault, op, bound, finish_world(proc)) for fault, op, bound, proc in started]
+    worlds = [(fault, op, bound, finish(procs)) for fault, op, bound, procs in started]
     for fault, op, bound, world in worlds:
         assert len(world.reports[0]) == 1, f"{fault}: {world.output}"
         (record,) = world.reports[0]
@@ -285,7 +301,7 @@ def test_peer_that_never_calls_times_out(tmp_path) -> None:
 def test_wait_with_timeout_0_polls(backend) -> None:
     """``Task.wait(timeout=0)`` on a call the peer makes 1 s later raises at once, and a later
     ``wait()`` still returns the result."""
-    world = run_world("poll", backend, env={"UNICOLL_HANDSHAKE": "0"})  # with it, the call waits for the peer's record
+    world = run_fault("poll", backend, env={"UNICOLL_HANDSHAKE": "0"})  # with it, the call waits for the peer's record
     polled, waited, result = world.reports[0]
     assert polled["error"] == "CollectiveTimeoutError", world.output
     assert polled["message"] == (
