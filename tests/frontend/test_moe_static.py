@@ -11,6 +11,7 @@ import torch
 
 import unicoll as uc
 from helpers.gpu_backends import restart_on_the_device_path
+from helpers.several import SESSION, Case, share
 from helpers.static_world import world_combine, world_dispatch
 
 E, K, C, DIM = 2, 2, 2, 3
@@ -187,11 +188,21 @@ def _errors(rank: int) -> dict[str, str]:
     return seen
 
 
+SIZES = {"gloo": 3, "mpi": 2}
+"""The world size of each backend's shared world (helpers/several.py) for the cases below."""
+
+WHOLE_WORLD = {
+    backend: share(
+        backend, size, [Case("static: gradients", _gradients), Case("static: tasks and groups", _tasks_and_groups)]
+    )
+    for backend, size in SIZES.items()
+}
+
+
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_gradients_redispatch_tasks_and_groups_match_the_whole_world(backend: str) -> None:
-    world = 3 if backend == "gloo" else 2
-    assert uc.testing.spawn(_gradients, world, backend=backend) == [[]] * world
-    assert uc.testing.spawn(_tasks_and_groups, world, backend=backend) == [[]] * world
+    for name in ("static: gradients", "static: tasks and groups"):
+        assert SESSION.results(WHOLE_WORLD[backend], name) == [[]] * SIZES[backend], name
 
 
 def _capacities_disagree(rank: int) -> str:
@@ -210,10 +221,18 @@ def _capacities_disagree(rank: int) -> str:
     return message if rows.shape == (E, uc.get_world_size() * 2, 3) else "the next call failed"
 
 
+CAPACITIES = {backend: share(backend, size, [Case("static: capacities disagree", _capacities_disagree)])
+              for backend, size in SIZES.items()}  # fmt: skip
+
+
 @pytest.mark.parametrize(("backend", "world", "handshake"), [("gloo", 3, "1"), ("mpi", 2, "1"), ("gloo", 2, "0")])
 def test_ranks_with_different_capacities_get_the_same_error(backend: str, world: int, handshake: str) -> None:
-    """The handshake finds it first; without it, the capacities told beside the counts do."""
-    messages = uc.testing.spawn(_capacities_disagree, world, backend=backend, env={"UNICOLL_HANDSHAKE": handshake})
+    """The handshake finds it first (the shared worlds keep it on); without it, the capacities
+    told beside the counts do."""
+    if handshake == "1":
+        messages = SESSION.results(CAPACITIES[backend], "static: capacities disagree")
+    else:
+        messages = uc.testing.spawn(_capacities_disagree, world, backend=backend, env={"UNICOLL_HANDSHAKE": "0"})
     told = ", ".join(f"rank {c}: {2 + c}" for c in range(world))
     expected = {
         "1": "moe.dispatch_static: ranks disagree: rank 0 passes capacity=2 but rank 1 passes 3",

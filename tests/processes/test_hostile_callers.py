@@ -2,9 +2,8 @@
 outputs that alias inputs. Each case ends in the right result or the same clear error on every
 rank, and the world is still in step afterwards (a good call after each case lines up).
 
-The cases of a backend that share a world size and a check setting run in one spawned world
-(helpers/several.py): each world costs more to start than its cases take. On gloo in check mode
-that world is the session's shared one."""
+The cases of a backend that share a world size and a check setting run in the session's shared
+world of them (helpers/several.py): each world costs more to start than its cases take."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import unicoll as uc
-from helpers.several import SESSION, Case, SharedWorlds, World, share
+from helpers.several import SESSION, Case, share
 from helpers.signals import send, signal_path, wait_for
 from unicoll import entry, reference
 
@@ -95,8 +94,8 @@ NEW_GROUP_MESSAGES = {
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("check", [True, False], ids=["check", "no-check"])
-def test_disagreements_end_in_the_same_error_on_every_rank(backend: str, check: bool, worlds: SharedWorlds) -> None:
-    outcomes = _results(worlds, backend, check, "disagreements")
+def test_disagreements_end_in_the_same_error_on_every_rank(backend: str, check: bool) -> None:
+    outcomes = _results(backend, check, "disagreements")
     for label, per_rank in NEW_GROUP_MESSAGES.items():  # new_group is compared, check mode or not
         assert [seen[label] for seen in outcomes] == per_rank, label
     if not check:
@@ -152,8 +151,8 @@ def threads_at_once(rank: int, signal: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_a_second_thread_inside_an_operator_is_refused(backend: str, worlds: SharedWorlds) -> None:
-    outcomes = _results(worlds, backend, True, "threads at once")
+def test_a_second_thread_inside_an_operator_is_refused(backend: str) -> None:
+    outcomes = _results(backend, True, "threads at once")
     assert all(seen["gathered"] == [0, 1, 2] for seen in outcomes)
     assert outcomes[0]["main"] == (
         "RuntimeError: alltoall_single: thread 'MainThread' called it while thread 'worker' is inside all_gather; "
@@ -244,8 +243,8 @@ def aliasing(rank: int) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_outputs_that_alias_inputs_give_the_right_answer(backend: str, worlds: SharedWorlds) -> None:
-    for results in _results(worlds, backend, False, "aliasing"):
+def test_outputs_that_alias_inputs_give_the_right_answer(backend: str) -> None:
+    for results in _results(backend, False, "aliasing"):
         assert all(results.values()), results
 
 
@@ -260,27 +259,15 @@ def _world_cases(backend: str, check: bool) -> list[Case]:
     return [Case(f"hostile callers: {name}", functions[name], arguments.get(name, ())) for name in _case_names(check)]
 
 
-#: gloo in check mode: the session's shared world of W ranks in check mode (helpers/several.py).
-CHECKED_ON_GLOO = share("gloo", W, _world_cases("gloo", True), check=True)
+#: Each backend's cases in the session's shared worlds of W ranks (helpers/several.py), in check
+#: mode and not, by (backend, check mode).
+WORLDS = {
+    (backend, check): share(backend, W, _world_cases(backend, check), check=check)
+    for backend in ("gloo", "mpi")
+    for check in (True, False)
+}
 
 
-@pytest.fixture(scope="module")
-def worlds() -> SharedWorlds:
-    """This module's other worlds of W ranks, by (backend, check mode)."""
-    return SharedWorlds(
-        {
-            (backend, check): World(
-                W, _world_cases(backend, check), {"backend": backend, "env": {"UNICOLL_CHECK": str(int(check))}}
-            )
-            for backend in ("gloo", "mpi")
-            for check in (True, False)
-            if (backend, check) != ("gloo", True)
-        }
-    )
-
-
-def _results(worlds: SharedWorlds, backend: str, check: bool, name: str) -> list:
+def _results(backend: str, check: bool, name: str) -> list:
     """Case ``name``'s results on each rank of the world of ``backend`` and ``check``."""
-    if (backend, check) == ("gloo", True):
-        return SESSION.results(CHECKED_ON_GLOO, f"hostile callers: {name}")
-    return worlds.results((backend, check), f"hostile callers: {name}")
+    return SESSION.results(WORLDS[backend, check], f"hostile callers: {name}")
