@@ -16,6 +16,7 @@ import torch.distributed as dist
 from unicoll.backends.torch.errors import torch_failure
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError
 from unicoll.launch.local import free_port
+from unicoll.testing.spawn import PRELOAD
 
 
 def _kind(exc: Exception) -> str | None:
@@ -64,7 +65,8 @@ def _gloo_faults(rank: int, port: int, results: multiprocessing.Queue) -> None:
 
 
 def test_gloo_faults() -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")  # the server uc.testing.spawn keeps: torch imported once
+    ctx.set_forkserver_preload(list(PRELOAD))
     results, port = ctx.Queue(), free_port()
     ranks = [ctx.Process(target=_gloo_faults, args=(rank, port, results)) for rank in (0, 1)]
     for proc in ranks:
