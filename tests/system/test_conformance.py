@@ -1,6 +1,6 @@
 """The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks (4 with the handshake
-off), one spawned world per backend and size, two worlds at a time. A backend that cannot run
-here is skipped with the reason."""
+off, gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time. A
+backend that cannot run here is skipped with the reason."""
 
 from __future__ import annotations
 
@@ -25,9 +25,13 @@ tests/frameworks runs them on mpi too (every gradient, a soak, hostile callers).
 
 def _spawn_kwargs(backend: str, w: int) -> dict:
     """How the world of ``backend`` and ``w`` ranks is spawned: the worlds of 4 ranks without the
-    handshake (``UNICOLL_HANDSHAKE=0``), so that the matrix proves both settings right; the
-    handshake's comparisons themselves are tested in tests/processes/test_disagreement.py."""
+    handshake (``UNICOLL_HANDSHAKE=0``) and gloo's of 3 in check mode (``UNICOLL_CHECK=1``: no
+    false alarm over the whole matrix), so that the matrix proves every setting right; the
+    handshake's and check mode's comparisons themselves are tested in
+    tests/processes/test_disagreement.py and test_reliability.py."""
     env = {"UNICOLL_HANDSHAKE": "0"} if w == 4 else {}
+    if (backend, w) == ("gloo", 3):
+        env["UNICOLL_CHECK"] = "1"
     return {"backend": backend, "timeout": 240, "env": env}
 
 
