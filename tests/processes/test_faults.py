@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -53,7 +54,7 @@ class Started(NamedTuple):
     """Processes of a world of inject.py (the launcher, or the ranks), and the folder of its
     reports (faults/reporting.py) and of the ranks' output."""
 
-    procs: list
+    procs: list[subprocess.Popen] | list[BaseProcess]
     reports: Path
 
 
