@@ -119,6 +119,7 @@ COMBINED=$OUT/gpu_check.log
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || exit 1
 DEADLINE=$((SECONDS + TOTAL))
 declare -A PROBED=()
+WHY_NOT=""
 export PYTHONUNBUFFERED=1 LC_ALL=C  # C: EPOCHREALTIME with a decimal point
 
 helper() {
@@ -142,16 +143,19 @@ selected() {
     fi
 }
 
-# Why BACKEND cannot run here, as its probe says (exit code 3); empty where it can run, or where
-# the probe itself failed or hung, so that the step runs and shows the error. Asked once per backend.
-why_not() {
+# Sets WHY_NOT to why BACKEND cannot run here, as its probe says (exit code 3); empty where it
+# can run, or where the probe itself failed or hung, so that the step runs and shows the error.
+# Asked once per backend and logged: PROBED keeps the answers (called as $(...), a subshell,
+# it would forget them and probe again for every step, a torch import each time).
+probe_backend() {
     local backend=$1 reason
     if [[ ! -v PROBED[$backend] ]]; then
         reason=$(timeout -k 5 30 "$PY" tools/gpu_check.py probe "$backend" 2>&1)
         (($? == 3)) || reason=""
         PROBED[$backend]=$reason
+        echo "=== probe $backend: ${reason:-usable}" | tee -a "$COMBINED"
     fi
-    printf '%s' "${PROBED[$backend]}"
+    WHY_NOT=${PROBED[$backend]}
 }
 
 # step NAME LIMIT_S BACKEND COMMAND: run COMMAND (a bash command line) under its limit, unless
@@ -160,8 +164,8 @@ step() {
     local name=$1 limit=$2 backend=$3 command=$4 left=$((DEADLINE - SECONDS)) reason started elapsed rc
     if ((left < 5)); then
         helper record "$WORK" "$name" "$limit" not-run 0 "" "$command" "not run: the run's ${TOTAL} s were spent"
-    elif [[ -n $backend && -n $(why_not "$backend") ]]; then
-        reason=$(why_not "$backend")
+    elif [[ -n $backend ]] && probe_backend "$backend" && [[ -n $WHY_NOT ]]; then
+        reason=$WHY_NOT
         echo "=== $name: skipped: $reason" | tee -a "$COMBINED"
         helper record "$WORK" "$name" "$limit" skip 0 "" "$command" "$reason"
     else

@@ -43,13 +43,13 @@ def _kit(out: Path, *args: str, seconds: int | None = None) -> subprocess.Comple
 
 @without_cuda
 def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(tmp_path) -> None:
-    steps = ["versions", "reorder-cupy", "example-moe-torch-nccl"]
+    steps = ["versions", "reorder-cupy", "example-moe-torch-nccl", "example-moe-cupy-nccl"]
     run = _kit(tmp_path, "--no-install", "--only", ",".join(steps))
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "logs.tar.gz", "summary.json", "summary.txt"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [step["name"] for step in summary["steps"]] == steps
-    versions, reorder, example = summary["steps"]
+    versions, reorder, example, _ = summary["steps"]
     assert versions["status"] == "pass" and versions["exit_code"] == 0
     assert summary["versions"]["python"] == platform.python_version()
     assert summary["versions"]["torch"]["version"] == torch.__version__
@@ -58,11 +58,17 @@ def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(tmp_path) -> Non
     assert example["reason"].startswith("torch-nccl: no CUDA device is visible to torch")
     assert example["command"] == f"{sys.executable} -m unicoll run -n 1 examples/moe_dispatch.py --backend torch-nccl"
     assert reorder["status"] == "skip" and reorder["reason"].startswith("cupy-nccl: ")
-    assert summary["totals"] == {"pass": 1, "fail": 0, "timeout": 0, "skip": 2, "not run": 0}
+    assert summary["totals"] == {"pass": 1, "fail": 0, "timeout": 0, "skip": 3, "not run": 0}
     assert (tmp_path / "summary.txt").read_text() in run.stdout
     with tarfile.open(tmp_path / "logs.tar.gz") as logs:
         assert {"./steps.jsonl", "./versions.json", "./versions.log"} <= set(logs.getnames())
-    assert "=== example-moe-torch-nccl: skipped: torch-nccl: no CUDA device" in (tmp_path / "gpu_check.log").read_text()
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "=== example-moe-torch-nccl: skipped: torch-nccl: no CUDA device" in log
+    # each backend probed once, however many steps need it (two need cupy-nccl)
+    assert [line.split(":")[0] for line in log.splitlines() if line.startswith("=== probe ")] == [
+        "=== probe cupy-nccl",
+        "=== probe torch-nccl",
+    ], log
 
 
 def test_no_step_starts_once_the_runs_seconds_are_spent(tmp_path) -> None:
