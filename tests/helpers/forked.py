@@ -2,7 +2,7 @@
 ``uc.testing.spawn`` keeps (torch and unicoll imported once, :data:`unicoll.testing.spawn.PRELOAD`).
 
 A fresh interpreter spends about two seconds of CPU time importing torch before a fault script
-does anything; the fault tests start some twenty worlds of such ranks, with no launcher between
+does anything; the fault tests start a dozen worlds of such ranks, with no launcher between
 them and the test. Here each one starts in a fraction of that: it gets the environment given
 (nothing of the server's), ``sys.argv`` and the script's folder first on ``sys.path``, runs the
 script as ``__main__``, then the exit handlers (``atexit``), and exits with the script's
