@@ -394,8 +394,7 @@ class Backend(ABC):
         xp, world = array_namespace(y), group.world_size
         sent = source_major(xp, y, world, y.shape[0])
         rows = sent.shape[0]
-        back = self.empty_rows(sent, rows + 1)
-        back[rows:, ...] = 0
+        back = self._rows_then_zeros(sent, rows)
         splits = [rows // world] * world
         pending = self.alltoall_single(back[:rows], sent, splits, splits, group, async_op, calc_stream)
 
@@ -404,6 +403,13 @@ class Backend(ABC):
             return back, slot_index(xp, layout, rows)
 
         return Pending(pending.works, finish)
+
+    def _rows_then_zeros(self, like: Any, rows: int) -> Any:
+        """New rows like ``like``'s (:meth:`empty_rows`): ``rows`` of them for a combine's
+        transfer to fill, then one row of zeros, which a dropped slot reads."""
+        back = self.empty_rows(like, rows + 1)
+        back[rows:] = 0
+        return back
 
     def _even(self, x: Any, group: Group, async_op: bool, calc_stream: bool) -> Pending:
         """The even all-to-all of ``x``'s rows: ``W`` equal blocks, block c to rank c."""
@@ -450,8 +456,7 @@ class Backend(ABC):
         np.cumsum(sent[:-1], out=firsts[1:])
         index = np.where(kept, firsts[where // max(capacity, 1)] + where % max(capacity, 1), total)
         rows = y.reshape(-1, *y.shape[2:])
-        back = self.empty_rows(rows, total + 1)
-        back[total:] = 0
+        back = self._rows_then_zeros(rows, total)
         pending = self.global_gather(rows, plan, group, async_op, calc_stream, back[:total])
 
         def finish() -> tuple[Any, np.ndarray]:

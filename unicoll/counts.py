@@ -157,3 +157,21 @@ def on_host(value: Any) -> Any:
     if library == "torch":
         return value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
     return value.get() if library == "cupy" else value
+
+
+def host_as(host: Any, x: Any) -> Any:
+    """An array of a routing or layout (indices, a mask, counts) as an array of ``x``'s library on
+    ``x``'s device: a host array copied there, a device array of the other GPU library (a cupy
+    routing for a torch ``x``, say) shared through DLPack; one already of x's library, or for a
+    numpy ``x``, as it is."""
+    library = library_of(x)
+    if library == library_of(host) or library == "numpy":
+        return host
+    if library == "torch":
+        import torch  # loaded already: x is a tensor
+
+        return torch.from_numpy(host).to(x.device) if isinstance(host, np.ndarray) else torch.from_dlpack(host)
+    import cupy  # loaded already: x is a cupy array
+
+    with x.device:
+        return cupy.asarray(host) if isinstance(host, np.ndarray) else cupy.from_dlpack(host)

@@ -26,6 +26,7 @@ from .backends.blocks import (
     weighted_sum,
     with_zero_row,
 )
+from .counts import host_as
 from .device_routing import index_dtype, order_slots
 from .routing import SessionHandle
 
@@ -177,10 +178,12 @@ class StaticHandle(SessionHandle):
         arrived: Arrived,
         dispatch_number: int = -1,
     ) -> StaticHandle:
-        """The handle of a dispatch whose whole blocks moved (:func:`dispatch_blocks`, or its
-        halves): ``layout`` where the router's ids were, and the counts ``arrived`` with them."""
-        counts = (arrived.counts, arrived.received_before_drop, layout.demand)
-        return cls(group, experts_per_rank, capacity, weights, like, counts, layout.kept, layout, dispatch_number)
+        """The handle of a dispatch of ``like`` by ``layout`` (as the backend takes it), whose
+        counts ``arrived`` with its blocks; the layout's ``kept`` and ``demand`` are shown in
+        like's library on its device."""
+        counts = (arrived.counts, arrived.received_before_drop, host_as(layout.demand, like))
+        return cls(group, experts_per_rank, capacity, weights, like, counts, host_as(layout.kept, like), layout,
+                   dispatch_number)  # fmt: skip
 
     def __repr__(self) -> str:
         blocks = f"{self.experts_per_rank} x {self.world * self.capacity} rows"

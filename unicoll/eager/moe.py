@@ -31,7 +31,7 @@ from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
 from ..check import call_number, verify
-from ..counts import on_host
+from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
 from ..errors import bad_input, translated
 from ..group import Group
@@ -522,21 +522,3 @@ def _matmul(a: Any, b: Any) -> Any:
 
     common = torch.promote_types(a.dtype, b.dtype)
     return torch.bmm(a.to(common), b.to(common))
-
-
-def host_as(host: Any, x: Any) -> Any:
-    """An array of a routing or layout (indices, a mask, counts) as an array of ``x``'s library on
-    ``x``'s device: a host array copied there, a device array of the other GPU library (a cupy
-    routing for a torch ``x``, say) shared through DLPack; one already of x's library, or for a
-    numpy ``x``, as it is."""
-    library = library_of(x)
-    if library == library_of(host) or library == "numpy":
-        return host
-    if library == "torch":
-        import torch  # loaded already: x is a tensor
-
-        return torch.from_numpy(host).to(x.device) if isinstance(host, np.ndarray) else torch.from_dlpack(host)
-    import cupy  # loaded already: x is a cupy array
-
-    with x.device:
-        return cupy.asarray(host) if isinstance(host, np.ndarray) else cupy.from_dlpack(host)

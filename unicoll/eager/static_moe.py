@@ -27,7 +27,7 @@ from ..arrays import library_of
 from ..backends.base import Backend, Pending
 from ..backends.blocks import StaticLayout, counts_heard, weighted_sum
 from ..check import call_number, count_call, verify
-from ..counts import on_host
+from ..counts import host_as, on_host
 from ..errors import bad_input, translated
 from ..group import Group
 from ..routing import static_route
@@ -35,7 +35,7 @@ from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATI
 from ..static_layout import Arrived, StaticHandle, static_layout
 from ..task import Task
 from ..validate import prepare, read_only
-from .moe import check_handled, handle_group, host_as, records_gradient, sum_slots
+from .moe import check_handled, handle_group, records_gradient, sum_slots
 from .ops import _functional, _run
 
 
@@ -187,8 +187,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         _, valid, before = counts_heard(array_namespace(heard), heard, world, experts)
         library = library_of(x)
         arrived = Arrived(received(blocks), backend.from_native(valid, library), backend.from_native(before, library))
-        counts = (arrived.counts, arrived.received_before_drop, host_as(layout.demand, x))
-        handle = StaticHandle(grp, experts, capacity, weights, x, counts, host_as(layout.kept, x), layout, number)
+        handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number)
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
