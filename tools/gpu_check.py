@@ -249,7 +249,7 @@ def figures(work: Path, name: str, text: str) -> dict[str, Any]:
     overhead = OVERHEAD_ROW.findall(text)
     if overhead:
         keys = ("op", "bytes", "unicoll_us", "raw_us", "overhead_us", "ratio")
-        found["overhead"] = [dict(zip(keys, (row[0], int(row[1]), *map(float, row[2:])))) for row in overhead]
+        found["call_overhead"] = [dict(zip(keys, (row[0], int(row[1]), *map(float, row[2:])))) for row in overhead]
     goals = GOAL.findall(text)
     if goals:
         found["goals"] = [dict(zip(("goal", "figure", "target", "verdict"), goal)) for goal in goals]
@@ -310,7 +310,7 @@ def front_end_goal(steps: list[dict[str, Any]]) -> list[dict[str, str]]:
     smallest size, as one goal; none until both steps have run."""
     costs = {}
     for step in steps:
-        rows = [row for row in step["figures"].get("overhead", []) if row["op"] == "alltoall_single"]
+        rows = [row for row in step["figures"].get("call_overhead", []) if row["op"] == "alltoall_single"]
         if rows:
             costs[step["name"]] = min(rows, key=lambda row: row["bytes"])["overhead_us"]
     if not {"overhead-torch-nccl", "overhead-cupy-nccl"} <= set(costs):

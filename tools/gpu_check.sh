@@ -44,11 +44,13 @@
 #   overhead-<backend>         40  benchmarks/call_overhead.py on one rank: alltoall_single, global_scatter
 #                                  and moe.dispatch+combine beside raw torch.distributed all-to-alls, with
 #                                  the MoE step's goals (raw + 60 us at 1 MiB and below, 1.5x at 64 MiB)
+#   front-end-cupy             30  benchmarks/cupy_front_end.py: where cupy-nccl's front end spends its time
+#                                  with torch tensors (the crossings into cupy and back; cProfile)
 #   reorder-torch, -cupy       15  benchmarks/gpu_reorder.py --library torch|cupy (goal: 0.80 of a copy)
 #   gpu-tests                 110  pytest -m gpu in the other files (autograd, streams, device counts,
 #                                  cupy's row gather), the example tests left to the example steps
-#   conformance-torch-nccl     60  the GPU conformance matrix, world size 1, every stream mode
-#   conformance-cupy-nccl      60  the same on cupy-nccl
+#   conformance-torch-nccl     80  the GPU conformance matrix, world size 1, every stream mode
+#   conformance-cupy-nccl      80  the same on cupy-nccl
 #   example-moe-<backend>      20  later: examples/moe_dispatch.py --backend <backend> on one rank (both backends)
 #   example-train-<backend>    20  later: examples/train_moe.py --backend <backend> on one rank (both backends)
 #   bench-<backend>            90  later: unicoll bench -n 1 --iters 10 --warmup 2 on torch-nccl, then
@@ -219,6 +221,7 @@ pytest_step jax-gpu 60 -m gpu tests/frameworks/test_jax_gpu.py
 for backend in torch-nccl cupy-nccl; do
     backend_step "overhead-$backend" 40 "$backend" "$PY -m unicoll run -n 1 benchmarks/call_overhead.py --backend $backend"
 done
+backend_step front-end-cupy 30 cupy-nccl "$PY -m unicoll run -n 1 benchmarks/cupy_front_end.py"
 for library in torch cupy; do
     backend_step "reorder-$library" 15 "$library-nccl" "$PY benchmarks/gpu_reorder.py --library $library"
 done
@@ -227,7 +230,7 @@ pytest_step gpu-tests 110 -m gpu tests --ignore=tests/system/test_conformance_gp
     --ignore=tests/compile/test_static_moe.py --continue-on-collection-errors \
     -k "'not test_moe_example_on_the_gpu and not test_training_example_on_the_gpu'"
 for backend in torch-nccl cupy-nccl; do
-    pytest_step "conformance-$backend" 60 -m gpu tests/system/test_conformance_gpu.py -k "$backend"
+    pytest_step "conformance-$backend" 80 -m gpu tests/system/test_conformance_gpu.py -k "$backend"
 done
 for backend in torch-nccl cupy-nccl; do
     for example in moe:moe_dispatch train:train_moe; do

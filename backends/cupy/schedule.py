@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from itertools import accumulate
 
 
 @dataclass(frozen=True)
@@ -55,12 +54,13 @@ def alltoallv_schedule(
         raise ValueError(
             f"alltoallv_schedule: rank {rank} sends {send_rows[rank]} row(s) to itself but expects {recv_rows[rank]}"
         )
-    send_at = np.concatenate([[0], np.cumsum(send_rows, dtype=np.int64)]) * row_bytes
-    recv_at = np.concatenate([[0], np.cumsum(recv_rows, dtype=np.int64)]) * row_bytes
+    # Python ints throughout: a handful of sizes per call, where numpy's per-call costs dominate.
+    send_at = list(accumulate((int(n) * row_bytes for n in send_rows), initial=0))
+    recv_at = list(accumulate((int(n) * row_bytes for n in recv_rows), initial=0))
     transfers = []
     for step in range(world):
         peer = (rank + step) % world
-        sent, received = int(send_rows[peer]) * row_bytes, int(recv_rows[peer]) * row_bytes
+        sent, received = send_at[peer + 1] - send_at[peer], recv_at[peer + 1] - recv_at[peer]
         if sent or received:
-            transfers.append(Transfer(peer, int(send_at[peer]), sent, int(recv_at[peer]), received))
+            transfers.append(Transfer(peer, send_at[peer], sent, recv_at[peer], received))
     return transfers

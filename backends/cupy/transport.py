@@ -23,8 +23,8 @@
 - **Errors.** Every way in from the front end is :func:`_cupy_boundary`: cupy's ``NcclError``
   and CUDA runtime errors leave as unicoll's :class:`~unicoll.errors.TransportError` kinds
   (:func:`_failure`), the store's as :mod:`~unicoll.backends.rendezvous` converts them.
-- **Torch tensors** cross in and out through DLPack, zero-copy, ordered against cupy's current
-  stream by the DLPack stream handshake.
+- **Torch tensors** cross in and out zero-copy (:mod:`~unicoll.backends.cupy.torch_bridge`),
+  ordered against cupy's current stream as DLPack's stream handshake orders them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from cupy.cuda import nccl
 
 from unicoll.backends.base import Backend, Capabilities, Work
 from unicoll.backends.cupy import rows as row_gather
+from unicoll.backends.cupy import torch_bridge
 from unicoll.backends.cupy.schedule import Transfer, alltoallv_schedule
 from unicoll.backends.rendezvous import init_hint, open_store, share_bytes
 from unicoll.errors import TransportError, TransportPeerLostError, TransportTimeoutError, converting, init_error
@@ -106,6 +107,10 @@ class _Communicator:
         self.size = size
         self.rank = rank
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # A synchronous call's two events, recorded again by every call (a stream's wait takes
+        # the event as it stands when the wait is queued); without timing, which costs to record.
+        self.queued = cupy.cuda.Event(disable_timing=True)
+        self.done = cupy.cuda.Event(disable_timing=True)
         self.failure: TransportError | None = None  # why it was aborted
 
 
@@ -236,17 +241,16 @@ class CupyNcclBackend(Backend):
     def to_native(self, x: Any) -> cupy.ndarray:
         if isinstance(x, cupy.ndarray):
             return cupy.ascontiguousarray(x)
-        return cupy.from_dlpack(x.detach().contiguous())  # a CUDA torch tensor, zero-copy
+        return torch_bridge.as_cupy(x)  # a CUDA torch tensor, zero-copy
 
     def from_native(self, a: cupy.ndarray, library: str) -> Any:
-        if library == "cupy":
-            return a
-        import torch  # only reached for a caller who passed torch tensors
-
-        return torch.from_dlpack(a)
+        return a if library == "cupy" else torch_bridge.as_torch(a)
 
     def empty_rows(self, like: cupy.ndarray, rows: int) -> cupy.ndarray:
-        return cupy.empty((rows, *like.shape[1:]), dtype=like.dtype)
+        """New rows; torch's where ``like`` views a torch tensor, so that a result goes back to
+        the caller without DLPack (:func:`~unicoll.backends.cupy.torch_bridge.empty_like`)."""
+        made = torch_bridge.empty_like(like, rows)
+        return cupy.empty((rows, *like.shape[1:]), dtype=like.dtype) if made is None else made
 
     def take_rows(
         self, x: cupy.ndarray, index: np.ndarray | cupy.ndarray, out: cupy.ndarray | None = None
@@ -273,9 +277,11 @@ class CupyNcclBackend(Backend):
         if calc_stream and not async_op:
             launch(caller)
             return None
-        comm.stream.wait_event(caller.record())
+        comm.queued.record(caller)
+        comm.stream.wait_event(comm.queued)
         launch(comm.stream)
-        done = comm.stream.record()
+        done = cupy.cuda.Event(disable_timing=True) if async_op else comm.done
+        done.record(comm.stream)
         if async_op:
             return _EventWork(done, arrays)
         caller.wait_event(done)

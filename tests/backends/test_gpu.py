@@ -192,3 +192,42 @@ def test_cupy_row_gather_moves_the_same_bits(backend, dtype, shape, aligned) -> 
     got = take_rows(x, index)
     assert got.dtype == dt and got.shape == (len(index), *shape[1:])
     assert cupy.asnumpy(got).tobytes() == host[index].tobytes()
+
+
+def torch_on_cupy_nccl(rank: int) -> dict[str, bool]:
+    """Torch tensors through cupy-nccl's bridge (backends/cupy/torch_bridge.py): a functional
+    result is a new tensor of torch's allocator with the right rows, an in-place result is the
+    caller's memory, and both see a write queued behind a busy kernel on a torch side stream
+    (the bridge's stream handshake) and are seen by torch's stream after the transfer."""
+    import cupy
+    import torch
+
+    from unicoll.backends.cupy import torch_bridge
+
+    lib, report = _Library("torch"), {}
+    for where, stream in (("same stream", None), ("torch side stream", torch.cuda.Stream())):
+        with torch.cuda.stream(stream):
+            x = torch.arange(ROWS, dtype=torch.float32, device="cuda").reshape(-1, 1)
+            lib.busy()
+            x += 1
+            y = uc.alltoall_single(None, x, use_calc_stream=False)
+            report[f"{where}: a new tensor"] = type(y) is torch.Tensor and y.data_ptr() != x.data_ptr()
+            report[f"{where}: its rows"] = bool((y == x).all().item())
+            lib.busy()
+            x *= 2
+            same = uc.all_reduce(x)
+            report[f"{where}: all_reduce in place"] = same is x or same.data_ptr() == x.data_ptr()
+            report[f"{where}: the write behind the busy kernel"] = bool((x == 2 * y).all().item())
+    view = torch.zeros(8, 4, device="cuda")
+    part = torch_bridge.as_cupy(view)[2:5]  # part of a tensor: back through DLPack, the same memory
+    back = torch_bridge.as_torch(part)
+    back += 3
+    report["a view of part of a tensor goes back as a view"] = bool((view[2:5] == 3).all().item())
+    report["cupy's own arrays go back through DLPack"] = bool((torch_bridge.as_torch(cupy.ones(4)) == 1).all().item())
+    return report
+
+
+@pytest.mark.parametrize("backend", [p for p in params() if p.values[0] == "cupy-nccl"])
+def test_torch_tensors_cross_cupy_nccl(backend) -> None:
+    (report,) = uc.testing.spawn(torch_on_cupy_nccl, 1, backend=backend, timeout=300)
+    assert all(report.values()), report

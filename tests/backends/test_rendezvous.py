@@ -192,13 +192,16 @@ def _fake_cupy(failing: int | None) -> dict[str, types.ModuleType]:
         def record(self) -> Any:
             return types.SimpleNamespace(done=True)
 
+    class Event:
+        def __init__(self, block: bool = False, disable_timing: bool = False) -> None: ...
+
     nccl.NcclError, nccl.NcclCommunicator, nccl.made = NcclError, NcclCommunicator, []
     constants = ("FLOAT16", "FLOAT32", "FLOAT64", "INT8", "UINT8", "INT32", "INT64", "SUM", "MAX", "MIN", "PROD")
     for number, name in enumerate(constants):  # the element types and reductions the transport names
         setattr(nccl, f"NCCL_{name}", number)
     nccl.get_unique_id = lambda: b"\x00" + secrets.token_bytes(127)
     runtime.CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
-    cuda.nccl, cuda.runtime, cuda.Stream, cupy.cuda = nccl, runtime, Stream, cuda
+    cuda.nccl, cuda.runtime, cuda.Stream, cuda.Event, cupy.cuda = nccl, runtime, Stream, Event, cuda
     return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.nccl": nccl, "cupy.cuda.runtime": runtime}
 
 

@@ -210,7 +210,7 @@ def _overhead_step(backend: str, mine: float) -> dict:
 
 def test_figures_and_goals_of_the_overhead_benchmark() -> None:
     step = _overhead_step("torch-nccl", 22.5)
-    assert step["figures"]["overhead"][0] == {
+    assert step["figures"]["call_overhead"][0] == {
         "op": "alltoall_single",
         "bytes": 65536,
         "unicoll_us": 22.5,
@@ -283,3 +283,6 @@ def test_figures_of_a_real_unicoll_bench_run(tmp_path) -> None:
     assert all(row["time_us"] > 0 and row["raw_time_us"] > 0 for row in found["rows"])
     assert set(found["overhead"]["alltoall_single"]) >= {"unicoll_us", "raw_us", "difference_us", "raw_again_ratio"}
     assert found["frontend"]["alltoall_single"]["frontend_us"] > 0
+    overheads = [_overhead_step("torch-nccl", 22.5), _overhead_step("cupy-nccl", 40.0)]
+    (goal,) = gpu_check.front_end_goal([*overheads, {"name": "bench-gloo", "figures": found}])
+    assert goal["figure"] == "17.5us"  # the bench's own overhead figures are not the call_overhead rows
