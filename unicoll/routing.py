@@ -148,6 +148,8 @@ class Handle(SessionHandle):
         weights: Any,
         like: Any,
         dispatch_number: int = -1,
+        once: Any = None,
+        row_nbytes: int = 0,
     ) -> None:
         """``routing``: where each slot's row went, on the host or, where the routing ran on
         the device, on x's device. ``plan``: the :class:`~unicoll.backends.layout.MoePlan` of
@@ -156,8 +158,12 @@ class Handle(SessionHandle):
         library and device combine's rows must have (not kept). ``dispatch_number``: in check
         mode, the dispatch's collective number on ``group`` (:func:`unicoll.check.call_number`),
         which tells handles of two dispatches apart across the ranks; -1 where it was not
-        numbered."""
+        numbered. ``once``: the layout that sent each token once per rank
+        (:class:`unicoll.eager.moe_once.OnceLayout`), or None where the rows went one per slot.
+        ``row_nbytes``: the bytes of one dispatched row."""
         self.routing = routing
+        self.once = once
+        """How each token went once per rank (:mod:`unicoll.backends.once`), or None."""
         """The layout, which the backends' gathers and combine's sums read."""
         self.local_count = routing.local_count
         self.plan = plan
@@ -169,7 +175,20 @@ class Handle(SessionHandle):
         self.device = place_of(like)
         self.received = sum(plan.recv)
         self.rows_per_expert: list[int] = plan.received.sum(0).tolist()
+        self._slot_bytes = (sum(plan.send) - plan.send[group.rank]) * row_nbytes
         super().__init__(group, weights, dispatch_number)
+
+    @property
+    def bytes_sent(self) -> int:
+        """The bytes of rows (and their metadata) this rank's dispatch sent the other ranks."""
+        if self.once is not None:
+            return self.once.bytes_sent(self.group.rank)[0]
+        return self._slot_bytes
+
+    @property
+    def bytes_one_row_per_slot(self) -> int:
+        """The bytes this rank's dispatch would have sent the other ranks with one row per slot."""
+        return self._slot_bytes
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """The counts this rank sent to each global expert, and those it received from each

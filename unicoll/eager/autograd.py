@@ -37,6 +37,27 @@ class _Collective(torch.autograd.Function):
         return ctx.backward_collective(grad.contiguous()), None
 
 
+@dataclass(frozen=True)
+class _ManyPayload:
+    """:class:`_Payload` for a result of several inputs: ``backward`` returns one gradient per
+    input (None for one that needs none)."""
+
+    result: torch.Tensor
+    backward: Callable[[torch.Tensor], tuple[torch.Tensor | None, ...]]
+
+
+class _ManyCollective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, payload: _ManyPayload, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.backward_collective = payload.backward
+        return payload.result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return None, *ctx.backward_collective(grad.contiguous())
+
+
 class _InPlaceCollective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -58,6 +79,20 @@ def needs_grad(x: Any) -> bool:
 def attach(x: torch.Tensor, result: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``result`` with a ``grad_fn`` whose backward is ``backward(grad_of_result)``."""
     return _Collective.apply(x, _Payload(result, backward))
+
+
+def attach_many(
+    inputs: tuple[Any, ...], result: torch.Tensor, backward: Callable[[torch.Tensor], tuple[Any, ...]]
+) -> torch.Tensor:
+    """:func:`attach` for a result of several ``inputs`` (tensors, or None for an absent one):
+    ``backward(grad_of_result)`` returns one gradient per input (None where it needs none)."""
+    present = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+
+    def each(grad: torch.Tensor) -> tuple[Any, ...]:
+        grads = backward(grad)
+        return tuple(grads[i] for i in present)
+
+    return _ManyCollective.apply(_ManyPayload(result, each), *(inputs[i] for i in present))
 
 
 def attach_in_place(x: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

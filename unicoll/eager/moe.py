@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -30,9 +31,11 @@ from ..backends.base import Backend, Pending
 from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
+from ..backends.once import PLAIN, incoming, outgoing, weight_code
 from ..check import call_number, verify
 from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
+from ..entry import enter, leave
 from ..errors import bad_input, translated
 from ..group import Group
 from ..routing import Handle, route
@@ -40,6 +43,8 @@ from ..spec import IDS_EXPECTED, MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from ..task import Task
 from ..validate import prepare
 from ..workspace import FROM_BYTES
+from . import moe_once
+from .moe_once import OnceLayout
 from .ops import _functional, _run, global_gather_backward, global_scatter_backward
 
 
@@ -112,11 +117,11 @@ def layout(
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      group=group, sync_op=True, capacity=capacity)  # fmt: skip
     call = prepare(MOE_DISPATCH, arguments)
-    exchanged = _routed(call, call.backend.to_native(x), topk_idx)
+    exchanged = _routed(call, call.backend.to_native(x), topk_idx, None, once=False)
     with translated(MOE_DISPATCH.name, call.group, call.timeout):
         if call.compare:
             verify(MOE_DISPATCH, call)
-        routing, plan = exchanged()
+        routing, plan, _ = exchanged()
     return routing.local_count, plan.received.reshape(-1), routing.send_tokens, routing.slot_rows
 
 
@@ -158,26 +163,30 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     The routing runs where the backend's arrays are (:func:`_routed`)."""
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     native = backend.to_native(x)
-    exchanged = _routed(call, native, arguments["topk_idx"])
+    native_weights = None if weights is None else backend.to_native(weights)
+    exchanged = _routed(call, native, arguments["topk_idx"], native_weights, once=True)
     routing: Routing | None = None
     plan: MoePlan | None = None
+    once: OnceLayout | None = None
     number = -1
 
     def issue() -> Pending:
-        nonlocal routing, plan, number
+        nonlocal routing, plan, once, number
         if call.compare:
             verify(MOE_DISPATCH, call)
             number = call_number(grp)
-        routing, plan = exchanged()
+        routing, plan, once = exchanged()
+        if once is not None:
+            return moe_once.dispatch(backend, grp, native, once, plan, native_weights, not call.sync_op, call.sync_op)
         return backend.moe_dispatch(native, routing, plan, grp, not call.sync_op, call.sync_op)
 
     def backward(grad: Any) -> Any:  # the routing and plan are made when the call is issued
-        return dispatch_backward(backend, grp, grad, plan, routing)
+        return dispatch_backward(backend, grp, grad, plan, routing, once)
 
     received = _functional(MOE_DISPATCH.name, call, x, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
-        handle = Handle(routing, plan, grp, weights, x, dispatch_number=number)
+        handle = Handle(routing, plan, grp, weights, x, number, once, row_bytes(native))
         return received(result), handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
@@ -188,23 +197,68 @@ def host_ids(topk_idx: Any) -> np.ndarray:
     return np.asarray(on_host(topk_idx), dtype=np.int64)
 
 
-def _routed(call: Call, native: Any, topk_idx: Any) -> Callable[[], tuple[Routing, MoePlan]]:
+def _routed(
+    call: Call, native: Any, topk_idx: Any, weights: Any, once: bool
+) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a dispatch, made now where the backend's arrays are: on the host for a
     host backend (:func:`_routed_on_host`), else on the device (:func:`_routed_on_device`;
-    ``native``: x as the backend moves it); and how to exchange its counts."""
+    ``native``: x as the backend moves it); and how to exchange its counts. ``once``: whether
+    this dispatch may send each token once per rank (``weights``: its native weights, or None)."""
     if call.backend.host_memory:
-        return _routed_on_host(call)
-    return _routed_on_device(call, native, topk_idx)
+        return _routed_on_host(call, native if once else None, weights)
+    found = _routed_on_device(call, native, topk_idx)
+    return lambda: (*found(), None)
 
 
-def _routed_on_host(call: Call) -> Callable[[], tuple[Routing, MoePlan]]:
+ONCE_ENV_VAR = "UNICOLL_MOE_ONCE"
+"""``0`` turns off sending each token once per rank (:mod:`unicoll.backends.once`) on this rank,
+and so for every dispatch it takes part in; on by default."""
+
+
+def _offers_once(call: Call, routing: Routing, native: Any) -> bool:
+    """Whether this rank offers the once form (:mod:`unicoll.backends.once`): a dispatch of x
+    (``native``, None for a caller who moves the rows itself) over more than one rank, of
+    top-k > 1, with rows of some bytes, on a backend that moves the MoE rows through the front end's primitives, and not
+    turned off (:data:`ONCE_ENV_VAR`)."""
+    return (
+        native is not None
+        and call.W > 1
+        and routing.topk > 1
+        and row_bytes(native) > 0
+        and not {"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe
+        and os.environ.get(ONCE_ENV_VAR, "1") != "0"
+    )
+
+
+def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a host backend's dispatch, made now, and how to exchange its counts:
-    which returns the routing and the plan of the rows' transfer."""
-    routing = route(host_ids(call.topk_idx), call.W * call.experts_per_rank, call.capacity)
+    which returns the routing, the plan of the rows' transfer and, where every rank offers it
+    (:func:`_offers_once`), the layout that sends each token once per rank. Each rank tells
+    each peer, beside its counts, the token rows it would send it in the once form (or
+    :data:`~unicoll.backends.once.PLAIN`), its weights' code and whether it offers the form:
+    every rank hears every rank, so all of them agree whether it is used."""
+    world, experts = call.W, call.experts_per_rank
+    routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
+    code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
+    offered = code >= 0 and _offers_once(call, routing, native)
+    sender = None
+    if offered:
+        rb = row_bytes(native)
+        rank, topk = call.group.rank, routing.topk
+        sender = outgoing(routing.send_tokens, routing.slot_rows, routing.local_count, rank, world, topk, code, rb)
 
-    def exchanged() -> tuple[Routing, MoePlan]:
-        received = call.backend.exchange_ints(routing.local_count.copy(), call.group)
-        return routing, moe_plan(routing.local_count, received, call.W)
+    def exchanged() -> tuple[Routing, MoePlan, OnceLayout | None]:
+        told = np.zeros((world, experts + 3), dtype=np.int64)
+        told[:, :experts] = routing.local_count.reshape(world, experts)
+        told[:, experts] = PLAIN if sender is None else sender.tokens_told
+        told[:, experts + 1] = code
+        told[:, experts + 2] = offered
+        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, experts + 3)
+        plan = moe_plan(routing.local_count, np.ascontiguousarray(heard[:, :experts]).reshape(-1), world)
+        if sender is None or not heard[:, experts + 2].all():
+            return routing, plan, None
+        into = incoming(np.array(plan.recv, dtype=np.int64), heard[:, experts : experts + 2], row_bytes(native))
+        return routing, plan, OnceLayout(sender, into, row_bytes(native), code > 0)
 
     return exchanged
 
@@ -263,20 +317,32 @@ def _refuse_ids(faults: np.ndarray, shape: tuple[int, int], experts: int, rank: 
 
 def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, handle, x = call.backend, call.group, arguments["handle"], arguments["x"]
-    plan, routing = handle.plan, handle.routing
+    plan, routing, once = handle.plan, handle.routing, handle.once
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_REDISPATCH, call)
-        return backend.moe_dispatch(backend.to_native(x), routing, plan, grp, not call.sync_op, call.sync_op)
+        native = backend.to_native(x)
+        if once is not None:
+            return moe_once.redispatch(backend, grp, native, once, not call.sync_op, call.sync_op)
+        return backend.moe_dispatch(native, routing, plan, grp, not call.sync_op, call.sync_op)
 
-    backward = functools.partial(dispatch_backward, backend, grp, plan=plan, routing=routing)
+    backward = functools.partial(dispatch_backward, backend, grp, plan=plan, routing=routing, once=once)
     return _run(MOE_REDISPATCH.name, call, issue, _functional(MOE_REDISPATCH.name, call, x, backward))
 
 
-def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, routing: Routing) -> Any:
+def dispatch_backward(
+    backend: Backend, group: Group, grad: Any, plan: MoePlan, routing: Routing, once: OnceLayout | None = None
+) -> Any:
     """The rows' gradients sent back (global_scatter's backward, with the handle's counts) and
-    each token's slots summed: a combine without weights."""
+    each token's slots summed: a combine without weights (each token's once per rank, where
+    the dispatch sent it so)."""
+    if once is not None:
+        back, lent = moe_once.combine(backend, group, grad, once, False, False, True).finish()
+        try:
+            return sum_at_once(back, host_as(once.outgoing.slot_back, back), routing.tokens, routing.topk, None, None)
+        finally:
+            backend.give_back(lent)
     if not backend.host_memory:
         return _summed(backend.moe_combine(grad, routing, plan, group, False).finish(), routing, None)
     back, lent = _rows_back(backend, grad, routing)
@@ -289,7 +355,74 @@ def dispatch_backward(backend: Backend, group: Group, grad: Any, plan: MoePlan, 
 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     handle = arguments["handle"]
+    if handle.once is not None:
+        return _combine_once(call, arguments["y"], handle)
     return combine_rows(MOE_COMBINE, call, arguments["y"], handle.routing, handle.plan, handle.weights)
+
+
+def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
+    """combine along a handle that sent each token once per rank: each token's rows summed on
+    its expert ranks (weighted by the weights dispatch sent there), one row per rank back, and
+    those summed on the source (:mod:`unicoll.eager.moe_once`); its backward sends the
+    gradient back the same way and the weights' gradients of the slots summed remotely back
+    from their ranks."""
+    backend, grp, once, routing, weights = call.backend, call.group, handle.once, handle.routing, handle.weights
+    library = library_of(y)
+
+    recorded = records_gradient(y, weights)
+
+    def issue() -> Pending:
+        if call.compare:
+            verify(MOE_COMBINE, call)
+        native = backend.to_native(y)
+        weighted = weights is not None
+        return moe_once.combine(backend, grp, native, once, weighted, not call.sync_op, call.sync_op, not recorded)
+
+    def finish(came_back: tuple[Any, Any]) -> Any:
+        back, lent = came_back
+        native_weights = kept = None
+        if weights is not None:
+            native_weights, kept = moe_once.source_weights(once, backend.to_native(weights))
+        try:
+            slot_back = host_as(once.outgoing.slot_back, back)
+            out = sum_at_once(back, slot_back, routing.tokens, routing.topk, native_weights, kept)
+        finally:
+            backend.give_back(lent)
+        result = backend.from_native(out, library)
+        if recorded:
+            from .autograd import attach_many
+
+            native_y = backend.to_native(y)
+            native_w = None if weights is None else backend.to_native(weights)
+
+            def backward(grad: Any) -> tuple[Any, Any]:
+                grad_y, grad_w = moe_once.combine_backward(
+                    backend, grp, grad, once, routing.tokens, routing.topk, native_y, native_w, back
+                )
+                return backend.from_native(grad_y, "torch"), None if grad_w is None else backend.from_native(
+                    grad_w, "torch"
+                )
+
+            return attach_many((y, weights), result, _guarded_pair(call, backward))
+        return result
+
+    return _run(MOE_COMBINE.name, call, issue, finish)
+
+
+def _guarded_pair(call: Call, backward: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any]]:
+    """combine's backward of two gradients, run as :func:`unicoll.eager.ops.guarded` runs one:
+    one thread at a time, its transport failures reported as the forward's."""
+    name = f"{MOE_COMBINE.name} (backward)"
+
+    def run(grad: Any) -> tuple[Any, Any]:
+        enter(name)
+        try:
+            with translated(name, call.group, call.timeout):
+                return backward(call.backend.to_native(grad))
+        finally:
+            leave()
+
+    return run
 
 
 def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:

@@ -1,0 +1,219 @@
+"""Each token sent once per destination rank (unicoll.backends.once, unicoll.eager.moe_once):
+the layout simulated between ranks on the host, and moe.dispatch / combine / redispatch and
+their gradients on real processes, once per rank against one row per slot (UNICOLL_MOE_ONCE=0)
+bit for bit, on small integer values whose sums are exact in every dtype."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import unicoll as uc
+from helpers.several import SESSION, Case, share
+from unicoll.backends.layout import rank_major_to_expert_major
+from unicoll.backends.once import PLAIN, incoming, outgoing, read_meta, weight_code
+from unicoll.eager.moe import ONCE_ENV_VAR
+from unicoll.routing import route
+
+# -- the layout, simulated on the host -------------------------------------------------------
+
+
+def _simulated(world: int, experts: int, k: int, row_bytes: int, seed: int, weighted: bool) -> None:
+    """Every rank's once layout, the blocks 'sent' by concatenation: each receiver's expanded
+    rows are the rows the plain form sends it, and its weights those of their slots."""
+    rng = np.random.default_rng(seed)
+    tokens = [int(rng.integers(0, 9)) for _ in range(world)]
+    ids = [rng.integers(-1, world * experts, (t, k)) for t in tokens]
+    x = [rng.integers(0, 256, (t, row_bytes), dtype=np.uint8) for t in tokens]
+    w = [rng.random((t, k)).astype(np.float32) for t in tokens]
+    code = weight_code("float32") if weighted else 0
+    routes = [route(i, world * experts, None) for i in ids]
+    sides = [
+        outgoing(r.send_tokens, r.slot_rows, r.local_count, c, world, k, code, row_bytes) for c, r in enumerate(routes)
+    ]
+    for d in range(world):  # receiver d
+        counts = np.stack([r.local_count.reshape(world, experts)[d] for r in routes])  # (W, E) from each source
+        told = np.stack([[s.tokens_told[d], code] for s in sides])
+        into = incoming(counts.sum(1), told, row_bytes)
+        blocks = []
+        for c, side in enumerate(sides):
+            sent = x[c][side.gather] if side.gather.size else np.zeros((0, row_bytes), np.uint8)
+            start = int(side.meta_at[d])
+            block = sent[start : start + side.sent[d]].copy()
+            if side.once[d]:
+                firsts = np.concatenate([[0], np.cumsum(side.slots)])
+                rows = slice(firsts[d], firsts[d + 1])
+                meta = np.concatenate(
+                    [side.positions[rows].view(np.uint8)]
+                    + ([w[c].reshape(-1)[side.row_slot[rows]].view(np.uint8)] if weighted else [])
+                )
+                block.reshape(-1)[: meta.size] = meta
+            assert block.shape[0] == into.received[c]
+            blocks.append(block)
+        received = np.concatenate(blocks) if blocks else np.zeros((0, row_bytes), np.uint8)
+        order = rank_major_to_expert_major(counts)
+        expansion = read_meta(into, received, order)
+        plain = np.concatenate([x[c][r.send_tokens[_rows_to(r, world, experts, d)]] for c, r in enumerate(routes)])
+        assert np.array_equal(received[expansion.rows], plain[order])
+        if weighted and expansion.weights is not None:
+            slot_w = np.concatenate(
+                [w[c].reshape(-1)[_slots_to(r, world, experts, d)] for c, r in enumerate(routes)]
+            ).astype(np.float64)
+            once_rows = np.concatenate([np.full(int(n), bool(o)) for n, o in zip(into.slots, into.once)])
+            assert np.array_equal(expansion.weights[once_rows[order]], slot_w[order][once_rows[order]])
+
+
+def _rows_to(r, world: int, experts: int, d: int) -> slice:
+    firsts = np.concatenate([[0], np.cumsum(r.local_count.reshape(world, experts).sum(1))])
+    return slice(firsts[d], firsts[d + 1])
+
+
+def _slots_to(r, world: int, experts: int, d: int) -> np.ndarray:
+    row_slot = np.empty(r.send_tokens.size, dtype=np.int64)
+    kept = r.slot_rows < r.send_tokens.size
+    row_slot[r.slot_rows[kept]] = np.flatnonzero(kept)
+    return row_slot[_rows_to(r, world, experts, d)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(("world", "experts", "k"), [(2, 2, 2), (3, 4, 8), (4, 1, 3), (2, 8, 8)])
+def test_the_expanded_rows_are_the_plain_forms(seed: int, world: int, experts: int, k: int) -> None:
+    _simulated(world, experts, k, row_bytes=64, seed=seed, weighted=seed % 2 == 0)
+
+
+def test_a_pair_goes_plain_where_it_would_not_save_rows() -> None:
+    """Four tokens, each once to rank 1 (no token shares it): the plain form, told as PLAIN."""
+    ids = np.array([[2, 0], [3, 1], [2, 0], [3, 1]])
+    r = route(ids, 4, None)
+    out = outgoing(r.send_tokens, r.slot_rows, r.local_count, 0, 2, 2, 0, 64)
+    assert out.once.tolist() == [False, False] and out.tokens_told.tolist() == [PLAIN, PLAIN]
+    shared = route(np.array([[2, 3], [3, 2], [2, 3], [3, 2]]), 4, None)  # both slots of every token on rank 1
+    out = outgoing(shared.send_tokens, shared.slot_rows, shared.local_count, 0, 2, 2, 0, 64)
+    assert out.once.tolist() == [False, True] and out.sent.tolist() == [0, 1 + 4]  # a metadata row, 4 tokens
+    assert out.bytes_sent(0, 64) == (5 * 64, 8 * 64)
+
+
+# -- on real processes: once per rank against one row per slot ---------------------------------
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _scenarios(rank: int, world: int):
+    """(name, x, ids, weights, experts, capacity) on this rank: zeros and ones, weights of 1 and
+    2, so that every sum below stays an integer under 256, exact even in bfloat16."""
+    rng = np.random.default_rng(rank + 10 * world)
+    for dtype in _DTYPES:
+        for k, experts in ((2, 2), (8, 4), (3, 1)):
+            if k > world * experts:
+                continue
+            tokens = 0 if (rank == 1 and dtype == "float16") else 6 + rank
+            ids = np.array([rng.permutation(world * experts)[:k] for _ in range(tokens)], dtype=np.int64).reshape(
+                tokens, k
+            )
+            if tokens and k == 2:
+                ids[0, 1] = -1  # a dropped slot
+            if tokens and k == 3:
+                ids[1, 2] = ids[1, 0]  # one expert twice in a token
+            x = torch.from_numpy(rng.integers(0, 2, (tokens, 16)).astype(np.float32)).to(_DTYPES[dtype])
+            weights = torch.from_numpy(rng.choice([1.0, 2.0], (tokens, k)).astype(np.float32)).to(_DTYPES[dtype])
+            for capacity in (None, 2):
+                yield (
+                    f"{dtype} top-{k} E={experts} capacity={capacity}",
+                    x,
+                    torch.from_numpy(ids),
+                    weights,
+                    experts,
+                    capacity,
+                )
+    # every token of rank 0 to rank 1's experts, none of rank 1's anywhere but rank 0
+    elsewhere = (rank + 1) % world
+    ids = torch.tensor([[2 * elsewhere, 2 * elsewhere + 1]] * 5)
+    yield "all elsewhere", torch.ones(5, 16), ids, torch.full((5, 2), 2.0), 2, None
+    dropped = ids.clone()
+    dropped[0, 1] = -1
+    yield "all elsewhere, a slot dropped, capacity 3", torch.ones(5, 16), dropped, torch.full((5, 2), 2.0), 2, 3
+
+
+def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
+    """dispatch, redispatch and combine with the once form on or off; results and gradients."""
+    os.environ[ONCE_ENV_VAR] = once
+    try:
+        x = x.clone().requires_grad_(x.is_floating_point())
+        w = weights.clone().requires_grad_()
+        got = uc.moe.dispatch(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op)
+        rows, rows_per_expert, handle = got if sync_op else got.wait()
+        again = uc.moe.redispatch(x * 2, handle)
+        scale = torch.cat([torch.full((n, 1), e + 1.0, dtype=rows.dtype) for e, n in enumerate(rows_per_expert)])
+        out = uc.moe.combine((rows + again) * scale, handle, sync_op=sync_op)
+        out = out if sync_op else out.wait()
+        out.sum().backward()
+        return {
+            "rows": rows.detach().float().tolist(),
+            "rows_per_expert": rows_per_expert,
+            "out": out.detach().float().tolist(),
+            "x.grad": x.grad.float().tolist(),
+            "w.grad": w.grad.float().tolist(),
+            "once": handle.once is not None,
+            "bytes": (handle.bytes_sent, handle.bytes_one_row_per_slot),
+        }
+    finally:
+        del os.environ[ONCE_ENV_VAR]
+
+
+def once_against_plain(rank: int) -> dict:
+    """Per scenario: whether the once form's rows, counts, result and gradients equal the plain
+    form's exactly; and its bytes against one row per slot."""
+    world = uc.get_world_size()
+    report = {}
+    for i, (name, x, ids, weights, experts, capacity) in enumerate(_scenarios(rank, world)):
+        plain = _step(x, ids, weights, experts, capacity, "0")
+        once = _step(x, ids, weights, experts, capacity, "1", sync_op=i % 3 != 0)
+        same = all(plain[key] == once[key] for key in ("rows", "rows_per_expert", "out", "x.grad", "w.grad"))
+        report[name] = (same, once["once"], plain["bytes"], once["bytes"])
+    return report
+
+
+def one_rank_turns_it_off(rank: int) -> dict:
+    """Rank 0 turns the once form off: every rank then sends one row per slot, correctly."""
+    ids = torch.tensor([[0, 1], [2, 3], [0, 1]])
+    x = torch.arange(6.0).reshape(3, 2) + rank
+    if rank == 0:
+        os.environ[ONCE_ENV_VAR] = "0"
+    try:
+        rows, _, handle = uc.moe.dispatch(x, ids, torch.ones(3, 2), experts_per_rank=2)
+        out = uc.moe.combine(rows, handle)
+    finally:
+        os.environ.pop(ONCE_ENV_VAR, None)
+    return {"once": handle.once is not None, "out": out.tolist() == (2 * x).tolist()}
+
+
+ONCE = {
+    (backend, world, check): share(
+        backend,
+        world,
+        [Case("once: against plain", once_against_plain), Case("once: one rank off", one_rank_turns_it_off)],
+        check=check,
+    )
+    for backend, world, check in (("gloo", 2, False), ("mpi", 2, False), ("gloo", 3, False), ("gloo", 2, True))
+}
+
+
+@pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
+def test_once_per_rank_equals_one_row_per_slot(backend: str, world: int, check: bool) -> None:
+    reports = SESSION.results(ONCE[backend, world, check], "once: against plain")
+    for report in reports:
+        for name, (same, used, plain_bytes, once_bytes) in report.items():
+            assert same, name
+            assert used, name  # top-k > 1 on more than one rank, all offering it
+            assert once_bytes[1] == plain_bytes[0] == plain_bytes[1], name  # one row per slot, as plain sent
+            assert once_bytes[0] <= once_bytes[1], name
+    saved = [once_bytes[0] < once_bytes[1] for report in reports for (_, _, _, once_bytes) in report.values()]
+    assert any(saved)  # top-8 over 4 experts per rank shares ranks
+
+
+@pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
+def test_one_rank_turning_it_off_turns_it_off_everywhere(backend: str, world: int, check: bool) -> None:
+    assert SESSION.results(ONCE[backend, world, check], "once: one rank off") == [{"once": False, "out": True}] * world
