@@ -15,8 +15,9 @@ Under this layout, for each destination rank c the sender picks one of two forms
 
 A pair of ranks uses the once form where it moves fewer rows (``meta + tokens < slots``): the
 sender decides from its own routing and tells the receiver with the counts, so the two ranks
-of a pair always agree, and nothing else need be agreed. Rows of zero bytes, top-1 routing
-and a rank's rows to itself always go plain.
+of a pair always agree, and nothing else need be agreed. Rows of zero bytes and top-1 routing
+always go plain. A rank's rows to itself take the same form (it makes the per-rank sums
+smaller there too), and it reads its own metadata from what it wrote, not from the transfer.
 
 :func:`outgoing` is the sender's side, :func:`incoming` the receiver's (from what each rank
 told it), :func:`read_meta` reads the metadata that arrived.
@@ -67,7 +68,8 @@ class Outgoing:
     which the metadata is written. ``back[c]``: the rows combine brings back from c (its token
     rows, or its plain rows). ``slot_back[s]``: slot s's row among them, or ``sum(back)`` (a
     zero row) for a dropped slot and for every slot of a token but the first that went to a
-    once rank (that rank summed them). ``weighed_here[s]``: whether the source weighs slot s
+    once rank (that rank summed them); ``row_lead``: the slot that reads each of those rows
+    (its token's, ``row_lead // topk``). ``weighed_here[s]``: whether the source weighs slot s
     itself (a plain rank's kept slot); a once rank weighed it already.
     """
 
@@ -80,7 +82,9 @@ class Outgoing:
     row_slot: np.ndarray
     back: np.ndarray
     slot_back: np.ndarray
+    row_lead: np.ndarray
     weighed_here: np.ndarray
+    topk: int
 
     @property
     def tokens_told(self) -> np.ndarray:
@@ -126,7 +130,7 @@ def outgoing(
     """The sender's layout of a routing (:class:`~unicoll.backends.layout.Routing`'s
     ``send_tokens``, ``slot_rows`` and ``local_count``, on the host) of rank ``rank`` of
     ``world``, for rows of ``row_bytes`` and weights of ``weight_code`` (:data:`WEIGHT_DTYPES`;
-    0 unweighted). The rows a rank sends itself go plain: they cross no network.
+    0 unweighted).
 
     >>> # rank 0 of two, two experts each: tokens 0 and 1 both go to experts 2 and 3, on rank 1
     >>> out = outgoing(np.array([0, 1, 0, 1]), np.array([0, 2, 1, 3]), np.array([0, 0, 2, 2]), 0, 2, 2, 0, 64)
@@ -144,7 +148,6 @@ def outgoing(
     group_first = np.concatenate([[0], np.cumsum(per_rank_tokens)])
     meta = np.array([meta_rows(int(n), weight_code, row_bytes) if row_bytes else 0 for n in slots], dtype=np.int64)
     once = (meta + per_rank_tokens < slots) if (topk > 1 and row_bytes) else np.zeros(world, dtype=bool)
-    once[rank] = False
     sent = np.where(once, meta + per_rank_tokens, slots)
     sent_first = np.concatenate([[0], np.cumsum(sent)])
     gather = np.zeros(int(sent.sum()), dtype=np.int64)
@@ -168,9 +171,13 @@ def outgoing(
     zero_row = int(back.sum())
     slot_back = np.full(slot_rows.size, zero_row, dtype=np.int64)
     slot_back[row_slot[leads]] = row_back[leads]
+    row_lead = np.empty(zero_row, dtype=np.int64)
+    row_lead[row_back[leads]] = row_slot[leads]
     weighed_here = np.zeros(slot_rows.size, dtype=bool)
     weighed_here[row_slot[~once[rank_of_row]]] = True
-    return Outgoing(once, slots, sent, gather, sent_first[:-1], positions, row_slot, back, slot_back, weighed_here)
+    return Outgoing(
+        once, slots, sent, gather, sent_first[:-1], positions, row_slot, back, slot_back, row_lead, weighed_here, topk
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,10 +241,13 @@ class Expansion:
     to_expert_major: np.ndarray | None
 
 
-def read_meta(incoming: Incoming, received: np.ndarray, to_expert_major: np.ndarray | None) -> Expansion:
+def read_meta(
+    incoming: Incoming, received: np.ndarray, to_expert_major: np.ndarray | None, rank: int, own: np.ndarray | None
+) -> Expansion:
     """The :class:`Expansion` of the rows that arrived (``received``: the buffer's bytes, a
     ``(rows, row_bytes)`` uint8 view), ``to_expert_major`` taking rank-major rows to expert-major
-    (None: they are)."""
+    (None: they are). Rank ``rank`` reads its own metadata from ``own`` (what it wrote for
+    itself; None where it sent itself the plain form)."""
     world = incoming.slots.size
     rows, again, target, weights = [], [], [], []
     again_at = np.concatenate([[0], np.cumsum(incoming.back)])
@@ -251,7 +261,7 @@ def read_meta(incoming: Incoming, received: np.ndarray, to_expert_major: np.ndar
             target.append(again_at[c] + within)
             weights.append(np.ones(n))
             continue
-        meta = received[at : at + incoming.meta[c]].reshape(-1)
+        meta = own if c == rank else received[at : at + incoming.meta[c]].reshape(-1)
         position = meta[: 4 * n].view(np.int32).astype(np.int64)
         rows.append(at + incoming.meta[c] + position)
         again.append(again_at[c] + position)

@@ -55,7 +55,7 @@ def _simulated(world: int, experts: int, k: int, row_bytes: int, seed: int, weig
             blocks.append(block)
         received = np.concatenate(blocks) if blocks else np.zeros((0, row_bytes), np.uint8)
         order = rank_major_to_expert_major(counts)
-        expansion = read_meta(into, received, order)
+        expansion = read_meta(into, received, order, -1, None)
         plain = np.concatenate([x[c][r.send_tokens[_rows_to(r, world, experts, d)]] for c, r in enumerate(routes)])
         assert np.array_equal(received[expansion.rows], plain[order])
         if weighted and expansion.weights is not None:
@@ -190,11 +190,29 @@ def one_rank_turns_it_off(rank: int) -> dict:
     return {"once": handle.once is not None, "out": out.tolist() == (2 * x).tolist()}
 
 
+def auto_by_the_bytes_saved(rank: int) -> dict:
+    """With UNICOLL_MOE_ONCE unset, the form is used where the ranks save ONCE_FROM_BYTES or
+    more between them: not for 8 tokens, but for 512 tokens of 1 KiB at top-8."""
+    world, used = uc.get_world_size(), {}
+    rng = np.random.default_rng(rank)
+    for tokens in (8, 512):
+        ids = torch.from_numpy(np.array([rng.permutation(world * 4)[:8] for _ in range(tokens)]))
+        x = torch.ones(tokens, 256)
+        rows, _, handle = uc.moe.dispatch(x, ids, experts_per_rank=4)
+        out = uc.moe.combine(rows, handle)
+        used[tokens] = (handle.once is not None, bool((out == 8).all()))
+    return used
+
+
 ONCE = {
     (backend, world, check): share(
         backend,
         world,
-        [Case("once: against plain", once_against_plain), Case("once: one rank off", one_rank_turns_it_off)],
+        [
+            Case("once: against plain", once_against_plain),
+            Case("once: one rank off", one_rank_turns_it_off),
+            Case("once: auto", auto_by_the_bytes_saved),
+        ],
         check=check,
     )
     for backend, world, check in (("gloo", 2, False), ("mpi", 2, False), ("gloo", 3, False), ("gloo", 2, True))
@@ -217,3 +235,8 @@ def test_once_per_rank_equals_one_row_per_slot(backend: str, world: int, check: 
 @pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
 def test_one_rank_turning_it_off_turns_it_off_everywhere(backend: str, world: int, check: bool) -> None:
     assert SESSION.results(ONCE[backend, world, check], "once: one rank off") == [{"once": False, "out": True}] * world
+
+
+@pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
+def test_by_default_it_is_used_where_the_ranks_save_enough(backend: str, world: int, check: bool) -> None:
+    assert SESSION.results(ONCE[backend, world, check], "once: auto") == [{8: (False, True), 512: (True, True)}] * world

@@ -290,6 +290,9 @@ class _Case:
     transfer: Callable[[], Any] | None = None
     """The MoE operators: the bare transfers of the bytes they move (even all-to-alls of the
     rows sent, one per all-to-all the operator makes), timed beside them; None for the others."""
+    sent: Callable[[], tuple[int, int]] | None = None
+    """``moe_topk``: the bytes this rank's last dispatch sent the other ranks, and what one row
+    per slot would have (the handle's); None for the others."""
 
 
 class _World:
@@ -588,9 +591,15 @@ def _moe_topk(w: _World, nbytes: int, reorder: bool) -> _Case:
     ids = torch.from_numpy(ids_np).to(w.device)
     weights = None if weights_np is None else torch.from_numpy(weights_np).to(w.device, w.dtype)
 
+    last: list[Any] = [None]
+
     def unicoll() -> Any:
         received, _, handle = uc.moe.dispatch(x, ids, weights, experts_per_rank=experts)
+        last[0] = handle
         return uc.moe.combine(received, handle)
+
+    def sent() -> tuple[int, int]:
+        return last[0].bytes_sent, last[0].bytes_one_row_per_slot
 
     def by_hand() -> Any:
         slots = ids.reshape(-1)
@@ -613,7 +622,8 @@ def _moe_topk(w: _World, nbytes: int, reorder: bool) -> _Case:
         return torch.from_numpy(combined).to(w.dtype).contiguous().view(torch.uint8).numpy()
 
     transfer = _even_transfers(w, rows * k, hidden, 2)  # dispatch's rows there, combine's back
-    return _Case("moe_topk", x.numel() * w.itemsize, x.numel(), unicoll, by_hand, expected, transfer=transfer)
+    nbytes = x.numel() * w.itemsize
+    return _Case("moe_topk", nbytes, x.numel(), unicoll, by_hand, expected, transfer=transfer, sent=sent)
 
 
 _CASES: dict[str, Callable[[_World, int, bool], _Case]] = {  # (world, nbytes, reorder) -> case
@@ -693,6 +703,8 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
         calls = [case.unicoll, case.raw] + ([] if case.transfer is None else [case.transfer])
         uc_us, raw_us, *transfer_us = _time(w, calls, config.iters, config.warmup, block, w.baseline.barrier)
         uc_us, raw_us, wrong, *transfer_us = w.baseline.slowest([uc_us, raw_us, 0.0 if correct else 1.0, *transfer_us])
+        sent, slots = (0, 0) if case.sent is None else case.sent()
+        sent, slots = w.baseline.slowest([float(sent), float(slots)])
         algbw, busbw = _bandwidths(op, case.nbytes, uc_us, w.world)
         raw_algbw, raw_busbw = _bandwidths(op, case.nbytes, raw_us, w.world)
         rows.append(
@@ -711,6 +723,9 @@ def _sweep(config: Config, result_path: str, progress_path: str) -> None:
                 "ratio": uc_us / raw_us,
                 "transfer_time_us": transfer_us[0] if transfer_us else None,
                 "transfer_ratio": uc_us / transfer_us[0] if transfer_us else None,
+                "bytes_sent": int(sent) if case.sent else None,
+                "bytes_one_row_per_slot": int(slots) if case.sent else None,
+                "sent_ratio": sent / slots if case.sent and slots else None,
                 "calls_per_sample": block,
             }
         )

@@ -24,6 +24,7 @@ _COLUMNS = (
     ("raw busbw", "(GB/s)", 9, "raw_busbw_gbps", ".3f"),
     ("ratio", "uc/raw", 6, "ratio", ".3f"),
     ("transfer", "uc/xfer", 8, "transfer_ratio", ".3f"),
+    ("sent", "/slots", 7, "sent_ratio", ".3f"),
 )
 
 
@@ -39,6 +40,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"# raw = {_raw_description(result['baseline'])}",
         "# transfer (MoE operators) = unicoll's time over that of the bare even all-to-alls of the rows they move "
         "(moe_topk: two, of tokens x 2 rows), timed in the same run: how close to the transport the step runs",
+        "# sent (moe_topk) = the bytes a rank's dispatch sent the other ranks over one row per slot's, the rank "
+        "that sends most: below 1 where each token went once per rank",
         "#",
         "#" + "  ".join(f"{name:>{width}}" for name, _, width, _, _ in _COLUMNS)[1:],
         "#" + "  ".join(f"{unit:>{width}}" for _, unit, width, _, _ in _COLUMNS)[1:],

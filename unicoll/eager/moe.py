@@ -211,51 +211,67 @@ def _routed(
 
 
 ONCE_ENV_VAR = "UNICOLL_MOE_ONCE"
-"""``0`` turns off sending each token once per rank (:mod:`unicoll.backends.once`) on this rank,
-and so for every dispatch it takes part in; on by default."""
+"""Whether a dispatch sends each token once per rank (:mod:`unicoll.backends.once`): ``0``
+never (every dispatch this rank takes part in sends one row per slot), ``1`` wherever it moves
+fewer rows, unset (or ``auto``) where the ranks' dispatches save :data:`ONCE_FROM_BYTES` or
+more between them."""
+
+ONCE_FROM_BYTES = 1 << 20
+"""The bytes the ranks' dispatches must save between them for the once form to be used by
+default: below, its local work (the metadata, the expansion, the per-rank sums, a second small
+exchange in combine's backward) costs more than the bytes it saves (measured in
+docs/performance.md)."""
+
+_ONCE_OFF, _ONCE_AUTO, _ONCE_ALWAYS = 0, 1, 2
 
 
-def _offers_once(call: Call, routing: Routing, native: Any) -> bool:
-    """Whether this rank offers the once form (:mod:`unicoll.backends.once`): a dispatch of x
-    (``native``, None for a caller who moves the rows itself) over more than one rank, of
-    top-k > 1, with rows of some bytes, on a backend that moves the MoE rows through the front end's primitives, and not
-    turned off (:data:`ONCE_ENV_VAR`)."""
-    return (
-        native is not None
-        and call.W > 1
-        and routing.topk > 1
-        and row_bytes(native) > 0
-        and not {"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe
-        and os.environ.get(ONCE_ENV_VAR, "1") != "0"
-    )
+def _once_mode(call: Call, routing: Routing, native: Any) -> int:
+    """What this rank says of the once form: off where it cannot take part (a caller who moves
+    the rows itself: ``native`` None; one rank; top-1; rows of no bytes; a backend that moves the
+    MoE rows itself) or :data:`ONCE_ENV_VAR` turns it off; else auto, or always."""
+    setting = os.environ.get(ONCE_ENV_VAR, "auto")
+    if (
+        native is None
+        or setting == "0"
+        or call.W == 1
+        or routing.topk == 1
+        or row_bytes(native) == 0
+        or {"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe
+    ):
+        return _ONCE_OFF
+    return _ONCE_ALWAYS if setting == "1" else _ONCE_AUTO
 
 
 def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a host backend's dispatch, made now, and how to exchange its counts:
-    which returns the routing, the plan of the rows' transfer and, where every rank offers it
-    (:func:`_offers_once`), the layout that sends each token once per rank. Each rank tells
-    each peer, beside its counts, the token rows it would send it in the once form (or
-    :data:`~unicoll.backends.once.PLAIN`), its weights' code and whether it offers the form:
-    every rank hears every rank, so all of them agree whether it is used."""
+    which returns the routing, the plan of the rows' transfer and, where the ranks agree on it,
+    the layout that sends each token once per rank. Each rank tells each peer, beside its
+    counts, the token rows it would send it in the once form (or
+    :data:`~unicoll.backends.once.PLAIN`), its weights' code, its mode (:func:`_once_mode`) and
+    the bytes the form saves it: every rank hears every rank, so all of them decide alike. The
+    form is used where no rank is off, and one says always or the savings add up to
+    :data:`ONCE_FROM_BYTES`."""
     world, experts = call.W, call.experts_per_rank
     routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
-    offered = code >= 0 and _offers_once(call, routing, native)
-    sender = None
-    if offered:
-        rb = row_bytes(native)
-        rank, topk = call.group.rank, routing.topk
+    mode = _once_mode(call, routing, native) if code >= 0 else _ONCE_OFF
+    sender, saved = None, 0
+    if mode != _ONCE_OFF:
+        rb, rank, topk = row_bytes(native), call.group.rank, routing.topk
         sender = outgoing(routing.send_tokens, routing.slot_rows, routing.local_count, rank, world, topk, code, rb)
+        sent, slots = sender.bytes_sent(rank, rb)
+        saved = slots - sent
 
     def exchanged() -> tuple[Routing, MoePlan, OnceLayout | None]:
-        told = np.zeros((world, experts + 3), dtype=np.int64)
+        told = np.zeros((world, experts + 4), dtype=np.int64)
         told[:, :experts] = routing.local_count.reshape(world, experts)
         told[:, experts] = PLAIN if sender is None else sender.tokens_told
-        told[:, experts + 1] = code
-        told[:, experts + 2] = offered
-        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, experts + 3)
+        told[:, experts + 1 :] = code, mode, saved
+        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, experts + 4)
         plan = moe_plan(routing.local_count, np.ascontiguousarray(heard[:, :experts]).reshape(-1), world)
-        if sender is None or not heard[:, experts + 2].all():
+        modes, savings = heard[:, experts + 2], heard[:, experts + 3]
+        used = modes.min() > _ONCE_OFF and (modes.max() == _ONCE_ALWAYS or savings.sum() >= ONCE_FROM_BYTES)
+        if not used:
             return routing, plan, None
         into = incoming(np.array(plan.recv, dtype=np.int64), heard[:, experts : experts + 2], row_bytes(native))
         return routing, plan, OnceLayout(sender, into, row_bytes(native), code > 0)
@@ -338,11 +354,8 @@ def dispatch_backward(
     each token's slots summed: a combine without weights (each token's once per rank, where
     the dispatch sent it so)."""
     if once is not None:
-        back, lent = moe_once.combine(backend, group, grad, once, False, False, True).finish()
-        try:
-            return sum_at_once(back, host_as(once.outgoing.slot_back, back), routing.tokens, routing.topk, None, None)
-        finally:
-            backend.give_back(lent)
+        back = moe_once.combine(backend, group, grad, once, False, False, True).finish()
+        return moe_once.sum_at_source(once, back, routing.tokens, None)
     if not backend.host_memory:
         return _summed(backend.moe_combine(grad, routing, plan, group, False).finish(), routing, None)
     back, lent = _rows_back(backend, grad, routing)
@@ -374,20 +387,12 @@ def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
     def issue() -> Pending:
         if call.compare:
             verify(MOE_COMBINE, call)
-        native = backend.to_native(y)
         weighted = weights is not None
-        return moe_once.combine(backend, grp, native, once, weighted, not call.sync_op, call.sync_op, not recorded)
+        return moe_once.combine(backend, grp, backend.to_native(y), once, weighted, not call.sync_op, call.sync_op)
 
-    def finish(came_back: tuple[Any, Any]) -> Any:
-        back, lent = came_back
-        native_weights = kept = None
-        if weights is not None:
-            native_weights, kept = moe_once.source_weights(once, backend.to_native(weights))
-        try:
-            slot_back = host_as(once.outgoing.slot_back, back)
-            out = sum_at_once(back, slot_back, routing.tokens, routing.topk, native_weights, kept)
-        finally:
-            backend.give_back(lent)
+    def finish(back: Any) -> Any:
+        native_weights = None if weights is None else backend.to_native(weights)
+        out = moe_once.sum_at_source(once, back, routing.tokens, native_weights)
         result = backend.from_native(out, library)
         if recorded:
             from .autograd import attach_many
