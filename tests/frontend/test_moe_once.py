@@ -135,6 +135,8 @@ def _scenarios(rank: int, world: int):
     dropped = ids.clone()
     dropped[0, 1] = -1
     yield "all elsewhere, a slot dropped, capacity 3", torch.ones(5, 16), dropped, torch.full((5, 2), 2.0), 2, 3
+    # rank 0 without weights, the others with: each rank's rows weighed as its own dispatch said
+    yield "rank 0 unweighted", torch.ones(5, 16), ids, None if rank == 0 else torch.full((5, 2), 2.0), 2, None
 
 
 def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
@@ -142,7 +144,7 @@ def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
     os.environ[ONCE_ENV_VAR] = once
     try:
         x = x.clone().requires_grad_(x.is_floating_point())
-        w = weights.clone().requires_grad_()
+        w = None if weights is None else weights.clone().requires_grad_()
         got = uc.moe.dispatch(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op)
         rows, rows_per_expert, handle = got if sync_op else got.wait()
         again = uc.moe.redispatch(x * 2, handle)
@@ -155,7 +157,7 @@ def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
             "rows_per_expert": rows_per_expert,
             "out": out.detach().float().tolist(),
             "x.grad": x.grad.float().tolist(),
-            "w.grad": w.grad.float().tolist(),
+            "w.grad": None if w is None else w.grad.float().tolist(),
             "once": handle.once is not None,
             "bytes": (handle.bytes_sent, handle.bytes_one_row_per_slot),
         }
@@ -204,6 +206,37 @@ def auto_by_the_bytes_saved(rank: int) -> dict:
     return used
 
 
+def steady_over_many_steps(rank: int) -> dict:
+    """300 steps, a new routing each, the once form forced: the handles (and what their layout
+    made) go with their step, and resident memory after step 300 is within a few MiB of step 50."""
+    import gc
+    import weakref
+    from pathlib import Path
+
+    def resident() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+
+    rng, layouts, sizes = np.random.default_rng(rank), [], {}
+    x = torch.ones(64, 64, requires_grad=True)
+    os.environ[ONCE_ENV_VAR] = "1"
+    try:
+        for step in range(300):
+            ids = torch.from_numpy(np.array([rng.permutation(uc.get_world_size() * 4)[:6] for _ in range(64)]))
+            w = torch.rand(64, 6, requires_grad=True)
+            rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
+            uc.moe.combine(rows * 2.0, handle).sum().backward()
+            layouts.append(weakref.ref(handle.once))
+            del rows, handle, w
+            if step in (50, 299):
+                gc.collect()
+                sizes[step] = resident()
+    finally:
+        del os.environ[ONCE_ENV_VAR]
+    gc.collect()
+    return {"layouts alive": sum(ref() is not None for ref in layouts), "grown (MiB)": (sizes[299] - sizes[50]) >> 20}
+
+
 ONCE = {
     (backend, world, check): share(
         backend,
@@ -240,3 +273,13 @@ def test_one_rank_turning_it_off_turns_it_off_everywhere(backend: str, world: in
 @pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
 def test_by_default_it_is_used_where_the_ranks_save_enough(backend: str, world: int, check: bool) -> None:
     assert SESSION.results(ONCE[backend, world, check], "once: auto") == [{8: (False, True), 512: (True, True)}] * world
+
+
+MANY = {backend: share(backend, 2, [Case("once: many steps", steady_over_many_steps)]) for backend in ("gloo", "mpi")}
+
+
+@pytest.mark.parametrize("backend", list(MANY))
+def test_memory_stays_flat_over_300_steps_with_new_routing(backend: str) -> None:
+    for report in SESSION.results(MANY[backend], "once: many steps"):
+        assert report["layouts alive"] == 0
+        assert report["grown (MiB)"] <= 8, report

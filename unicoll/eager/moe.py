@@ -32,7 +32,7 @@ from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
 from ..backends.once import PLAIN, incoming, outgoing, weight_code
-from ..check import call_number, verify
+from ..check import call_number, verify, verify_backward
 from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
 from ..entry import enter, leave
@@ -381,14 +381,14 @@ def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
     from their ranks."""
     backend, grp, once, routing, weights = call.backend, call.group, handle.once, handle.routing, handle.weights
     library = library_of(y)
-
     recorded = records_gradient(y, weights)
+    forward = call_number(grp) if call.compare and recorded else None  # this call's number: prepare counted it
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_COMBINE, call)
-        weighted = weights is not None
-        return moe_once.combine(backend, grp, backend.to_native(y), once, weighted, not call.sync_op, call.sync_op)
+        # the rows of a rank that sent weights are weighed here, whether this rank's own are
+        return moe_once.combine(backend, grp, backend.to_native(y), once, True, not call.sync_op, call.sync_op)
 
     def finish(back: Any) -> Any:
         native_weights = None if weights is None else backend.to_native(weights)
@@ -404,26 +404,31 @@ def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
                 grad_y, grad_w = moe_once.combine_backward(
                     backend, grp, grad, once, routing.tokens, routing.topk, native_y, native_w, back
                 )
-                return backend.from_native(grad_y, "torch"), None if grad_w is None else backend.from_native(
-                    grad_w, "torch"
-                )
+                return tuple(None if g is None else backend.from_native(g, "torch") for g in (grad_y, grad_w))
 
-            return attach_many((y, weights), result, _guarded_pair(call, backward))
+            return attach_many((y, weights), result, _guarded_pair(call, forward, backward))
         return result
 
     return _run(MOE_COMBINE.name, call, issue, finish)
 
 
-def _guarded_pair(call: Call, backward: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], tuple[Any, Any]]:
+def _guarded_pair(
+    call: Call, forward: int | None, backward: Callable[[Any], tuple[Any, Any]]
+) -> Callable[[Any], tuple[Any, Any]]:
     """combine's backward of two gradients, run as :func:`unicoll.eager.ops.guarded` runs one:
-    one thread at a time, its transport failures reported as the forward's."""
+    one thread at a time, its transport failures reported as the forward's, and, where
+    ``forward`` (the forward call's number) is given, compared across the ranks like a forward
+    call."""
     name = f"{MOE_COMBINE.name} (backward)"
 
     def run(grad: Any) -> tuple[Any, Any]:
         enter(name)
         try:
             with translated(name, call.group, call.timeout):
-                return backward(call.backend.to_native(grad))
+                native = call.backend.to_native(grad)
+                if forward is not None:
+                    verify_backward(name, call.backend, call.group, native, forward)
+                return backward(native)
         finally:
             leave()
 

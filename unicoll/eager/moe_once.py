@@ -65,7 +65,7 @@ class OnceLayout:
             rows = torch.from_numpy(np.stack([expansion.target, np.arange(expansion.target.size)]))
             values = torch.from_numpy(expansion.weights).to(dtype)
             shape = (int(self.incoming.back.sum()), expansion.target.size)
-            self._made[dtype] = torch.sparse_coo_tensor(rows, values, shape).coalesce()
+            self._made[dtype] = torch.sparse_coo_tensor(rows, values, shape, check_invariants=False).coalesce()
         return self._made[dtype]
 
 
@@ -156,9 +156,9 @@ def combine(
     calc_stream: bool,
 ) -> Pending:
     """combine's transfer of expert rows ``y`` (native, the dispatch's expert-major order):
-    each token's rows summed per rank (weighted by the metadata's weights where ``weighted``)
-    and sent back; finishes as the rows that came back (``layout.outgoing.back`` per rank),
-    which :func:`sum_at_source` adds up."""
+    each token's rows summed per rank (weighted by the weights their ranks sent, where
+    ``weighted``: combine's, not dispatch's backward) and sent back; finishes as the rows that
+    came back (``layout.outgoing.back`` per rank), which :func:`sum_at_source` adds up."""
     out, into = layout.outgoing, layout.incoming
     summed = sum_by_target(y, layout, weighted)
     back = backend.empty_rows(summed, int(out.back.sum()))
