@@ -192,6 +192,26 @@ def one_rank_turns_it_off(rank: int) -> dict:
     return {"once": handle.once is not None, "out": out.tolist() == (2 * x).tolist()}
 
 
+def numpy_arrays(rank: int) -> bool:
+    """numpy arrays in and out (mpi's natives, gloo's through torch): the same as one row per slot."""
+    world = uc.get_world_size()
+    rng = np.random.default_rng(rank)
+    ids = np.array([rng.permutation(world * 4)[:6] for _ in range(9)])
+    x = rng.integers(0, 2, (9, 16)).astype(np.float32)
+    w = rng.choice([1.0, 2.0], (9, 6)).astype(np.float32)
+    results = []
+    for once in "01":
+        os.environ[ONCE_ENV_VAR] = once
+        try:
+            rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
+            again = uc.moe.redispatch(x * 3, handle)
+            results.append((rows.tolist(), uc.moe.combine(rows + again, handle).tolist(), handle.once is not None))
+        finally:
+            del os.environ[ONCE_ENV_VAR]
+    (plain_rows, plain_out, plain_used), (rows, out, used) = results
+    return plain_rows == rows and plain_out == out and used and not plain_used
+
+
 def auto_by_the_bytes_saved(rank: int) -> dict:
     """With UNICOLL_MOE_ONCE unset, the form is used where the ranks save ONCE_FROM_BYTES or
     more between them: not for 8 tokens, but for 512 tokens of 1 KiB at top-8."""
@@ -245,6 +265,7 @@ ONCE = {
             Case("once: against plain", once_against_plain),
             Case("once: one rank off", one_rank_turns_it_off),
             Case("once: auto", auto_by_the_bytes_saved),
+            Case("once: numpy", numpy_arrays),
         ],
         check=check,
     )
@@ -283,3 +304,8 @@ def test_memory_stays_flat_over_300_steps_with_new_routing(backend: str) -> None
     for report in SESSION.results(MANY[backend], "once: many steps"):
         assert report["layouts alive"] == 0
         assert report["grown (MiB)"] <= 8, report
+
+
+@pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
+def test_numpy_arrays_go_once_per_rank_too(backend: str, world: int, check: bool) -> None:
+    assert SESSION.results(ONCE[backend, world, check], "once: numpy") == [True] * world
