@@ -213,14 +213,19 @@ def _routed(
 ONCE_ENV_VAR = "UNICOLL_MOE_ONCE"
 """Whether a dispatch sends each token once per rank (:mod:`unicoll.backends.once`): ``0``
 never (every dispatch this rank takes part in sends one row per slot), ``1`` wherever it moves
-fewer rows, unset (or ``auto``) where the ranks' dispatches save :data:`ONCE_FROM_BYTES` or
-more between them."""
+fewer rows, unset (or ``auto``) where the ranks' dispatches save :data:`ONCE_FROM_BYTES` and
+:data:`ONCE_FROM_SHARE` of their bytes or more between them."""
 
 ONCE_FROM_BYTES = 1 << 20
 """The bytes the ranks' dispatches must save between them for the once form to be used by
-default: below, its local work (the metadata, the expansion, the per-rank sums, a second small
-exchange in combine's backward) costs more than the bytes it saves (measured in
-docs/performance.md)."""
+default: below, its fixed costs (the metadata, a second small exchange in combine's backward)
+outweigh the bytes it saves."""
+
+ONCE_FROM_SHARE = 0.25
+"""The share of one row per slot's bytes the ranks' dispatches must save between them for the
+once form to be used by default: its local work (the expansion, the per-rank sums) grows with
+the rows, and on gloo a saving of 22% (top-2 over 2 ranks) broke even, 10% (top-2 over 4
+ranks) lost 8% (docs/performance.md)."""
 
 _ONCE_OFF, _ONCE_AUTO, _ONCE_ALWAYS = 0, 1, 2
 
@@ -247,15 +252,15 @@ def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple
     which returns the routing, the plan of the rows' transfer and, where the ranks agree on it,
     the layout that sends each token once per rank. Each rank tells each peer, beside its
     counts, the token rows it would send it in the once form (or
-    :data:`~unicoll.backends.once.PLAIN`), its weights' code, its mode (:func:`_once_mode`) and
-    the bytes the form saves it: every rank hears every rank, so all of them decide alike. The
-    form is used where no rank is off, and one says always or the savings add up to
-    :data:`ONCE_FROM_BYTES`."""
+    :data:`~unicoll.backends.once.PLAIN`), its weights' code, its mode (:func:`_once_mode`), the
+    bytes the form saves it and those it sends with one row per slot: every rank hears every
+    rank, so all of them decide alike. The form is used where no rank is off, and one says
+    always or the savings add up to :data:`ONCE_FROM_BYTES` and :data:`ONCE_FROM_SHARE`."""
     world, experts = call.W, call.experts_per_rank
     routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
     mode = _once_mode(call, routing, native) if code >= 0 else _ONCE_OFF
-    sender, saved = None, 0
+    sender, saved, slots = None, 0, 0
     if mode != _ONCE_OFF:
         rb, rank, topk = row_bytes(native), call.group.rank, routing.topk
         sender = outgoing(routing.send_tokens, routing.slot_rows, routing.local_count, rank, world, topk, code, rb)
@@ -263,14 +268,19 @@ def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple
         saved = slots - sent
 
     def exchanged() -> tuple[Routing, MoePlan, OnceLayout | None]:
-        told = np.zeros((world, experts + 4), dtype=np.int64)
+        told = np.zeros((world, experts + 5), dtype=np.int64)
         told[:, :experts] = routing.local_count.reshape(world, experts)
         told[:, experts] = PLAIN if sender is None else sender.tokens_told
-        told[:, experts + 1 :] = code, mode, saved
-        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, experts + 4)
+        told[:, experts + 1 :] = code, mode, saved, slots
+        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, experts + 5)
         plan = moe_plan(routing.local_count, np.ascontiguousarray(heard[:, :experts]).reshape(-1), world)
-        modes, savings = heard[:, experts + 2], heard[:, experts + 3]
-        used = modes.min() > _ONCE_OFF and (modes.max() == _ONCE_ALWAYS or savings.sum() >= ONCE_FROM_BYTES)
+        modes, saved_all, slots_all = (
+            heard[:, experts + 2],
+            int(heard[:, experts + 3].sum()),
+            int(heard[:, experts + 4].sum()),
+        )
+        enough = saved_all >= ONCE_FROM_BYTES and saved_all >= ONCE_FROM_SHARE * slots_all
+        used = modes.min() > _ONCE_OFF and (modes.max() == _ONCE_ALWAYS or enough)
         if not used:
             return routing, plan, None
         into = incoming(np.array(plan.recv, dtype=np.int64), heard[:, experts : experts + 2], row_bytes(native))
