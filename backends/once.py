@@ -62,14 +62,13 @@ class Outgoing:
     ``once[c]``: whether rank c gets the once form. ``slots[c]``: the rows the plain form sends
     c. ``sent[c]``: the rows this rank sends c (metadata and token rows, or the plain rows).
     ``gather``: the row of x of each row sent, in the order sent (metadata rows read row 0,
-    then are overwritten). ``meta_at[c]``: the first row of c's metadata in the send buffer
-    (unused for a plain rank). ``positions``: each plain row's position among its rank's token
+    then are overwritten). ``sent_at[c]``: where c's rows start in the send buffer (its
+    metadata first, for a once rank). ``positions``: each plain row's position among its rank's token
     rows (send order, int32), and ``row_slot``: the slot of each plain row (send order), from
     which the metadata is written. ``back[c]``: the rows combine brings back from c (its token
-    rows, or its plain rows). ``slot_back[s]``: slot s's row among them, or ``sum(back)`` (a
-    zero row) for a dropped slot and for every slot of a token but the first that went to a
-    once rank (that rank summed them); ``row_lead``: the slot that reads each of those rows
-    (its token's, ``row_lead // topk``). ``weighed_here[s]``: whether the source weighs slot s
+    rows, or its plain rows). ``row_lead``: the slot each of those rows stands for (a plain
+    rank's: its own; a once rank's: the token's first slot there, that rank having summed the
+    token's slots on it), whose token is ``row_lead // topk``. ``weighed_here[s]``: whether the source weighs slot s
     itself (a plain rank's kept slot); a once rank weighed it already.
     """
 
@@ -77,11 +76,10 @@ class Outgoing:
     slots: np.ndarray
     sent: np.ndarray
     gather: np.ndarray
-    meta_at: np.ndarray
+    sent_at: np.ndarray
     positions: np.ndarray
     row_slot: np.ndarray
     back: np.ndarray
-    slot_back: np.ndarray
     row_lead: np.ndarray
     weighed_here: np.ndarray
     topk: int
@@ -136,8 +134,8 @@ def outgoing(
     >>> out = outgoing(np.array([0, 1, 0, 1]), np.array([0, 2, 1, 3]), np.array([0, 0, 2, 2]), 0, 2, 2, 0, 64)
     >>> out.once.tolist(), out.sent.tolist(), out.gather.tolist(), out.positions.tolist()
     ([False, True], [0, 3], [0, 0, 1], [0, 1, 0, 1])
-    >>> out.slot_back.tolist(), out.weighed_here.tolist()   # one row per token comes back, read by its first slot
-    ([0, 2, 1, 2], [False, False, False, False])
+    >>> out.back.tolist(), out.row_lead.tolist()   # one row per token comes back, for its first slot
+    ([0, 2], [0, 2])
     """
     tokens = slot_rows.size // topk
     slots = local_count.reshape(world, -1).sum(1)
@@ -168,16 +166,11 @@ def outgoing(
     first_slot = np.full(group_token.size, slot_rows.size, dtype=np.int64)
     np.minimum.at(first_slot, group, row_slot)
     leads = ~once[rank_of_row] | (first_slot[group] == row_slot)
-    zero_row = int(back.sum())
-    slot_back = np.full(slot_rows.size, zero_row, dtype=np.int64)
-    slot_back[row_slot[leads]] = row_back[leads]
-    row_lead = np.empty(zero_row, dtype=np.int64)
+    row_lead = np.empty(int(back.sum()), dtype=np.int64)
     row_lead[row_back[leads]] = row_slot[leads]
     weighed_here = np.zeros(slot_rows.size, dtype=bool)
     weighed_here[row_slot[~once[rank_of_row]]] = True
-    return Outgoing(
-        once, slots, sent, gather, sent_first[:-1], positions, row_slot, back, slot_back, row_lead, weighed_here, topk
-    )
+    return Outgoing(once, slots, sent, gather, sent_first[:-1], positions, row_slot, back, row_lead, weighed_here, topk)
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,7 +179,7 @@ class Incoming:
 
     ``once[c]``, ``slots[c]`` (the plain form's rows from c), ``tokens[c]`` (c's token rows in
     the once form), ``weight_code[c]``, ``meta[c]`` (c's metadata rows), ``received[c]`` (the
-    rows that arrive from c) and ``back[c]`` (the rows combine sends c back). ``meta_at[c]``:
+    rows that arrive from c) and ``back[c]`` (the rows combine sends c back). ``received_at[c]``:
     where c's rows start in the received buffer.
     """
 
@@ -197,11 +190,7 @@ class Incoming:
     meta: np.ndarray
     received: np.ndarray
     back: np.ndarray
-    meta_at: np.ndarray
-
-    @property
-    def any_once(self) -> bool:
-        return bool(self.once.any())
+    received_at: np.ndarray
 
 
 def incoming(slots: np.ndarray, told: np.ndarray, row_bytes: int) -> Incoming:
@@ -224,10 +213,9 @@ class Expansion:
 
     ``rows``: each row's row in the received buffer (of a dispatch: its metadata included).
     ``rows_again``: the same for a buffer without the metadata (a redispatch's). ``target``:
-    each row's row in what combine sends back (per rank c, ``back[c]`` rows). ``level``: each
-    row's place among the rows of the same target (0 for the first), the order combine sums
-    them in. ``weights``: each row's weight from its source's metadata, as float64, or None
-    where no rank sent weights; rows of a plain or unweighted rank weigh 1. ``weight_code``:
+    each row's row in what combine sends back (per rank c, ``back[c]`` rows). ``weights``:
+    each row's weight from its source's metadata, as float64, or None where no rank sent
+    weights; rows of a plain or unweighted rank weigh 1. ``weight_code``:
     the widest weights' code among them. ``to_expert_major``: the reorder these were read with
     (rank-major rows to expert-major; None where they are the same).
     """
@@ -235,7 +223,6 @@ class Expansion:
     rows: np.ndarray
     rows_again: np.ndarray
     target: np.ndarray
-    level: np.ndarray
     weights: np.ndarray | None
     weight_code: int
     to_expert_major: np.ndarray | None
@@ -253,7 +240,7 @@ def read_meta(
     again_at = np.concatenate([[0], np.cumsum(incoming.back)])
     weighted = bool(incoming.weight_code[incoming.once].any())
     for c in range(world):
-        n, at = int(incoming.slots[c]), int(incoming.meta_at[c])
+        n, at = int(incoming.slots[c]), int(incoming.received_at[c])
         if not incoming.once[c]:
             within = np.arange(n, dtype=np.int64)
             rows.append(at + within)
@@ -281,7 +268,6 @@ def read_meta(
         rows_em,
         _joined(again)[order],
         target_em,
-        _levels(target_em),
         _joined(weights, np.float64)[order] if weighted else None,
         int(codes.max()) if codes.size else 0,
         to_expert_major,
@@ -290,17 +276,6 @@ def read_meta(
 
 def _joined(parts: list[np.ndarray], dtype: type = np.int64) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
-
-
-def _levels(target: np.ndarray) -> np.ndarray:
-    """Each entry's place among the entries of the same value, in the order they come."""
-    order = np.argsort(target, kind="stable")
-    ordered = target[order]
-    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]])) if ordered.size else ordered
-    place = np.arange(ordered.size, dtype=np.int64) - np.repeat(starts, np.diff(np.append(starts, ordered.size)))
-    level = np.empty_like(place)
-    level[order] = place
-    return level
 
 
 def _bfloat16_as_float64(words: np.ndarray) -> np.ndarray:

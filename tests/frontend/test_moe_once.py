@@ -41,7 +41,7 @@ def _simulated(world: int, experts: int, k: int, row_bytes: int, seed: int, weig
         blocks = []
         for c, side in enumerate(sides):
             sent = x[c][side.gather] if side.gather.size else np.zeros((0, row_bytes), np.uint8)
-            start = int(side.meta_at[d])
+            start = int(side.sent_at[d])
             block = sent[start : start + side.sent[d]].copy()
             if side.once[d]:
                 firsts = np.concatenate([[0], np.cumsum(side.slots)])

@@ -113,7 +113,7 @@ def _write_meta(sent: np.ndarray, out: Outgoing, weights: Any, rank: int) -> np.
     for c in np.flatnonzero(out.once):
         rows = slice(firsts[c], firsts[c + 1])
         data = meta_bytes(out.positions[rows], None if words is None else words[out.row_slot[rows]])
-        start = int(out.meta_at[c])
+        start = int(out.sent_at[c])
         sent[start:].reshape(-1)[: data.size] = data
         own = data if c == rank else own
     return own
@@ -142,7 +142,7 @@ def _without_meta(out: Outgoing) -> np.ndarray:
     keep = np.ones(out.gather.size, dtype=bool)
     for c in np.flatnonzero(out.once):
         meta = int(out.sent[c] - out.back[c])
-        keep[out.meta_at[c] : out.meta_at[c] + meta] = False
+        keep[out.sent_at[c] : out.sent_at[c] + meta] = False
     return out.gather[keep]
 
 
