@@ -104,8 +104,9 @@ def poll(rank: int, x: np.ndarray) -> None:
 
 
 def mid_step(rank: int, fault: str) -> None:
-    """A top-2 MoE step on Paddle tensors or JAX arrays with gradients: rank 1 raises (or exits)
-    between dispatch and combine; rank 0 reports what its step (dispatch, combine, backward) got."""
+    """A top-2 MoE step on Paddle tensors or JAX arrays with gradients (``torch``: a top-4 step on
+    torch tensors that sends each token once per rank): rank 1 raises (or exits) between
+    dispatch and combine; rank 0 reports what its step (dispatch, combine, backward) got."""
     how, library = fault.split("-mid-step:")
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((64, 8)).astype(np.float32)
@@ -117,7 +118,20 @@ def mid_step(rank: int, fault: str) -> None:
             os._exit(0)
         raise RuntimeError("rank 1 raises mid-step")
 
-    if library == "paddle":
+    if library == "torch":
+        import torch
+
+        os.environ["UNICOLL_MOE_ONCE"] = "1"
+        every = np.argsort(rng.random((64, 4)), axis=1)  # both experts of both ranks: once per rank pays
+
+        def step() -> None:
+            xt = torch.tensor(x, requires_grad=True)
+            rows, _, handle = uc.moe.dispatch(xt, torch.from_numpy(every), torch.ones(64, 4), experts_per_rank=2)
+            if rank == 1:
+                fail()
+            assert handle.once is not None
+            uc.moe.combine(rows * 2.0, handle).sum().backward()
+    elif library == "paddle":
         import paddle
 
         def step() -> None:
