@@ -20,7 +20,7 @@ BUSY_CYCLES = 400_000_000  # a few hundred ms of one GPU thread spinning, on any
 
 @pytest.mark.parametrize("backend", params())
 def test_gradients_on_cuda(backend) -> None:
-    """Every operator's backward on CUDA tensors (on cupy-nccl, through DLPack both ways)."""
+    """Every operator's backward on CUDA tensors (on cupy-nccl, torch tensors viewed as cupy arrays and back)."""
     (report,) = uc.testing.spawn(gradients, 1, "cuda", backend=backend, timeout=300)
     assert set(report.values()) == {"ok"}
 
