@@ -212,6 +212,30 @@ def numpy_arrays(rank: int) -> bool:
     return plain_rows == rows and plain_out == out and used and not plain_used
 
 
+def in_a_group(rank: int) -> bool | None:
+    """Ranks 0 and 2 of three in a group of their own (its rank 1 is world rank 2): the once
+    form there equals one row per slot, gradients included; world rank 1 takes no part."""
+    group = uc.new_group([0, 2])
+    if rank == 1:
+        return None
+    rng = np.random.default_rng(rank)
+    ids = torch.from_numpy(np.array([rng.permutation(8)[:6] for _ in range(7)]))
+    x = torch.from_numpy(rng.integers(0, 2, (7, 16)).astype(np.float32))
+    results = []
+    for once in "01":
+        os.environ[ONCE_ENV_VAR] = once
+        try:
+            xs, w = x.clone().requires_grad_(), torch.full((7, 6), 2.0, requires_grad=True)
+            rows, _, handle = uc.moe.dispatch(xs, ids, w, experts_per_rank=4, group=group)
+            out = uc.moe.combine(rows * 3.0, handle)
+            out.sum().backward()
+            results.append((out.tolist(), xs.grad.tolist(), w.grad.tolist(), handle.once is not None))
+        finally:
+            del os.environ[ONCE_ENV_VAR]
+    (*plain, plain_used), (*once, used) = results
+    return plain == once and used and not plain_used
+
+
 def auto_by_the_bytes_saved(rank: int) -> dict:
     """With UNICOLL_MOE_ONCE unset, the form is used where the ranks save ONCE_FROM_BYTES or
     more between them: not for 8 tokens, but for 512 tokens of 1 KiB at top-8."""
@@ -294,6 +318,13 @@ def test_one_rank_turning_it_off_turns_it_off_everywhere(backend: str, world: in
 @pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
 def test_by_default_it_is_used_where_the_ranks_save_enough(backend: str, world: int, check: bool) -> None:
     assert SESSION.results(ONCE[backend, world, check], "once: auto") == [{8: (False, True), 512: (True, True)}] * world
+
+
+GROUP = share("gloo", 3, [Case("once: in a group", in_a_group)])
+
+
+def test_once_per_rank_in_a_group() -> None:
+    assert SESSION.results(GROUP, "once: in a group") == [True, None, True]
 
 
 MANY = {backend: share(backend, 2, [Case("once: many steps", steady_over_many_steps)]) for backend in ("gloo", "mpi")}
