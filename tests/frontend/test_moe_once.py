@@ -251,8 +251,9 @@ def auto_by_the_bytes_saved(rank: int) -> dict:
 
 
 def steady_over_many_steps(rank: int) -> dict:
-    """300 steps, a new routing each, the once form forced: the handles (and what their layout
-    made) go with their step, and resident memory after step 300 is within a few MiB of step 50."""
+    """300 steps, a new routing each, the once form forced, every third with its backward pass:
+    the handles (and what their layout made) go with their step, and resident memory after step
+    300 is within a few MiB of step 50."""
     import gc
     import weakref
     from pathlib import Path
@@ -269,9 +270,11 @@ def steady_over_many_steps(rank: int) -> dict:
             ids = torch.from_numpy(np.array([rng.permutation(uc.get_world_size() * 4)[:6] for _ in range(64)]))
             w = torch.rand(64, 6, requires_grad=True)
             rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
-            uc.moe.combine(rows * 2.0, handle).sum().backward()
+            out = uc.moe.combine(rows * 2.0, handle)
+            if step % 3 == 0:  # a backward every third step: what its graph holds goes too
+                out.sum().backward()
             layouts.append(weakref.ref(handle.once))
-            del rows, handle, w
+            del rows, handle, w, out
             if step in (50, 299):
                 gc.collect()
                 sizes[step] = resident()
