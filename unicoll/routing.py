@@ -133,7 +133,9 @@ class Handle(SessionHandle):
     It keeps the caller's ``topk_weights`` (combine weighs by them when it runs, so a change
     made to them in place in between is seen, and their gradient flows through it) and nothing
     else of the caller's: no token rows, no expert ids. Once the session that made it ends
-    (``finalize()``) it refuses to be used and lets go of the weights.
+    (``finalize()``) it refuses to be used and lets go of the weights. ``bytes_sent`` and
+    ``bytes_one_row_per_slot`` say what the dispatch sent the other ranks, and what one row per
+    slot would have (less where each token went once per rank, :mod:`unicoll.backends.once`).
 
     >>> y, rows_per_expert, handle = uc.moe.dispatch(x, topk_idx, w, experts_per_rank=2)  # doctest: +SKIP
     >>> handle.rows_per_expert == rows_per_expert, handle.tokens, handle.topk              # doctest: +SKIP
