@@ -124,11 +124,13 @@ def outgoing(
     topk: int,
     weight_code: int,
     row_bytes: int,
+    may_send_once: bool = True,
 ) -> Outgoing:
     """The sender's layout of a routing (:class:`~unicoll.backends.layout.Routing`'s
     ``send_tokens``, ``slot_rows`` and ``local_count``, on the host) of rank ``rank`` of
     ``world``, for rows of ``row_bytes`` and weights of ``weight_code`` (:data:`WEIGHT_DTYPES`;
-    0 unweighted).
+    0 unweighted); every rank gets the plain form where ``may_send_once`` is False (what a rank
+    told its peers when it did not weigh the once form).
 
     >>> # rank 0 of two, two experts each: tokens 0 and 1 both go to experts 2 and 3, on rank 1
     >>> out = outgoing(np.array([0, 1, 0, 1]), np.array([0, 2, 1, 3]), np.array([0, 0, 2, 2]), 0, 2, 2, 0, 64)
@@ -145,7 +147,9 @@ def outgoing(
     per_rank_tokens = np.bincount(group_rank, minlength=world)
     group_first = np.concatenate([[0], np.cumsum(per_rank_tokens)])
     meta = np.array([meta_rows(int(n), weight_code, row_bytes) if row_bytes else 0 for n in slots], dtype=np.int64)
-    once = (meta + per_rank_tokens < slots) if (topk > 1 and row_bytes) else np.zeros(world, dtype=bool)
+    once = (
+        (meta + per_rank_tokens < slots) if (may_send_once and topk > 1 and row_bytes) else np.zeros(world, dtype=bool)
+    )
     sent = np.where(once, meta + per_rank_tokens, slots)
     sent_first = np.concatenate([[0], np.cumsum(sent)])
     gather = np.zeros(int(sent.sum()), dtype=np.int64)

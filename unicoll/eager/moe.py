@@ -227,6 +227,11 @@ once form to be used by default: its local work (the expansion, the per-rank sum
 the rows, and on gloo a saving of 22% (top-2 over 2 ranks) broke even, 10% (top-2 over 4
 ranks) lost 8% (docs/performance.md)."""
 
+ONCE_WEIGHED_FROM_BYTES = 64 << 10
+"""The bytes of rows a rank's dispatch must send the other ranks for it to weigh the once
+form by default (its layout costs about 50 µs on the host even for a few tokens): below, it
+tells its peers the plain form and no savings, which every rank hears alike."""
+
 _ONCE_OFF, _ONCE_AUTO, _ONCE_ALWAYS = 0, 1, 2
 
 
@@ -247,6 +252,13 @@ def _once_mode(call: Call, routing: Routing, native: Any) -> int:
     return _ONCE_ALWAYS if setting == "1" else _ONCE_AUTO
 
 
+def _outgoing(call: Call, routing: Routing, native: Any, code: int, may_send_once: bool) -> Any:
+    """This rank's side of the once layout (:func:`~unicoll.backends.once.outgoing`)."""
+    local = routing.local_count
+    rank, world, topk, rb = call.group.rank, call.W, routing.topk, row_bytes(native)
+    return outgoing(routing.send_tokens, routing.slot_rows, local, rank, world, topk, code, rb, may_send_once)
+
+
 def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a host backend's dispatch, made now, and how to exchange its counts:
     which returns the routing, the plan of the rows' transfer and, where the ranks agree on it,
@@ -261,11 +273,13 @@ def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
     mode = _once_mode(call, routing, native) if code >= 0 else _ONCE_OFF
     sender, saved, slots = None, 0, 0
+    rank = call.group.rank
     if mode != _ONCE_OFF:
-        rb, rank, topk = row_bytes(native), call.group.rank, routing.topk
-        sender = outgoing(routing.send_tokens, routing.slot_rows, routing.local_count, rank, world, topk, code, rb)
-        sent, slots = sender.bytes_sent(rank, rb)
-        saved = slots - sent
+        per_rank = routing.local_count.reshape(world, experts).sum(1)
+        slots = (int(per_rank.sum()) - int(per_rank[rank])) * row_bytes(native)
+        if mode == _ONCE_ALWAYS or slots >= ONCE_WEIGHED_FROM_BYTES:
+            sender = _outgoing(call, routing, native, code, True)
+            saved = slots - sender.bytes_sent(rank, row_bytes(native))[0]
 
     def exchanged() -> tuple[Routing, MoePlan, OnceLayout | None]:
         told = np.zeros((world, experts + 5), dtype=np.int64)
@@ -284,7 +298,8 @@ def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple
         if not used:
             return routing, plan, None
         into = incoming(np.array(plan.recv, dtype=np.int64), heard[:, experts : experts + 2], row_bytes(native))
-        return routing, plan, OnceLayout(sender, into, row_bytes(native), code > 0)
+        sending = sender if sender is not None else _outgoing(call, routing, native, code, False)
+        return routing, plan, OnceLayout(sending, into, row_bytes(native), code > 0)
 
     return exchanged
 
