@@ -181,15 +181,14 @@ def outgoing(
 class Incoming:
     """What this rank receives from each rank under the layout its peers chose.
 
-    ``once[c]``, ``slots[c]`` (the plain form's rows from c), ``tokens[c]`` (c's token rows in
-    the once form), ``weight_code[c]``, ``meta[c]`` (c's metadata rows), ``received[c]`` (the
-    rows that arrive from c) and ``back[c]`` (the rows combine sends c back). ``received_at[c]``:
+    ``once[c]``, ``slots[c]`` (the plain form's rows from c), ``weight_code[c]``, ``meta[c]``
+    (c's metadata rows), ``received[c]`` (the rows that arrive from c: metadata and token rows,
+    or the plain rows) and ``back[c]`` (the rows combine sends c back). ``received_at[c]``:
     where c's rows start in the received buffer.
     """
 
     once: np.ndarray
     slots: np.ndarray
-    tokens: np.ndarray
     weight_code: np.ndarray
     meta: np.ndarray
     received: np.ndarray
@@ -207,7 +206,7 @@ def incoming(slots: np.ndarray, told: np.ndarray, row_bytes: int) -> Incoming:
     )
     received = np.where(once, meta + tokens, slots)
     back = np.where(once, tokens, slots)
-    return Incoming(once, slots, tokens, codes, meta, received, back, np.concatenate([[0], np.cumsum(received)])[:-1])
+    return Incoming(once, slots, codes, meta, received, back, np.concatenate([[0], np.cumsum(received)])[:-1])
 
 
 @dataclass(frozen=True, eq=False)
