@@ -47,6 +47,15 @@ _SEEN_TABLE_LIMIT = 1 << 24
 """The most (rank, token) pairs :func:`_group_rows` marks in a table; above, it sorts."""
 
 
+def bounds(counts: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of ``counts`` starts, then where the last one ends.
+
+    >>> bounds(np.array([2, 0, 3])).tolist()
+    [0, 2, 2, 5]
+    """
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+
 def meta_rows(slots: int, weight_code: int, row_bytes: int) -> int:
     """The rows of metadata for ``slots`` slots: an int32 and a weight each (:data:`WEIGHT_BYTES`
     of ``weight_code``, none for 0), in rows of ``row_bytes``."""
@@ -83,6 +92,12 @@ class Outgoing:
     row_lead: np.ndarray
     weighed_here: np.ndarray
     topk: int
+
+    def plain_rows(self, rank: int) -> slice:
+        """The plain form's rows for ``rank`` among all of them (send order): where ``positions``
+        and ``row_slot`` hold that rank's."""
+        start = int(self.slots[:rank].sum())
+        return slice(start, start + int(self.slots[rank]))
 
     @property
     def tokens_told(self) -> np.ndarray:
@@ -141,17 +156,17 @@ def outgoing(
     """
     tokens = slot_rows.size // topk
     slots = local_count.reshape(world, -1).sum(1)
-    firsts = np.concatenate([[0], np.cumsum(slots)])
+    firsts = bounds(slots)
     rank_of_row = np.repeat(np.arange(world, dtype=np.int64), slots)
     group, group_rank, group_token = _group_rows(rank_of_row, send_tokens, world, tokens)
     per_rank_tokens = np.bincount(group_rank, minlength=world)
-    group_first = np.concatenate([[0], np.cumsum(per_rank_tokens)])
+    group_first = bounds(per_rank_tokens)
     meta = np.array([meta_rows(int(n), weight_code, row_bytes) if row_bytes else 0 for n in slots], dtype=np.int64)
     once = (
         (meta + per_rank_tokens < slots) if (may_send_once and topk > 1 and row_bytes) else np.zeros(world, dtype=bool)
     )
     sent = np.where(once, meta + per_rank_tokens, slots)
-    sent_first = np.concatenate([[0], np.cumsum(sent)])
+    sent_first = bounds(sent)
     gather = np.zeros(int(sent.sum()), dtype=np.int64)
     for c in range(world):
         at = int(sent_first[c])
@@ -164,7 +179,7 @@ def outgoing(
     kept = slot_rows < send_tokens.size
     row_slot[slot_rows[kept]] = np.flatnonzero(kept)
     back = np.where(once, per_rank_tokens, slots)
-    back_first = np.concatenate([[0], np.cumsum(back)])
+    back_first = bounds(back)
     within = np.where(once[rank_of_row], positions, np.arange(send_tokens.size) - firsts[rank_of_row])
     row_back = back_first[rank_of_row] + within
     first_slot = np.full(group_token.size, slot_rows.size, dtype=np.int64)
@@ -206,7 +221,7 @@ def incoming(slots: np.ndarray, told: np.ndarray, row_bytes: int) -> Incoming:
     )
     received = np.where(once, meta + tokens, slots)
     back = np.where(once, tokens, slots)
-    return Incoming(once, slots, codes, meta, received, back, np.concatenate([[0], np.cumsum(received)])[:-1])
+    return Incoming(once, slots, codes, meta, received, back, bounds(received)[:-1])
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,7 +255,7 @@ def read_meta(
     itself; None where it sent itself the plain form)."""
     world = incoming.slots.size
     rows, again, target, weights = [], [], [], []
-    again_at = np.concatenate([[0], np.cumsum(incoming.back)])
+    again_at = bounds(incoming.back)
     weighted = bool(incoming.weight_code[incoming.once].any())
     for c in range(world):
         n, at = int(incoming.slots[c]), int(incoming.received_at[c])

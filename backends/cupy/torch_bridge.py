@@ -73,6 +73,12 @@ def _wait(consumer: int, producer: int) -> None:
     cupy.cuda.ExternalStream(consumer).wait_event(done)
 
 
+def _view(tensor: Any, dtype: np.dtype, device_index: int) -> cupy.ndarray:
+    """A cupy array of ``dtype`` over a contiguous CUDA tensor's memory, which keeps the tensor alive."""
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), tensor.nbytes, tensor, device_index)
+    return cupy.ndarray(tuple(tensor.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
 def as_cupy(tensor: Any) -> cupy.ndarray:
     """A cupy array over a CUDA tensor's memory (a contiguous copy first where it is not),
     ordered after the work torch's current stream has queued, as DLPack's handshake orders it."""
@@ -84,8 +90,7 @@ def as_cupy(tensor: Any) -> cupy.ndarray:
     ours, theirs = cupy.cuda.get_current_stream().ptr, _torch_stream(index)
     if ours != theirs:
         _wait(ours, theirs)
-    memory = cupy.cuda.UnownedMemory(contiguous.data_ptr(), contiguous.nbytes, contiguous, index)
-    return cupy.ndarray(tuple(contiguous.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
+    return _view(contiguous, dtype, index)
 
 
 def as_torch(a: cupy.ndarray) -> Any:
@@ -123,5 +128,4 @@ def empty_like(like: cupy.ndarray, rows: int) -> cupy.ndarray | None:
     import torch
 
     made = torch.empty((rows, *like.shape[1:]), dtype=_torch_dtypes()[like.dtype], device=owner.device)
-    memory = cupy.cuda.UnownedMemory(made.data_ptr(), made.nbytes, made, index)
-    return cupy.ndarray(tuple(made.shape), like.dtype, cupy.cuda.MemoryPointer(memory, 0))
+    return _view(made, like.dtype, index)

@@ -32,10 +32,9 @@ from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
 from ..backends.once import PLAIN, incoming, outgoing, weight_code
-from ..check import call_number, verify, verify_backward
+from ..check import call_number, verify
 from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
-from ..entry import enter, leave
 from ..errors import bad_input, translated
 from ..group import Group
 from ..routing import Handle, route
@@ -45,7 +44,7 @@ from ..validate import prepare
 from ..workspace import FROM_BYTES
 from . import moe_once
 from .moe_once import OnceLayout
-from .ops import _functional, _run, global_gather_backward, global_scatter_backward
+from .ops import _functional, _run, global_gather_backward, global_scatter_backward, guarded
 
 
 def dispatch(
@@ -408,56 +407,30 @@ def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
     library = library_of(y)
     recorded = records_gradient(y, weights)
     forward = call_number(grp) if call.compare and recorded else None  # this call's number: prepare counted it
+    native_y = backend.to_native(y)
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_COMBINE, call)
         # the rows of a rank that sent weights are weighed here, whether this rank's own are
-        return moe_once.combine(backend, grp, backend.to_native(y), once, True, not call.sync_op, call.sync_op)
+        return moe_once.combine(backend, grp, native_y, once, True, not call.sync_op, call.sync_op)
 
     def finish(back: Any) -> Any:
         native_weights = None if weights is None else backend.to_native(weights)
         out = moe_once.sum_at_source(once, back, routing.tokens, native_weights)
         result = backend.from_native(out, library)
-        if recorded:
-            from .autograd import attach_many
+        if not recorded:
+            return result
+        from .autograd import attach_many
 
-            native_y = backend.to_native(y)
-            native_w = None if weights is None else backend.to_native(weights)
+        def backward(grad: Any) -> tuple[Any, Any]:
+            tokens, k = routing.tokens, routing.topk
+            return moe_once.combine_backward(backend, grp, grad, once, tokens, k, native_y, native_weights, back)
 
-            def backward(grad: Any) -> tuple[Any, Any]:
-                grad_y, grad_w = moe_once.combine_backward(
-                    backend, grp, grad, once, routing.tokens, routing.topk, native_y, native_w, back
-                )
-                return tuple(None if g is None else backend.from_native(g, "torch") for g in (grad_y, grad_w))
-
-            return attach_many((y, weights), result, _guarded_pair(call, forward, backward))
-        return result
+        guarded_backward = guarded(MOE_COMBINE.name, backend, grp, call.timeout, forward, backward)
+        return attach_many((y, weights), result, guarded_backward)
 
     return _run(MOE_COMBINE.name, call, issue, finish)
-
-
-def _guarded_pair(
-    call: Call, forward: int | None, backward: Callable[[Any], tuple[Any, Any]]
-) -> Callable[[Any], tuple[Any, Any]]:
-    """combine's backward of two gradients, run as :func:`unicoll.eager.ops.guarded` runs one:
-    one thread at a time, its transport failures reported as the forward's, and, where
-    ``forward`` (the forward call's number) is given, compared across the ranks like a forward
-    call."""
-    name = f"{MOE_COMBINE.name} (backward)"
-
-    def run(grad: Any) -> tuple[Any, Any]:
-        enter(name)
-        try:
-            with translated(name, call.group, call.timeout):
-                native = call.backend.to_native(grad)
-                if forward is not None:
-                    verify_backward(name, call.backend, call.group, native, forward)
-                return backward(native)
-        finally:
-            leave()
-
-    return run
 
 
 def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:

@@ -22,7 +22,7 @@ from ..arrays import library_of
 from ..backends.base import Backend, Pending, issued
 from ..backends.host import host_view
 from ..backends.layout import MoePlan
-from ..backends.once import WEIGHT_DTYPES, Expansion, Incoming, Outgoing, meta_bytes, read_meta
+from ..backends.once import WEIGHT_DTYPES, Expansion, Incoming, Outgoing, bounds, meta_bytes, read_meta
 from ..counts import host_as
 from ..group import Group
 
@@ -107,11 +107,10 @@ def dispatch(
 def _write_meta(sent: np.ndarray, out: Outgoing, weights: Any, rank: int) -> np.ndarray | None:
     """Each once rank's metadata into its first rows of ``sent`` (the send buffer's bytes);
     returns this rank's own (None where it sends itself the plain form)."""
-    firsts = np.concatenate([[0], np.cumsum(out.slots)])
     words = None if weights is None else host_view(weights).reshape(-1)
     own = None
     for c in np.flatnonzero(out.once):
-        rows = slice(firsts[c], firsts[c + 1])
+        rows = out.plain_rows(c)
         data = meta_bytes(out.positions[rows], None if words is None else words[out.row_slot[rows]])
         start = int(out.sent_at[c])
         sent[start:].reshape(-1)[: data.size] = data
@@ -220,7 +219,6 @@ def sum_at_source(layout: OnceLayout, back: Any, tokens: int, weights: Any) -> A
     rows, a plain rank's weighed by the slot's weight (``weights``, native ``(T, k)``, or None)
     and a once rank's as they are (weighed there), in the promoted dtype; back's library and
     dtype. A token with no row (every slot dropped) gets zeros."""
-    import torch
 
     out = layout.outgoing
     tb = _torch(back)
@@ -230,14 +228,26 @@ def sum_at_source(layout: OnceLayout, back: Any, tokens: int, weights: Any) -> A
         tw = _torch(weights)
         dtype = _sum_dtype(tb.dtype, 1 + WEIGHT_DTYPES.index(str(tw.dtype).rsplit(".", 1)[-1]))
         vals = flat.to(dtype)
-        plain = out.weighed_here[out.row_lead]
-        if plain.any():
-            column = torch.ones(flat.shape[0], dtype=dtype)
-            at = torch.from_numpy(np.flatnonzero(plain))
-            column[at] = tw.reshape(-1).index_select(0, torch.from_numpy(out.row_lead[plain])).to(dtype)
+        column = _source_column(out, tw, dtype)
+        if column is not None:
             vals = vals * column[:, None]
     summed = vals.new_zeros((tokens, flat.shape[1])).index_add_(0, layout.torch_index("row_token"), vals)
     return _as_native(summed.to(tb.dtype).reshape(tokens, *tb.shape[1:]), back)
+
+
+def _source_column(out: Outgoing, weights: Any, dtype: Any) -> Any:
+    """The weight of each row that comes back, as the source applies it (``weights``: torch
+    ``(T, k)``): a plain rank's row its slot's weight, a once rank's 1 (weighed there); None
+    where every row is a once rank's."""
+    import torch
+
+    plain = out.weighed_here[out.row_lead]
+    if not plain.any():
+        return None
+    column = torch.ones(plain.size, dtype=dtype)
+    leads = torch.from_numpy(out.row_lead[plain])
+    column[torch.from_numpy(np.flatnonzero(plain))] = weights.reshape(-1).index_select(0, leads).to(dtype)
+    return column
 
 
 def combine_backward(
@@ -263,16 +273,12 @@ def combine_backward(
     tg = _torch(grad)
     flat = _flat(tg)
     rows = flat.index_select(0, layout.torch_index("row_token"))
-    plain = out.weighed_here[out.row_lead]
-    if weights is not None and plain.any():
-        tw = _torch(weights).reshape(-1)
-        column = torch.ones(rows.shape[0], dtype=rows.dtype)
-        column[torch.from_numpy(np.flatnonzero(plain))] = tw.index_select(0, torch.from_numpy(out.row_lead[plain])).to(
-            rows.dtype
-        )
+    column = None if weights is None else _source_column(out, _torch(weights), rows.dtype)
+    if column is not None:
         rows = rows * column[:, None]
-    there = backend.empty_rows(_as_native(rows, grad), int(into.back.sum()))
-    backend.alltoallv(there, _as_native(rows, grad), into.back.tolist(), out.back.tolist(), group, False, True)
+    sent = _as_native(rows, grad)
+    there = backend.empty_rows(sent, int(into.back.sum()))
+    backend.alltoallv(there, sent, into.back.tolist(), out.back.tolist(), group, False, True)
     per_row = _flat(_torch(there)).index_select(0, layout.torch_index("target"))
     ty = _flat(_torch(y))
     remote = _remote_weight_grads(backend, group, layout, per_row, ty, y)
@@ -282,15 +288,14 @@ def combine_backward(
     if weights is None:
         return grad_y, None
     grad_w = torch.zeros(tokens * topk, dtype=torch.float64)
-    here = np.flatnonzero(plain)
+    here = np.flatnonzero(out.weighed_here[out.row_lead])
     if here.size:
         leads = torch.from_numpy(out.row_lead[here])
         mine = _flat(_torch(back)).index_select(0, torch.from_numpy(here))
         grad_w[leads] = (mine * flat.index_select(0, leads // topk)).sum(1).to(torch.float64)
-    firsts = np.concatenate([[0], np.cumsum(out.slots)])
     at = 0
     for c in np.flatnonzero(out.once):  # in rank order, as they came
-        rows_of_c = torch.from_numpy(out.row_slot[firsts[c] : firsts[c + 1]])
+        rows_of_c = torch.from_numpy(out.row_slot[out.plain_rows(c)])
         grad_w[rows_of_c] = torch.from_numpy(remote[at : at + rows_of_c.numel()])
         at += rows_of_c.numel()
     shaped = grad_w.reshape(tokens, topk).to(_torch(weights).dtype)
@@ -316,7 +321,7 @@ def _remote_weight_grads(
         in_rank_order = dots if expansion.to_expert_major is None else np.empty_like(dots)
         if expansion.to_expert_major is not None:
             in_rank_order[expansion.to_expert_major] = dots
-        firsts = np.concatenate([[0], np.cumsum(into.slots)])
+        firsts = bounds(into.slots)
         parts = [in_rank_order[firsts[c] : firsts[c + 1]] for c in np.flatnonzero(weighted_from)]
     sent = np.concatenate(parts) if parts else np.zeros(0)
     sent_native = host_as(sent.reshape(-1, 1), like)

@@ -93,7 +93,9 @@ def guarded(
     transport failures reported like the forward's, and, where ``forward`` (the forward call's
     number on ``group``) is given, counted and compared across the ranks like a forward call
     (:func:`unicoll.check.verify_backward`). Every caller of an operator's backward runs it
-    through here (eager autograd and the floor above alike)."""
+    through here (eager autograd and the floor above alike). ``backward`` returns the input's
+    gradient, or a tuple of one per input (None for one that gets none), each returned as torch's.
+    """
     name = f"{op} (backward)"
 
     def guarded_backward(grad: Any) -> Any:
@@ -103,7 +105,10 @@ def guarded(
                 native = backend.to_native(grad)
                 if forward is not None:
                     verify_backward(name, backend, group, native, forward)
-                return backend.from_native(backward(native), "torch")
+                computed = backward(native)
+                if isinstance(computed, tuple):
+                    return tuple(None if g is None else backend.from_native(g, "torch") for g in computed)
+                return backend.from_native(computed, "torch")
         finally:
             leave()
 
