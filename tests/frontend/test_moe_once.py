@@ -84,6 +84,16 @@ def test_the_expanded_rows_are_the_plain_forms(seed: int, world: int, experts: i
     _simulated(world, experts, k, row_bytes=64, seed=seed, weighted=seed % 2 == 0)
 
 
+def test_a_bad_setting_is_refused_before_anything_is_sent(monkeypatch) -> None:
+    monkeypatch.setenv(ONCE_ENV_VAR, "yes")
+    uc.init("gloo")
+    try:
+        with pytest.raises(ValueError, match=r"moe.dispatch: \$UNICOLL_MOE_ONCE: expected 0, 1 or auto .*, got 'yes'"):
+            uc.moe.dispatch(torch.ones(2, 4), torch.tensor([[0, 1], [1, 0]]), experts_per_rank=2)
+    finally:
+        uc.finalize()
+
+
 def test_a_pair_goes_plain_where_it_would_not_save_rows() -> None:
     """Four tokens, each once to rank 1 (no token shares it): the plain form, told as PLAIN."""
     ids = np.array([[2, 0], [3, 1], [2, 0], [3, 1]])

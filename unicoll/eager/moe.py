@@ -237,8 +237,11 @@ _ONCE_OFF, _ONCE_AUTO, _ONCE_ALWAYS = 0, 1, 2
 def _once_mode(call: Call, routing: Routing, native: Any) -> int:
     """What this rank says of the once form: off where it cannot take part (a caller who moves
     the rows itself: ``native`` None; one rank; top-1; rows of no bytes; a backend that moves the
-    MoE rows itself) or :data:`ONCE_ENV_VAR` turns it off; else auto, or always."""
+    MoE rows itself) or :data:`ONCE_ENV_VAR` turns it off; else auto, or always. Any other
+    value of the variable is refused before anything is sent."""
     setting = os.environ.get(ONCE_ENV_VAR, "auto")
+    if setting not in ("0", "1", "auto", ""):
+        raise bad_input(MOE_DISPATCH.name, f"${ONCE_ENV_VAR}", "0, 1 or auto (empty: auto)", repr(setting))
     if (
         native is None
         or setting == "0"
@@ -270,7 +273,8 @@ def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple
     world, experts = call.W, call.experts_per_rank
     routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
-    mode = _once_mode(call, routing, native) if code >= 0 else _ONCE_OFF
+    # weights the metadata cannot carry: off, as for a caller who moves the rows itself (setting still checked)
+    mode = _once_mode(call, routing, native if code >= 0 else None)
     sender, saved, slots = None, 0, 0
     rank = call.group.rank
     if mode != _ONCE_OFF:
