@@ -246,6 +246,25 @@ def in_a_group(rank: int) -> bool | None:
     return plain == once and used and not plain_used
 
 
+def written_after_combine(rank: int) -> str:
+    """The expert rows written in place after a once combine: its backward refuses, as torch
+    refuses a tensor it saved and that was changed since (every rank writes, so none waits)."""
+    world = uc.get_world_size()
+    ids = torch.from_numpy(np.array([np.random.default_rng(t).permutation(world * 2)[:4] for t in range(6)]))
+    os.environ[ONCE_ENV_VAR] = "1"
+    try:
+        x, w = torch.ones(6, 16, requires_grad=True), torch.full((6, 4), 2.0, requires_grad=True)
+        rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=2)
+        y = rows * 3.0
+        out = uc.moe.combine(y, handle)
+        y.mul_(2.0)
+        with pytest.raises(RuntimeError, match="y was modified in place after combine") as refused:
+            out.sum().backward()
+        return str(refused.value).split(":")[0]
+    finally:
+        del os.environ[ONCE_ENV_VAR]
+
+
 def auto_by_the_bytes_saved(rank: int) -> list:
     """With UNICOLL_MOE_ONCE unset, the form is used where the ranks save ONCE_FROM_BYTES or
     more between them: not for 8 tokens, but for 512 tokens of 1 KiB at top-8, also where the
@@ -304,6 +323,7 @@ ONCE = {
             Case("once: one rank off", one_rank_turns_it_off),
             Case("once: auto", auto_by_the_bytes_saved),
             Case("once: numpy", numpy_arrays),
+            Case("once: written after combine", written_after_combine),
         ],
         check=check,
     )
@@ -356,3 +376,11 @@ def test_memory_stays_flat_over_300_steps_with_new_routing(backend: str) -> None
 @pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
 def test_numpy_arrays_go_once_per_rank_too(backend: str, world: int, check: bool) -> None:
     assert SESSION.results(ONCE[backend, world, check], "once: numpy") == [True] * world
+
+
+@pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
+def test_rows_written_in_place_after_combine_are_refused_in_its_backward(backend: str, world: int, check: bool) -> None:
+    assert (
+        SESSION.results(ONCE[backend, world, check], "once: written after combine")
+        == ["moe.combine (backward)"] * world
+    )

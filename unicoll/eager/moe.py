@@ -427,7 +427,14 @@ def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
             return result
         from .autograd import attach_many
 
+        version = y._version  # the expert rows the weights' gradients are taken from, as they were
+
         def backward(grad: Any) -> tuple[Any, Any]:
+            if y._version != version:  # refused as torch's own operations refuse it, before anything is sent
+                raise RuntimeError(
+                    "moe.combine (backward): y was modified in place after combine; its backward needs the "
+                    "rows as combine saw them (clone y before changing it)"
+                )
             tokens, k = routing.tokens, routing.topk
             return moe_once.combine_backward(backend, grp, grad, once, tokens, k, native_y, native_weights, back)
 
