@@ -164,9 +164,9 @@ class Handle(SessionHandle):
         (:class:`unicoll.eager.moe_once.OnceLayout`), or None where the rows went one per slot.
         ``row_nbytes``: the bytes of one dispatched row."""
         self.routing = routing
+        """The layout, which the backends' gathers and combine's sums read."""
         self.once = once
         """How each token went once per rank (:mod:`unicoll.backends.once`), or None."""
-        """The layout, which the backends' gathers and combine's sums read."""
         self.local_count = routing.local_count
         self.plan = plan
         """Shared by the calls and backward passes of this routing."""

@@ -26,7 +26,7 @@ from .backends.blocks import (
     weighted_sum,
     with_zero_row,
 )
-from .counts import host_as
+from .counts import host_as, on_host
 from .device_routing import index_dtype, order_slots
 from .routing import SessionHandle
 
@@ -145,14 +145,23 @@ class StaticHandle(SessionHandle):
         kept: Any,
         layout: StaticLayout,
         dispatch_number: int = -1,
+        once: Any = None,
+        row_nbytes: int = 0,
+        whole_blocks: bool = True,
     ) -> None:
         """``like``: the dispatched x, whose library and device later rows must have (not kept).
         ``counts``: ``counts``, ``received_before_drop`` and ``sent_before_drop``. ``layout``:
         the :class:`~unicoll.backends.blocks.StaticLayout` as the backend takes it (numpy
         arrays on a host backend, else where the router's ids were).
-        ``dispatch_number``: in check mode, the dispatch's collective number on ``group``."""
+        ``dispatch_number``: in check mode, the dispatch's collective number on ``group``.
+        ``once``: how each token went once per rank (:class:`unicoll.eager.static_once.StaticOnce`),
+        or None. ``row_nbytes``: the bytes of one dispatched row. ``whole_blocks``: whether the
+        blocks travelled whole (else only their valid rows did)."""
         self.layout = layout
         """What combine, redispatch and the backward passes follow (see above)."""
+        self.once = once
+        """How each token went once per rank (:mod:`unicoll.backends.once`), or None."""
+        self._row_nbytes, self._whole_blocks = row_nbytes, whole_blocks
         self.world = group.world_size
         self.experts_per_rank = experts_per_rank
         self.capacity = capacity
@@ -177,13 +186,34 @@ class StaticHandle(SessionHandle):
         layout: StaticLayout,
         arrived: Arrived,
         dispatch_number: int = -1,
+        once: Any = None,
+        row_nbytes: int = 0,
+        whole_blocks: bool = True,
     ) -> StaticHandle:
         """The handle of a dispatch of ``like`` by ``layout`` (as the backend takes it), whose
         counts ``arrived`` with its blocks; the layout's ``kept`` and ``demand`` are shown in
-        like's library on its device."""
+        like's library on its device. The rest: as the constructor's."""
         counts = (arrived.counts, arrived.received_before_drop, host_as(layout.demand, like))
         return cls(group, experts_per_rank, capacity, weights, like, counts, host_as(layout.kept, like), layout,
-                   dispatch_number)  # fmt: skip
+                   dispatch_number, once, row_nbytes, whole_blocks)  # fmt: skip
+
+    @property
+    def bytes_sent(self) -> int:
+        """The bytes of rows (and their metadata) this rank's dispatch sent the other ranks: its
+        whole blocks where they travelled whole (a device backend, compiled code), else their
+        valid rows, each token once per rank where it went so."""
+        if self.once is not None:
+            return self.once.layout.bytes_sent(self.group.rank)[0]
+        if self._whole_blocks:
+            return (self.world - 1) * self.experts_per_rank * self.capacity * self._row_nbytes
+        return self.bytes_one_row_per_slot
+
+    @property
+    def bytes_one_row_per_slot(self) -> int:
+        """The bytes this rank's dispatch would have sent the other ranks with one row per kept
+        slot (the counts are read on the host where they are on a device)."""
+        per_rank = on_host(self.layout.sent).reshape(self.world, -1).sum(1)
+        return (int(per_rank.sum()) - int(per_rank[self.group.rank])) * self._row_nbytes
 
     def __repr__(self) -> str:
         blocks = f"{self.experts_per_rank} x {self.world * self.capacity} rows"

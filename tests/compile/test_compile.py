@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 import unicoll as uc
 from helpers.gpu_backends import params
 from helpers.moe import moe_layer, moe_topk_layer, parameters, step
-from unicoll.eager.moe import ONCE_ENV_VAR
+from unicoll.eager.once_choice import ONCE_ENV_VAR
 from unicoll.spec import OPS as SPEC_OPS
 
 FLAGS = {"capture_dynamic_output_shape_ops": True}  # docs/compile.md's settings

@@ -105,8 +105,9 @@ def poll(rank: int, x: np.ndarray) -> None:
 
 def mid_step(rank: int, fault: str) -> None:
     """A top-2 MoE step on Paddle tensors or JAX arrays with gradients (``torch``: a top-4 step on
-    torch tensors that sends each token once per rank): rank 1 raises (or exits) between
-    dispatch and combine; rank 0 reports what its step (dispatch, combine, backward) got."""
+    torch tensors that sends each token once per rank; ``torch-static``: the same in the static
+    mode): rank 1 raises (or exits) between dispatch and combine; rank 0 reports what its step
+    (dispatch, combine, backward) got."""
     how, library = fault.split("-mid-step:")
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((64, 8)).astype(np.float32)
@@ -118,19 +119,24 @@ def mid_step(rank: int, fault: str) -> None:
             os._exit(0)
         raise RuntimeError("rank 1 raises mid-step")
 
-    if library == "torch":
+    if library in ("torch", "torch-static"):
         import torch
 
         os.environ["UNICOLL_MOE_ONCE"] = "1"
-        every = np.argsort(rng.random((64, 4)), axis=1)  # both experts of both ranks: once per rank pays
+        every = torch.from_numpy(np.argsort(rng.random((64, 4)), axis=1))  # both ranks' experts: once per rank pays
+        static = library == "torch-static"
 
         def step() -> None:
             xt = torch.tensor(x, requires_grad=True)
-            rows, _, handle = uc.moe.dispatch(xt, torch.from_numpy(every), torch.ones(64, 4), experts_per_rank=2)
+            if static:
+                rows, _, handle = uc.moe.dispatch_static(xt, every, torch.ones(64, 4), experts_per_rank=2, capacity=64)
+            else:
+                rows, _, handle = uc.moe.dispatch(xt, every, torch.ones(64, 4), experts_per_rank=2)
             if rank == 1:
                 fail()
             assert handle.once is not None
-            uc.moe.combine(rows * 2.0, handle).sum().backward()
+            combine = uc.moe.combine_static if static else uc.moe.combine
+            combine(rows * 2.0, handle).sum().backward()
     elif library == "paddle":
         import paddle
 

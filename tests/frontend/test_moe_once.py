@@ -15,7 +15,7 @@ import unicoll as uc
 from helpers.several import SESSION, Case, share
 from unicoll.backends.layout import rank_major_to_expert_major
 from unicoll.backends.once import PLAIN, incoming, outgoing, read_meta, weight_code
-from unicoll.eager.moe import ONCE_ENV_VAR
+from unicoll.eager.once_choice import ONCE_ENV_VAR
 from unicoll.routing import route
 
 # -- the layout, simulated on the host -------------------------------------------------------
@@ -82,6 +82,16 @@ def _slots_to(r, world: int, experts: int, d: int) -> np.ndarray:
 @pytest.mark.parametrize(("world", "experts", "k"), [(2, 2, 2), (3, 4, 8), (4, 1, 3), (2, 8, 8)])
 def test_the_expanded_rows_are_the_plain_forms(seed: int, world: int, experts: int, k: int) -> None:
     _simulated(world, experts, k, row_bytes=64, seed=seed, weighted=seed % 2 == 0)
+
+
+def test_the_examples_in_the_docstrings() -> None:
+    import doctest
+
+    from unicoll.backends import once
+    from unicoll.eager import static_once
+
+    assert doctest.testmod(once).failed == 0
+    assert doctest.testmod(static_once).failed == 0
 
 
 def test_a_bad_setting_is_refused_before_anything_is_sent(monkeypatch) -> None:
@@ -188,6 +198,46 @@ def once_against_plain(rank: int) -> dict:
     return report
 
 
+def _static_step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
+    """dispatch_static, redispatch_static and combine_static with the once form on or off."""
+    os.environ[ONCE_ENV_VAR] = once
+    try:
+        x = x.clone().requires_grad_(x.is_floating_point())
+        w = None if weights is None else weights.clone().requires_grad_()
+        got = uc.moe.dispatch_static(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op)
+        rows, counts, handle = got if sync_op else got.wait()
+        again = uc.moe.redispatch_static(x * 2, handle)
+        scale = torch.arange(1.0, experts + 1, dtype=rows.dtype).reshape(experts, 1, 1)
+        out = uc.moe.combine_static((rows + again) * scale + 1, handle, sync_op=sync_op)  # + 1: padding stays out
+        out = out if sync_op else out.wait()
+        out.sum().backward()
+        return {
+            "rows": rows.detach().float().tolist(),
+            "counts": (counts.tolist(), handle.received_before_drop.tolist(), handle.sent_before_drop.tolist()),
+            "out": out.detach().float().tolist(),
+            "x.grad": x.grad.float().tolist(),
+            "w.grad": None if w is None else w.grad.float().tolist(),
+            "once": handle.once is not None,
+            "bytes": (handle.bytes_sent, handle.bytes_one_row_per_slot),
+        }
+    finally:
+        del os.environ[ONCE_ENV_VAR]
+
+
+def static_once_against_plain(rank: int) -> dict:
+    """The static mode, per scenario (a capacity of 10 for none: no slot dropped): whether the
+    once form's blocks, counts, result and gradients equal the plain form's exactly."""
+    world = uc.get_world_size()
+    report = {}
+    for i, (name, x, ids, weights, experts, capacity) in enumerate(_scenarios(rank, world)):
+        capacity = 10 if capacity is None else capacity
+        plain = _static_step(x, ids, weights, experts, capacity, "0")
+        once = _static_step(x, ids, weights, experts, capacity, "1", sync_op=i % 3 != 0)
+        same = all(plain[key] == once[key] for key in ("rows", "counts", "out", "x.grad", "w.grad"))
+        report[name] = (same, once["once"], plain["bytes"], once["bytes"])
+    return report
+
+
 def one_rank_turns_it_off(rank: int) -> dict:
     """Rank 0 turns the once form off: every rank then sends one row per slot, correctly."""
     ids = torch.tensor([[0, 1], [2, 3], [0, 1]])
@@ -202,29 +252,42 @@ def one_rank_turns_it_off(rank: int) -> dict:
     return {"once": handle.once is not None, "out": out.tolist() == (2 * x).tolist()}
 
 
+def _numpy_step(x, ids, w, static: bool, once: str) -> tuple:
+    """One step of numpy arrays in either mode with the once form on or off: rows, result, used."""
+    os.environ[ONCE_ENV_VAR] = once
+    try:
+        if static:
+            rows, counts, handle = uc.moe.dispatch_static(x, ids, w, experts_per_rank=4, capacity=9)
+            again = uc.moe.redispatch_static(x * 3, handle)
+            out = (uc.moe.combine_static(rows + again, handle).tolist(), counts.tolist())
+        else:
+            rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
+            again = uc.moe.redispatch(x * 3, handle)
+            out = uc.moe.combine(rows + again, handle).tolist()
+        return rows.tolist(), out, handle.once is not None
+    finally:
+        del os.environ[ONCE_ENV_VAR]
+
+
 def numpy_arrays(rank: int) -> bool:
-    """numpy arrays in and out (mpi's natives, gloo's through torch): the same as one row per slot."""
+    """numpy arrays in and out (mpi's natives, gloo's through torch), in both modes: the same as
+    one row per slot."""
     world = uc.get_world_size()
     rng = np.random.default_rng(rank)
     ids = np.array([rng.permutation(world * 4)[:6] for _ in range(9)])
     x = rng.integers(0, 2, (9, 16)).astype(np.float32)
     w = rng.choice([1.0, 2.0], (9, 6)).astype(np.float32)
-    results = []
-    for once in "01":
-        os.environ[ONCE_ENV_VAR] = once
-        try:
-            rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
-            again = uc.moe.redispatch(x * 3, handle)
-            results.append((rows.tolist(), uc.moe.combine(rows + again, handle).tolist(), handle.once is not None))
-        finally:
-            del os.environ[ONCE_ENV_VAR]
-    (plain_rows, plain_out, plain_used), (rows, out, used) = results
-    return plain_rows == rows and plain_out == out and used and not plain_used
+    for static in (False, True):
+        plain, once = (_numpy_step(x, ids, w, static, setting) for setting in "01")
+        if plain[:2] != once[:2] or plain[2] or not once[2]:
+            return False
+    return True
 
 
 def in_a_group(rank: int) -> bool | None:
     """Ranks 0 and 2 of three in a group of their own (its rank 1 is world rank 2): the once
-    form there equals one row per slot, gradients included; world rank 1 takes no part."""
+    form there equals one row per slot in both modes, gradients included; world rank 1 takes
+    no part."""
     group = uc.new_group([0, 2])
     if rank == 1:
         return None
@@ -232,18 +295,23 @@ def in_a_group(rank: int) -> bool | None:
     ids = torch.from_numpy(np.array([rng.permutation(8)[:6] for _ in range(7)]))
     x = torch.from_numpy(rng.integers(0, 2, (7, 16)).astype(np.float32))
     results = []
-    for once in "01":
-        os.environ[ONCE_ENV_VAR] = once
-        try:
-            xs, w = x.clone().requires_grad_(), torch.full((7, 6), 2.0, requires_grad=True)
-            rows, _, handle = uc.moe.dispatch(xs, ids, w, experts_per_rank=4, group=group)
-            out = uc.moe.combine(rows * 3.0, handle)
-            out.sum().backward()
-            results.append((out.tolist(), xs.grad.tolist(), w.grad.tolist(), handle.once is not None))
-        finally:
-            del os.environ[ONCE_ENV_VAR]
-    (*plain, plain_used), (*once, used) = results
-    return plain == once and used and not plain_used
+    for static in (False, True):
+        for once in "01":
+            os.environ[ONCE_ENV_VAR] = once
+            try:
+                xs, w = x.clone().requires_grad_(), torch.full((7, 6), 2.0, requires_grad=True)
+                if static:
+                    rows, _, handle = uc.moe.dispatch_static(xs, ids, w, experts_per_rank=4, capacity=7, group=group)
+                    out = uc.moe.combine_static(rows * 3.0, handle)
+                else:
+                    rows, _, handle = uc.moe.dispatch(xs, ids, w, experts_per_rank=4, group=group)
+                    out = uc.moe.combine(rows * 3.0, handle)
+                out.sum().backward()
+                results.append((out.tolist(), xs.grad.tolist(), w.grad.tolist(), handle.once is not None))
+            finally:
+                del os.environ[ONCE_ENV_VAR]
+    pairs = (results[0], results[1]), (results[2], results[3])
+    return all(plain[:3] == once[:3] and once[3] and not plain[3] for plain, once in pairs)
 
 
 def written_after_combine(rank: int) -> str:
@@ -277,11 +345,15 @@ def auto_by_the_bytes_saved(rank: int) -> list:
         rows, _, handle = uc.moe.dispatch(x, ids, experts_per_rank=4)
         out = uc.moe.combine(rows, handle)
         used.append((tokens, handle.once is not None, bool((out == 8).all())))
+        blocks, _, handle = uc.moe.dispatch_static(x, ids, experts_per_rank=4, capacity=512)  # the same, static
+        out = uc.moe.combine_static(blocks, handle)
+        used.append(("static", handle.once is not None, bool((out == 8).all())))
     return used
 
 
 def steady_over_many_steps(rank: int) -> dict:
-    """300 steps, a new routing each, the once form forced, every third with its backward pass:
+    """300 steps, a new routing each, the once form forced, every other step in the static mode,
+    every third with its backward pass:
     the handles (and what their layout made) go with their step, and resident memory after step
     300 is within a few MiB of step 50."""
     import gc
@@ -299,11 +371,16 @@ def steady_over_many_steps(rank: int) -> dict:
         for step in range(300):
             ids = torch.from_numpy(np.array([rng.permutation(uc.get_world_size() * 4)[:6] for _ in range(64)]))
             w = torch.rand(64, 6, requires_grad=True)
-            rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
-            out = uc.moe.combine(rows * 2.0, handle)
+            if step % 2:  # the static mode every other step
+                rows, _, handle = uc.moe.dispatch_static(x, ids, w, experts_per_rank=4, capacity=64)
+                out = uc.moe.combine_static(rows * 2.0, handle)
+                layouts.append(weakref.ref(handle.once.layout))
+            else:
+                rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=4)
+                out = uc.moe.combine(rows * 2.0, handle)
+                layouts.append(weakref.ref(handle.once))
             if step % 3 == 0:  # a backward every third step: what its graph holds goes too
                 out.sum().backward()
-            layouts.append(weakref.ref(handle.once))
             del rows, handle, w, out
             if step in (50, 299):
                 gc.collect()
@@ -320,6 +397,7 @@ ONCE = {
         world,
         [
             Case("once: against plain", once_against_plain),
+            Case("once: static against plain", static_once_against_plain),
             Case("once: one rank off", one_rank_turns_it_off),
             Case("once: auto", auto_by_the_bytes_saved),
             Case("once: numpy", numpy_arrays),
@@ -345,6 +423,18 @@ def test_once_per_rank_equals_one_row_per_slot(backend: str, world: int, check: 
 
 
 @pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
+def test_the_static_mode_once_per_rank_equals_one_row_per_slot(backend: str, world: int, check: bool) -> None:
+    reports = SESSION.results(ONCE[backend, world, check], "once: static against plain")
+    for report in reports:
+        for name, (same, used, plain_bytes, once_bytes) in report.items():
+            assert same, name
+            assert used, name
+            assert once_bytes[1] == plain_bytes[0] == plain_bytes[1], name  # the valid rows, as plain sent
+            assert once_bytes[0] <= once_bytes[1], name
+    assert any(once_bytes[0] < once_bytes[1] for report in reports for (_, _, _, once_bytes) in report.values())
+
+
+@pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
 def test_one_rank_turning_it_off_turns_it_off_everywhere(backend: str, world: int, check: bool) -> None:
     assert SESSION.results(ONCE[backend, world, check], "once: one rank off") == [{"once": False, "out": True}] * world
 
@@ -352,8 +442,12 @@ def test_one_rank_turning_it_off_turns_it_off_everywhere(backend: str, world: in
 @pytest.mark.parametrize(("backend", "world", "check"), list(ONCE))
 def test_by_default_it_is_used_where_the_ranks_save_enough(backend: str, world: int, check: bool) -> None:
     reports = SESSION.results(ONCE[backend, world, check], "once: auto")
-    assert reports[0] == [(8, False, True), (512, True, True), (512, True, True)]
-    assert reports[1:] == [[(8, False, True), (512, True, True), (4, True, True)]] * (world - 1)
+    static = [("static", used, True) for used in (False, True, True)]
+    assert reports[0] == [
+        x for pair in zip([(8, False, True), (512, True, True), (512, True, True)], static) for x in pair
+    ]
+    others = [x for pair in zip([(8, False, True), (512, True, True), (4, True, True)], static) for x in pair]
+    assert reports[1:] == [others] * (world - 1)
 
 
 GROUP = share("gloo", 3, [Case("once: in a group", in_a_group)])

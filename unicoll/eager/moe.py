@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -31,7 +30,6 @@ from ..backends.base import Backend, Pending
 from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
-from ..backends.once import PLAIN, incoming, outgoing, weight_code
 from ..check import call_number, verify
 from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
@@ -44,6 +42,7 @@ from ..validate import prepare
 from ..workspace import FROM_BYTES
 from . import moe_once
 from .moe_once import OnceLayout
+from .once_choice import offer
 from .ops import _functional, _run, global_gather_backward, global_scatter_backward, guarded
 
 
@@ -209,100 +208,22 @@ def _routed(
     return lambda: (*found(), None)
 
 
-ONCE_ENV_VAR = "UNICOLL_MOE_ONCE"
-"""Whether a dispatch sends each token once per rank (:mod:`unicoll.backends.once`): ``0``
-never (every dispatch this rank takes part in sends one row per slot), ``1`` wherever it moves
-fewer rows, unset (or ``auto``) where the ranks' dispatches save :data:`ONCE_FROM_BYTES` and
-:data:`ONCE_FROM_SHARE` of their bytes or more between them."""
-
-ONCE_FROM_BYTES = 1 << 20
-"""The bytes the ranks' dispatches must save between them for the once form to be used by
-default: below, its fixed costs (the metadata, a second small exchange in combine's backward)
-outweigh the bytes it saves."""
-
-ONCE_FROM_SHARE = 0.25
-"""The share of one row per slot's bytes the ranks' dispatches must save between them for the
-once form to be used by default: its local work (the expansion, the per-rank sums) grows with
-the rows, and on gloo a saving of 22% (top-2 over 2 ranks) broke even, 10% (top-2 over 4
-ranks) lost 8% (docs/performance.md)."""
-
-ONCE_WEIGHED_FROM_BYTES = 64 << 10
-"""The bytes of rows a rank's dispatch must send the other ranks for it to weigh the once
-form by default (its layout costs about 50 µs on the host even for a few tokens): below, it
-tells its peers the plain form and no savings, which every rank hears alike."""
-
-_ONCE_OFF, _ONCE_AUTO, _ONCE_ALWAYS = 0, 1, 2
-
-
-def _once_mode(call: Call, routing: Routing, native: Any) -> int:
-    """What this rank says of the once form: off where it cannot take part (a caller who moves
-    the rows itself: ``native`` None; one rank; top-1; rows of no bytes; a backend that moves the
-    MoE rows itself) or :data:`ONCE_ENV_VAR` turns it off; else auto, or always. Any other
-    value of the variable is refused before anything is sent."""
-    setting = os.environ.get(ONCE_ENV_VAR, "auto")
-    if setting not in ("0", "1", "auto", ""):
-        raise bad_input(MOE_DISPATCH.name, f"${ONCE_ENV_VAR}", "0, 1 or auto (empty: auto)", repr(setting))
-    if (
-        native is None
-        or setting == "0"
-        or call.W == 1
-        or routing.topk == 1
-        or row_bytes(native) == 0
-        or {"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe
-    ):
-        return _ONCE_OFF
-    return _ONCE_ALWAYS if setting == "1" else _ONCE_AUTO
-
-
-def _outgoing(call: Call, routing: Routing, native: Any, code: int, may_send_once: bool) -> Any:
-    """This rank's side of the once layout (:func:`~unicoll.backends.once.outgoing`)."""
-    local = routing.local_count
-    rank, world, topk, rb = call.group.rank, call.W, routing.topk, row_bytes(native)
-    return outgoing(routing.send_tokens, routing.slot_rows, local, rank, world, topk, code, rb, may_send_once)
-
-
 def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a host backend's dispatch, made now, and how to exchange its counts:
-    which returns the routing, the plan of the rows' transfer and, where the ranks agree on it,
-    the layout that sends each token once per rank. Each rank tells each peer, beside its
-    counts, the token rows it would send it in the once form (or
-    :data:`~unicoll.backends.once.PLAIN`), its weights' code, its mode (:func:`_once_mode`), the
-    bytes the form saves it and those it sends with one row per slot: every rank hears every
-    rank, so all of them decide alike. The form is used where no rank is off, and one says
-    always or the savings add up to :data:`ONCE_FROM_BYTES` and :data:`ONCE_FROM_SHARE`."""
+    which returns the routing, the plan of the rows' transfer and, where the ranks agree on it
+    (:mod:`unicoll.eager.once_choice`, whose offer travels beside the counts), the layout that
+    sends each token once per rank. ``native``: x as the backend moves it, or None for a caller
+    who moves the rows itself; ``weights``: native, or None."""
     world, experts = call.W, call.experts_per_rank
     routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
-    code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
-    # weights the metadata cannot carry: off, as for a caller who moves the rows itself (setting still checked)
-    mode = _once_mode(call, routing, native if code >= 0 else None)
-    sender, saved, slots = None, 0, 0
-    rank = call.group.rank
-    if mode != _ONCE_OFF:
-        per_rank = routing.local_count.reshape(world, experts).sum(1)
-        slots = (int(per_rank.sum()) - int(per_rank[rank])) * row_bytes(native)
-        if mode == _ONCE_ALWAYS or slots >= ONCE_WEIGHED_FROM_BYTES:
-            sender = _outgoing(call, routing, native, code, True)
-            saved = slots - sender.bytes_sent(rank, row_bytes(native))[0]
+    moved = bool({"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe)
+    offered = offer(MOE_DISPATCH.name, routing, call.group.rank, world, native, weights, moved)
 
     def exchanged() -> tuple[Routing, MoePlan, OnceLayout | None]:
-        told = np.zeros((world, experts + 5), dtype=np.int64)
-        told[:, :experts] = routing.local_count.reshape(world, experts)
-        told[:, experts] = PLAIN if sender is None else sender.tokens_told
-        told[:, experts + 1 :] = code, mode, saved, slots
-        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, experts + 5)
+        told = np.concatenate([routing.local_count.reshape(world, experts), offered.told], axis=1)
+        heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, -1)
         plan = moe_plan(routing.local_count, np.ascontiguousarray(heard[:, :experts]).reshape(-1), world)
-        modes, saved_all, slots_all = (
-            heard[:, experts + 2],
-            int(heard[:, experts + 3].sum()),
-            int(heard[:, experts + 4].sum()),
-        )
-        enough = saved_all >= ONCE_FROM_BYTES and saved_all >= ONCE_FROM_SHARE * slots_all
-        used = modes.min() > _ONCE_OFF and (modes.max() == _ONCE_ALWAYS or enough)
-        if not used:
-            return routing, plan, None
-        into = incoming(np.array(plan.recv, dtype=np.int64), heard[:, experts : experts + 2], row_bytes(native))
-        sending = sender if sender is not None else _outgoing(call, routing, native, code, False)
-        return routing, plan, OnceLayout(sending, into, row_bytes(native), code > 0)
+        return routing, plan, offered.agreed(heard[:, experts:], np.array(plan.recv, dtype=np.int64))
 
     return exchanged
 
@@ -397,27 +318,38 @@ def dispatch_backward(
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     handle = arguments["handle"]
     if handle.once is not None:
-        return _combine_once(call, arguments["y"], handle)
+        return combine_once(MOE_COMBINE, call, arguments["y"], handle.once, handle.routing, handle.weights)
     return combine_rows(MOE_COMBINE, call, arguments["y"], handle.routing, handle.plan, handle.weights)
 
 
-def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
-    """combine along a handle that sent each token once per rank: each token's rows summed on
-    its expert ranks (weighted by the weights dispatch sent there), one row per rank back, and
+def combine_once(
+    spec: OpSpec,
+    call: Call,
+    y: Any,
+    once: OnceLayout,
+    routing: Routing,
+    weights: Any,
+    shape: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
+) -> Any:
+    """The combine ``spec`` along a dispatch that sent each token once per rank (``once``, of
+    ``routing``, weighed by the caller's ``weights`` or None): each token's rows summed on its
+    expert ranks (weighted by the weights dispatch sent there), one row per rank back, and
     those summed on the source (:mod:`unicoll.eager.moe_once`); its backward sends the
     gradient back the same way and the weights' gradients of the slots summed remotely back
-    from their ranks."""
-    backend, grp, once, routing, weights = call.backend, call.group, handle.once, handle.routing, handle.weights
+    from their ranks. ``shape``: for the static mode's blocks, how native ``y`` gives its
+    expert-major rows and how their gradient is laid back into blocks (None: y is those rows)."""
+    backend, grp = call.backend, call.group
     library = library_of(y)
     recorded = records_gradient(y, weights)
     forward = call_number(grp) if call.compare and recorded else None  # this call's number: prepare counted it
     native_y = backend.to_native(y)
+    rows = native_y if shape is None else shape[0](native_y)
 
     def issue() -> Pending:
         if call.compare:
-            verify(MOE_COMBINE, call)
+            verify(spec, call)
         # the rows of a rank that sent weights are weighed here, whether this rank's own are
-        return moe_once.combine(backend, grp, native_y, once, True, not call.sync_op, call.sync_op)
+        return moe_once.combine(backend, grp, rows, once, True, not call.sync_op, call.sync_op)
 
     def finish(back: Any) -> Any:
         native_weights = None if weights is None else backend.to_native(weights)
@@ -432,16 +364,17 @@ def _combine_once(call: Call, y: Any, handle: Handle) -> Any:
         def backward(grad: Any) -> tuple[Any, Any]:
             if y._version != version:  # refused as torch's own operations refuse it, before anything is sent
                 raise RuntimeError(
-                    "moe.combine (backward): y was modified in place after combine; its backward needs the "
+                    f"{spec.name} (backward): y was modified in place after combine; its backward needs the "
                     "rows as combine saw them (clone y before changing it)"
                 )
             tokens, k = routing.tokens, routing.topk
-            return moe_once.combine_backward(backend, grp, grad, once, tokens, k, native_y, native_weights, back)
+            grad_y, grad_w = moe_once.combine_backward(backend, grp, grad, once, tokens, k, rows, native_weights, back)
+            return (grad_y if shape is None else shape[1](grad_y)), grad_w
 
-        guarded_backward = guarded(MOE_COMBINE.name, backend, grp, call.timeout, forward, backward)
+        guarded_backward = guarded(spec.name, backend, grp, call.timeout, forward, backward)
         return attach_many((y, weights), result, guarded_backward)
 
-    return _run(MOE_COMBINE.name, call, issue, finish)
+    return _run(spec.name, call, issue, finish)
 
 
 def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:

@@ -84,24 +84,49 @@ def dispatch(
     weights: Any,
     async_op: bool,
     calc_stream: bool,
+    placed: np.ndarray | None = None,
 ) -> Pending:
     """The rows of a top-k dispatch of ``x`` (native, on a host backend) under ``layout``, in
     ``plan``'s expert-major order; the layout's expansion is read when they arrive. ``weights``:
-    the native ``(T, k)`` weights the metadata carries, or None. The rows sent and received
-    are lent by the backend's workspace and given back when the call finishes."""
+    the native ``(T, k)`` weights the metadata carries, or None. ``placed``: where the static
+    mode wants them instead (see :func:`_received_rows`). The rows sent and received are lent
+    by the backend's workspace and given back when the call finishes."""
     out, into = layout.outgoing, layout.incoming
     sent, sent_lent = backend.gather_rows(x, out.gather)
     own = _write_meta(_byte_rows(sent), out, weights, group.rank) if out.once.any() else None
-    received, received_lent = backend.scratch_rows(x, int(into.received.sum()))
-    work = backend.alltoallv(received, sent, into.received.tolist(), out.sent.tolist(), group, async_op, calc_stream)
+    received, received_lent, zero = _receiving(backend, x, int(into.received.sum()), placed)
+    work = backend.alltoallv(
+        received[:zero], sent, into.received.tolist(), out.sent.tolist(), group, async_op, calc_stream
+    )
 
     def finish() -> Any:
-        layout.expansion = read_meta(into, _byte_rows(received), plan.to_expert_major, group.rank, own)
-        rows = backend.take_rows(received, layout.expansion.rows)
+        layout.expansion = read_meta(into, _byte_rows(received[:zero]), plan.to_expert_major, group.rank, own)
+        rows = _received_rows(backend, received, layout.expansion.rows, placed, zero)
         backend.give_back(sent_lent, received_lent)
         return rows
 
     return issued(work, finish)
+
+
+def _receiving(backend: Backend, like: Any, rows: int, placed: np.ndarray | None) -> tuple[Any, Any, int]:
+    """Rows like ``like``'s that ``rows`` rows arrive into (lent by the workspace: returned
+    beside them), followed by a row of zeros where ``placed`` is given; and where that row is."""
+    received, lent = backend.scratch_rows(like, rows + (placed is not None))
+    if placed is not None:
+        received[rows:] = 0
+    return received, lent, rows
+
+
+def _received_rows(backend: Backend, received: Any, rows: np.ndarray, placed: np.ndarray | None, zero: int) -> Any:
+    """The expert-major rows ``received[rows]``; or where ``placed`` is given (the static
+    mode's blocks: each result row's expert-major row, or -1 for a row of zeros), those rows
+    placed so, reading the zero row at ``zero`` for the rest."""
+    if placed is None:
+        return backend.take_rows(received, rows)
+    index = np.full(placed.size, zero, dtype=np.int64)
+    valid = placed >= 0
+    index[valid] = rows[placed[valid]]
+    return backend.take_rows(received, index)
 
 
 def _write_meta(sent: np.ndarray, out: Outgoing, weights: Any, rank: int) -> np.ndarray | None:
@@ -119,17 +144,23 @@ def _write_meta(sent: np.ndarray, out: Outgoing, weights: Any, rank: int) -> np.
 
 
 def redispatch(
-    backend: Backend, group: Group, x: Any, layout: OnceLayout, async_op: bool, calc_stream: bool
+    backend: Backend,
+    group: Group,
+    x: Any,
+    layout: OnceLayout,
+    async_op: bool,
+    calc_stream: bool,
+    placed: np.ndarray | None = None,
 ) -> Pending:
     """A redispatch of ``x`` along ``layout``: each rank's token rows (or plain rows) again,
-    without the metadata, expanded as the dispatch's were."""
+    without the metadata, expanded as the dispatch's were (``placed``: as :func:`dispatch`'s)."""
     out, into, expansion = layout.outgoing, layout.incoming, layout.expansion
     sent, sent_lent = backend.gather_rows(x, _without_meta(out))
-    received, received_lent = backend.scratch_rows(x, int(into.back.sum()))
-    work = backend.alltoallv(received, sent, into.back.tolist(), out.back.tolist(), group, async_op, calc_stream)
+    received, received_lent, zero = _receiving(backend, x, int(into.back.sum()), placed)
+    work = backend.alltoallv(received[:zero], sent, into.back.tolist(), out.back.tolist(), group, async_op, calc_stream)
 
     def finish() -> Any:
-        rows = backend.take_rows(received, expansion.rows_again)
+        rows = _received_rows(backend, received, expansion.rows_again, placed, zero)
         backend.give_back(sent_lent, received_lent)
         return rows
 

@@ -26,6 +26,7 @@ from .. import runtime
 from ..arrays import library_of
 from ..backends.base import Backend, Pending
 from ..backends.blocks import StaticLayout, counts_heard, weighted_sum
+from ..backends.host import row_bytes
 from ..check import call_number, count_call, verify
 from ..counts import host_as, on_host
 from ..errors import bad_input, translated
@@ -35,7 +36,8 @@ from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATI
 from ..static_layout import Arrived, StaticHandle, static_layout
 from ..task import Task
 from ..validate import prepare, read_only
-from .moe import check_handled, handle_group, records_gradient, sum_slots
+from . import static_once
+from .moe import check_handled, combine_once, dispatch_backward, handle_group, records_gradient, sum_slots
 from .ops import _functional, _run
 
 
@@ -159,24 +161,39 @@ def _layout(backend: Backend, topk_idx: Any, experts: int, capacity: int) -> Sta
 
 
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
+    """On a host backend whose static transfers are the built-in ones, the counts travel with
+    the offer of the once form (:mod:`unicoll.eager.static_once`); elsewhere the backend's
+    static transfer moves the counts and the rows."""
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
     topk_idx = arguments["topk_idx"]
     layout = _layout(backend, topk_idx, world * experts, capacity)
     native_x = backend.to_native(x)
     native = _native(backend, layout, native_x)
-    number, valid = -1, None
+    native_weights = None if weights is None else backend.to_native(weights)
+    offered = None
+    if backend.host_memory and not {"moe_dispatch_static", "moe_combine_static"} & backend.capabilities.moe:
+        offered = static_once.static_offer(layout, grp.rank, world, native_x, native_weights, False)
+    number, valid, once = -1, None, None
 
     def issue() -> Pending:
-        nonlocal number
+        nonlocal number, once
         if call.compare:
             verify(MOE_DISPATCH_STATIC, call, topk_idx=topk_idx)
             number = call_number(grp)
         if call.overflow == "error":
             refuse_drops(backend, grp, on_host(layout.demand), capacity)
-        return backend.moe_dispatch_static(native_x, native, grp, not call.sync_op, call.sync_op)
+        if offered is None:
+            return backend.moe_dispatch_static(native_x, native, grp, not call.sync_op, call.sync_op)
+        once, pending = static_once.dispatch(
+            backend, grp, native_x, native, offered, native_weights, not call.sync_op, call.sync_op
+        )
+        return pending
 
-    def backward(grad: Any) -> Any:  # valid is known once the dispatch finishes, before any backward
+    def backward(grad: Any) -> Any:  # valid and once are known once the dispatch finishes, before any backward
+        if once is not None:
+            rows = static_once.valid_rows(backend, grad, once)
+            return dispatch_backward(backend, grp, rows, None, once.routing, once.layout)
         return _slots_summed(backend, grp, grad, native, valid)
 
     received = _functional(MOE_DISPATCH_STATIC.name, call, x, backward)
@@ -187,7 +204,8 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         _, valid, before = counts_heard(array_namespace(heard), heard, world, experts)
         library = library_of(x)
         arrived = Arrived(received(blocks), backend.from_native(valid, library), backend.from_native(before, library))
-        handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number)
+        handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number, once,
+                                        row_bytes(native_x), not backend.host_memory)  # fmt: skip
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
@@ -229,13 +247,21 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, handle, x = call.backend, call.group, arguments["handle"], arguments["x"]
     native_x = backend.to_native(x)
     layout, valid = _handled(backend, handle, native_x)
+    once, blocks = handle.once, (handle.experts_per_rank, handle.world * handle.capacity)
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_REDISPATCH_STATIC, call)
+        if once is not None:
+            return static_once.redispatch(backend, grp, native_x, once, blocks, not call.sync_op, call.sync_op)
         return backend.moe_dispatch_static(native_x, layout, grp, not call.sync_op, call.sync_op, valid)
 
-    backward = functools.partial(_slots_summed, backend, grp, layout=layout, valid=valid)
+    def backward(grad: Any) -> Any:
+        if once is not None:
+            rows = static_once.valid_rows(backend, grad, once)
+            return dispatch_backward(backend, grp, rows, None, once.routing, once.layout)
+        return _slots_summed(backend, grp, grad, layout, valid)
+
     received = _functional(MOE_REDISPATCH_STATIC.name, call, x, backward)
     return _run(MOE_REDISPATCH_STATIC.name, call, issue, lambda result: received(result[0]))
 
@@ -246,9 +272,16 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     (:func:`~unicoll.eager.moe.sum_slots`), else from each slot's row, made at once, whose
     gradient is a dispatch of the slots' gradient rows."""
     backend, grp, handle, y = call.backend, call.group, arguments["handle"], arguments["y"]
+    weights, once = handle.weights, handle.once
+    if once is not None:
+        blocks = handle.experts_per_rank, handle.world * handle.capacity
+        shape = (
+            functools.partial(static_once.valid_rows, backend, once=once),
+            lambda rows: static_once.placed(backend, rows, once, blocks),
+        )
+        return combine_once(MOE_COMBINE_STATIC, call, y, once.layout, once.routing, weights, shape)
     native_y = backend.to_native(y)
     layout, valid = _handled(backend, handle, native_y)
-    weights = handle.weights
     by_slot = backend.host_memory and not records_gradient(y, weights)
 
     def issue() -> Pending:
