@@ -2,7 +2,7 @@
 
     python benchmarks/moe_once.py [--backend gloo --backend mpi] [--world 2 --world 4]
                                   [--topk 2 --topk 8] [--experts 4 --experts 8]
-                                  [--tokens 4096] [--hidden 1024] [--iters 5]
+                                  [--tokens 4096] [--hidden 1024] [--iters 5] [--static]
 
 For each backend and world size, one world (one thread per rank) runs every (top-k, experts per
 rank) case on ``--tokens`` tokens of ``--hidden`` float32 per rank, routed to random distinct
@@ -13,13 +13,16 @@ backward pass; and the same forward step by hand on the raw transport (torch.dis
 ``all_to_all_single`` on gloo, mpi4py's ``Alltoallv`` on mpi: the counts' exchange, the sort,
 the gather, the rows there and back, the weighted sum), one row per slot. Printed per case:
 the bytes of rows the ranks' dispatches sent each other (both forms, summed over the ranks),
-and the median step of the slowest rank in milliseconds.
+and the median step of the slowest rank in milliseconds. ``--static``: the static-shape mode
+(``moe.dispatch_static`` + ``moe.combine_static``) at a capacity factor of 1.25 (no slot of
+these routings is dropped), against the same step by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -90,6 +93,7 @@ def _case(config: dict, k: int, experts: int, alltoallv) -> dict:
         ids = torch.from_numpy(rng.random((tokens, world * experts)).argsort(axis=1)[:, :k].copy())
         routings.append((ids, torch.from_numpy(rng.random((tokens, k), dtype=np.float32))))
     turn, sent = [0], {}
+    capacity = math.ceil(1.25 * tokens * k / (world * experts)) if config["static"] else 0
     gradient = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32))
 
     def step(once: str, backward: bool):
@@ -98,8 +102,12 @@ def _case(config: dict, k: int, experts: int, alltoallv) -> dict:
             turn[0] += 1
             os.environ["UNICOLL_MOE_ONCE"] = once
             xs, ws = (x.requires_grad_(), weights.requires_grad_()) if backward else (x, weights)
-            rows, _, handle = uc.moe.dispatch(xs, ids, ws, experts_per_rank=experts)
-            out = uc.moe.combine(rows * 2.0, handle)
+            if capacity:
+                rows, _, handle = uc.moe.dispatch_static(xs, ids, ws, experts_per_rank=experts, capacity=capacity)
+                out = uc.moe.combine_static(rows * 2.0, handle)
+            else:
+                rows, _, handle = uc.moe.dispatch(xs, ids, ws, experts_per_rank=experts)
+                out = uc.moe.combine(rows * 2.0, handle)
             sent[once] = (handle.bytes_sent, handle.bytes_one_row_per_slot)
             if backward:
                 (out * gradient).sum().backward()
@@ -180,13 +188,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--static", action="store_true", help="the static-shape mode")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return _worker(json.loads(args.worker))
     config = dict(topk=args.topk or [2, 8], experts=args.experts or [4, 8], tokens=args.tokens,
-                  hidden=args.hidden, iters=args.iters)  # fmt: skip
-    print(f"# {args.tokens} tokens x {args.hidden} float32 per rank, one thread per rank; bytes: rows (and the")
+                  hidden=args.hidden, iters=args.iters, static=args.static)  # fmt: skip
+    mode = "the static-shape mode, capacity factor 1.25" if args.static else "the dynamic mode"
+    print(f"# {mode}: {args.tokens} tokens x {args.hidden} float32 per rank, one thread per rank; bytes: rows (and the")
     print("# once form's metadata) the ranks' dispatches sent each other, summed; times: median step, slowest rank")
     print(f"# {'backend':<7} {'W':>2} {'k':>2} {'E':>2} | {'plain MiB':>9} {'once MiB':>8} {'once/plain':>10} | "
           f"{'plain':>7} {'once':>7} {'o/p':>5} | {'plain+bwd':>9} {'once+bwd':>9} {'o/p':>5} | {'by hand':>7} "

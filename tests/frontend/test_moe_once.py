@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import unicoll as uc
+from helpers.gpu_backends import restart_on_the_device_path
 from helpers.several import SESSION, Case, share
+from helpers.sync_counter import SyncCounter
 from unicoll.backends.layout import rank_major_to_expert_major
 from unicoll.backends.once import PLAIN, incoming, outgoing, read_meta, weight_code
 from unicoll.eager.once_choice import ONCE_ENV_VAR
@@ -160,19 +162,22 @@ def _scenarios(rank: int, world: int):
 
 
 def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
-    """dispatch, redispatch and combine with the once form on or off; results and gradients."""
+    """dispatch, redispatch and combine with the once form on or off; results and gradients,
+    and the host reads the step would make on a GPU (tests/helpers/sync_counter.py)."""
     os.environ[ONCE_ENV_VAR] = once
     try:
         x = x.clone().requires_grad_(x.is_floating_point())
         w = None if weights is None else weights.clone().requires_grad_()
-        got = uc.moe.dispatch(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op)
-        rows, rows_per_expert, handle = got if sync_op else got.wait()
-        again = uc.moe.redispatch(x * 2, handle)
-        scale = torch.cat([torch.full((n, 1), e + 1.0, dtype=rows.dtype) for e, n in enumerate(rows_per_expert)])
-        out = uc.moe.combine((rows + again) * scale, handle, sync_op=sync_op)
-        out = out if sync_op else out.wait()
-        out.sum().backward()
+        with SyncCounter() as reads:
+            got = uc.moe.dispatch(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op)
+            rows, rows_per_expert, handle = got if sync_op else got.wait()
+            again = uc.moe.redispatch(x * 2, handle)
+            scale = torch.cat([torch.full((n, 1), e + 1.0, dtype=rows.dtype) for e, n in enumerate(rows_per_expert)])
+            out = uc.moe.combine((rows + again) * scale, handle, sync_op=sync_op)
+            out = out if sync_op else out.wait()
+            out.sum().backward()
         return {
+            "reads": reads.total,
             "rows": rows.detach().float().tolist(),
             "rows_per_expert": rows_per_expert,
             "out": out.detach().float().tolist(),
@@ -235,6 +240,28 @@ def static_once_against_plain(rank: int) -> dict:
         once = _static_step(x, ids, weights, experts, capacity, "1", sync_op=i % 3 != 0)
         same = all(plain[key] == once[key] for key in ("rows", "counts", "out", "x.grad", "w.grad"))
         report[name] = (same, once["once"], plain["bytes"], once["bytes"])
+    return report
+
+
+def device_path_against_plain(rank: int) -> dict:
+    """On a device backend's code path (torch-nccl's transport driving gloo, on CPU tensors) per
+    scenario (the stand-in's dtypes): the once form against the plain one, as on the host; and
+    the host reads of the whole step (one, the dispatch's)."""
+    restart_on_the_device_path("nccl-device")
+    world, report = uc.get_world_size(), {}
+    tokens = 0 if rank == 1 else 6
+    ids = np.array([np.random.default_rng(t).permutation(world * 4)[:6] for t in range(tokens)], dtype=np.int64)
+    ids = torch.from_numpy(ids.reshape(tokens, 6))
+    empty = ("rank 1 without tokens", torch.ones(tokens, 16), ids, torch.ones(tokens, 6), 4, None)
+    for i, (name, *scenario) in enumerate([*_scenarios(rank, world), empty]):
+        if name.startswith(("bfloat16", "float16")):  # not in the stand-in's dtypes
+            continue
+        plain = _step(*scenario, "0")
+        once = _step(*scenario, "1", sync_op=i % 3 != 0)
+        same = all(plain[key] == once[key] for key in ("rows", "rows_per_expert", "out", "x.grad", "w.grad"))
+        report[name] = (same, once["once"], plain["bytes"], once["bytes"], (plain["reads"], once["reads"]))
+    off = one_rank_turns_it_off(rank)
+    report["rank 0 off"] = (off["out"], not off["once"], (0, 0), (0, 0), (1, 1))
     return report
 
 
@@ -448,6 +475,21 @@ def test_by_default_it_is_used_where_the_ranks_save_enough(backend: str, world: 
     ]
     others = [x for pair in zip([(8, False, True), (512, True, True), (4, True, True)], static) for x in pair]
     assert reports[1:] == [others] * (world - 1)
+
+
+@pytest.mark.parametrize(("world", "check"), [(2, False), (3, False), (2, True)])
+def test_on_a_device_backend_once_per_rank_equals_one_row_per_slot(world: int, check: bool) -> None:
+    env = {"UNICOLL_CHECK": "1"} if check else {}
+    reports = uc.testing.spawn(device_path_against_plain, world, backend="gloo", env=env, timeout=120)
+    for report in reports:
+        for name, (same, used, plain_bytes, once_bytes, reads) in report.items():
+            assert same, name
+            assert used, name
+            assert once_bytes[1] == plain_bytes[0] == plain_bytes[1], name
+            assert once_bytes[0] <= once_bytes[1], name  # never more rows than one per slot
+            # the dispatch's one read of its counts and nothing more (check mode reads what it compares)
+            assert reads[1] == reads[0] and (check or reads == (1, 1)), (name, reads)
+    assert any(b[0] < b[1] for report in reports for (_, _, _, b, _) in report.values())
 
 
 GROUP = share("gloo", 3, [Case("once: in a group", in_a_group)])

@@ -30,6 +30,7 @@ from ..backends.base import Backend, Pending
 from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
 from ..backends.layout import MoePlan, Routing, moe_plan
+from ..backends.once import weight_code
 from ..check import call_number, verify
 from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
@@ -40,9 +41,10 @@ from ..spec import IDS_EXPECTED, MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call
 from ..task import Task
 from ..validate import prepare
 from ..workspace import FROM_BYTES
-from . import moe_once
+from . import device_once, moe_once
+from .device_once import DeviceOnce, Pairs
 from .moe_once import OnceLayout
-from .once_choice import offer
+from .once_choice import OFF, OFFER_INTS, offer, once_mode
 from .ops import _functional, _run, global_gather_backward, global_scatter_backward, guarded
 
 
@@ -174,6 +176,8 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             verify(MOE_DISPATCH, call)
             number = call_number(grp)
         routing, plan, once = exchanged()
+        if isinstance(once, DeviceOnce):
+            return device_once.dispatch(backend, grp, native, once, not call.sync_op, call.sync_op)
         if once is not None:
             return moe_once.dispatch(backend, grp, native, once, plan, native_weights, not call.sync_op, call.sync_op)
         return backend.moe_dispatch(native, routing, plan, grp, not call.sync_op, call.sync_op)
@@ -204,8 +208,7 @@ def _routed(
     this dispatch may send each token once per rank (``weights``: its native weights, or None)."""
     if call.backend.host_memory:
         return _routed_on_host(call, native if once else None, weights)
-    found = _routed_on_device(call, native, topk_idx)
-    return lambda: (*found(), None)
+    return _routed_on_device(call, native, topk_idx, weights if once else _NOT_ONCE)
 
 
 def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
@@ -228,14 +231,37 @@ def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple
     return exchanged
 
 
-def _routed_on_device(call: Call, native: Any, topk_idx: Any) -> Callable[[], tuple[Routing, MoePlan]]:
+_NOT_ONCE = object()
+"""What :func:`_routed` passes for the weights of a dispatch that may not send each token once
+per rank (a caller who moves the rows itself)."""
+
+
+def _routed_on_device(
+    call: Call, native: Any, topk_idx: Any, weights: Any
+) -> Callable[[], tuple[Routing, MoePlan, DeviceOnce | None]]:
     """The routing of a device backend's dispatch, made now where x is (``native``: x as the
-    backend moves it; :func:`unicoll.device_routing.device_routing`), and how to exchange its
-    counts there and read them in one copy (:func:`_counts_read`)."""
+    backend moves it; :func:`unicoll.device_routing.device_routing`), with its (token, rank)
+    pairs where this rank offers to send each token once per rank
+    (:func:`unicoll.eager.device_once.pairs`: torch tensors; ``weights``: native, or
+    :data:`_NOT_ONCE`), and how to exchange its counts there and read them in one copy
+    (:func:`_counts_read`)."""
     xp = array_namespace(native)
     ids = _ids_on(call.backend, topk_idx, native)
-    found = device_routing(xp, ids, call.W * call.experts_per_rank, call.capacity)
-    return functools.partial(_counts_read, call, xp, found, ids.shape)
+    experts = call.W * call.experts_per_rank
+    found = device_routing(xp, ids, experts, call.capacity)
+    pairs = None
+    if weights is not _NOT_ONCE:
+        code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
+        usable = native if code >= 0 and library_of(native) == "torch" else None  # torch tensors only
+        moved = bool({"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe)
+        mode = once_mode(MOE_DISPATCH.name, call.W, ids.shape[1], usable, moved)
+        if mode != OFF:
+            import torch  # loaded: x is a tensor
+
+            rank, size = call.group.rank, row_bytes(native)
+            pairs = device_once.pairs(torch, ids, found.slot_rows, found.local_count, rank, call.W,
+                                      call.experts_per_rank, size, code, mode)  # fmt: skip
+    return functools.partial(_counts_read, call, xp, found, ids.shape, pairs, row_bytes(native))
 
 
 def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
@@ -247,19 +273,25 @@ def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
     return xp.asarray(on_host(ids), device=device(native))
 
 
-def _counts_read(call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, int]) -> tuple[Routing, MoePlan]:
+def _counts_read(
+    call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, int], pairs: Pairs | None, size: int
+) -> tuple[Routing, MoePlan, DeviceOnce | None]:
     """The counts of a routing on the device (``found``) exchanged on the device, with every
-    rank's ids' range, then read on the host in one copy: the routing and plan of the rows'
-    transfer. Ids out of range on any rank raise the same ValueError on every rank here,
-    before a row is sent."""
+    rank's ids' range and its offer of the once form (``pairs``, or None: off), then read on the
+    host in one copy: the routing and plan of the rows' transfer, and the once layout where the
+    ranks agree on it (rows of ``size`` bytes). Ids out of range on any rank raise the same
+    ValueError on every rank here, before a row is sent."""
     backend, grp, world, experts = call.backend, call.group, call.W, call.experts_per_rank
-    width = experts + FAULTS
+    width = experts + FAULTS + OFFER_INTS
     counts = xp.reshape(found.local_count, (world, experts))
     faults = xp.broadcast_to(xp.reshape(found.faults, (1, FAULTS)), (world, FAULTS))
-    told = xp.reshape(xp.concat([counts, faults], axis=1), (-1,))
+    offered = (
+        pairs.told if pairs is not None else xp.zeros((world, OFFER_INTS), dtype=counts.dtype, device=device(counts))
+    )
+    told = xp.reshape(xp.concat([counts, faults, offered], axis=1), (-1,))
     got = backend.exchange_native_ints(told, grp)
     both = backend.read_ints(xp.concat([told, got])).reshape(2, world, width)  # the one read
-    _refuse_ids(both[1, :, experts:], shape, world * experts, grp.rank)
+    _refuse_ids(both[1, :, experts : experts + FAULTS], shape, world * experts, grp.rank)
     local_count, global_count = both[0, :, :experts].reshape(-1), both[1, :, :experts].reshape(-1)
     sent, received = int(local_count.sum()), int(global_count.sum())
     orders = None
@@ -267,7 +299,12 @@ def _counts_read(call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, in
         orders = expert_major_orders(xp, xp.reshape(got, (world, width))[:, :experts], received)
     plan = MoePlan(local_count, global_count, world, orders=orders)
     dropped = sent < shape[0] * shape[1]
-    return Routing(local_count, found.send_tokens[:sent], found.slot_rows, dropped, shape[1]), plan
+    routing = Routing(local_count, found.send_tokens[:sent], found.slot_rows, dropped, shape[1])
+    once = None
+    if pairs is not None:
+        once = device_once.made(pairs, both[1, :, experts + FAULTS :], both[0, :, experts + FAULTS :], plan,
+                                found.slot_rows, size)  # fmt: skip
+    return routing, plan, once
 
 
 def _refuse_ids(faults: np.ndarray, shape: tuple[int, int], experts: int, rank: int) -> None:
@@ -288,6 +325,8 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
         if call.compare:
             verify(MOE_REDISPATCH, call)
         native = backend.to_native(x)
+        if isinstance(once, DeviceOnce):
+            return device_once.redispatch(backend, grp, native, once, not call.sync_op, call.sync_op)
         if once is not None:
             return moe_once.redispatch(backend, grp, native, once, not call.sync_op, call.sync_op)
         return backend.moe_dispatch(native, routing, plan, grp, not call.sync_op, call.sync_op)
@@ -302,6 +341,8 @@ def dispatch_backward(
     """The rows' gradients sent back (global_scatter's backward, with the handle's counts) and
     each token's slots summed: a combine without weights (each token's once per rank, where
     the dispatch sent it so)."""
+    if isinstance(once, DeviceOnce):
+        return device_once.dispatch_backward(backend, group, grad, once, routing.tokens)
     if once is not None:
         back = moe_once.combine(backend, group, grad, once, False, False, True).finish()
         return moe_once.sum_at_source(once, back, routing.tokens, None)
@@ -326,35 +367,41 @@ def combine_once(
     spec: OpSpec,
     call: Call,
     y: Any,
-    once: OnceLayout,
+    once: OnceLayout | DeviceOnce,
     routing: Routing,
     weights: Any,
     shape: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> Any:
     """The combine ``spec`` along a dispatch that sent each token once per rank (``once``, of
     ``routing``, weighed by the caller's ``weights`` or None): each token's rows summed on its
-    expert ranks (weighted by the weights dispatch sent there), one row per rank back, and
-    those summed on the source (:mod:`unicoll.eager.moe_once`); its backward sends the
-    gradient back the same way and the weights' gradients of the slots summed remotely back
-    from their ranks. ``shape``: for the static mode's blocks, how native ``y`` gives its
-    expert-major rows and how their gradient is laid back into blocks (None: y is those rows)."""
+    expert ranks (weighted by the weights the ranks sent there: with dispatch's metadata on a
+    host backend, now on a device backend), one row per rank back, and those summed on the
+    source (:mod:`unicoll.eager.moe_once`, :mod:`unicoll.eager.device_once`); its backward
+    sends the gradient back the same way and the weights' gradients of the slots summed
+    remotely back from their ranks. ``shape``: for the static mode's blocks, how native ``y``
+    gives its expert-major rows and how their gradient is laid back into blocks (None: y is
+    those rows)."""
     backend, grp = call.backend, call.group
     library = library_of(y)
     recorded = records_gradient(y, weights)
     forward = call_number(grp) if call.compare and recorded else None  # this call's number: prepare counted it
     native_y = backend.to_native(y)
     rows = native_y if shape is None else shape[0](native_y)
+    native_weights = None if weights is None else backend.to_native(weights)
+    on_device = isinstance(once, DeviceOnce)
+    kept = device_once.Weighed()
 
     def issue() -> Pending:
         if call.compare:
             verify(spec, call)
+        if on_device:
+            return device_once.combine(backend, grp, rows, once, native_weights, kept, not call.sync_op, call.sync_op)
         # the rows of a rank that sent weights are weighed here, whether this rank's own are
         return moe_once.combine(backend, grp, rows, once, True, not call.sync_op, call.sync_op)
 
     def finish(back: Any) -> Any:
-        native_weights = None if weights is None else backend.to_native(weights)
-        out = moe_once.sum_at_source(once, back, routing.tokens, native_weights)
-        result = backend.from_native(out, library)
+        summed = device_once.sum_at_source if on_device else moe_once.sum_at_source
+        result = backend.from_native(summed(once, back, routing.tokens, native_weights), library)
         if not recorded:
             return result
         from .autograd import attach_many
@@ -367,8 +414,13 @@ def combine_once(
                     f"{spec.name} (backward): y was modified in place after combine; its backward needs the "
                     "rows as combine saw them (clone y before changing it)"
                 )
-            tokens, k = routing.tokens, routing.topk
-            grad_y, grad_w = moe_once.combine_backward(backend, grp, grad, once, tokens, k, rows, native_weights, back)
+            if on_device:
+                grad_y, grad_w = device_once.combine_backward(backend, grp, grad, once, rows, native_weights, kept)
+            else:
+                tokens, k = routing.tokens, routing.topk
+                grad_y, grad_w = moe_once.combine_backward(
+                    backend, grp, grad, once, tokens, k, rows, native_weights, back
+                )
             return (grad_y if shape is None else shape[1](grad_y)), grad_w
 
         guarded_backward = guarded(spec.name, backend, grp, call.timeout, forward, backward)

@@ -86,14 +86,21 @@ class Offer:
         """The once layout where the ranks agree on it, else None: ``heard`` (``(W,
         OFFER_INTS)``: what each rank told this one) and ``received`` (``(W,)``: the rows of
         one row per slot each rank sends this one)."""
-        modes, saved, slots = heard[:, 2], int(heard[:, 3].sum()), int(heard[:, 4].sum())
-        enough = saved >= ONCE_FROM_BYTES and saved >= ONCE_FROM_SHARE * slots
-        if modes.min() == OFF or not (modes.max() == ALWAYS or enough):
+        if not agreed_on(heard):
             return None
         into = incoming(np.asarray(received, dtype=np.int64), heard[:, :2], self.row_bytes)
         world = self.told.shape[0]
         sending = self.sender or _side(self.routing, self.rank, world, self.code, self.row_bytes, False)
         return OnceLayout(sending, into, self.row_bytes, self.code > 0)
+
+
+def agreed_on(heard: np.ndarray) -> bool:
+    """Whether the ranks agree on the once form, from what every rank told (``heard``: ``(W,
+    OFFER_INTS)``, the same on every rank but for the first column): no rank is off, and one
+    says always or the savings add up to :data:`ONCE_FROM_BYTES` and :data:`ONCE_FROM_SHARE`."""
+    modes, saved, slots = heard[:, 2], int(heard[:, 3].sum()), int(heard[:, 4].sum())
+    enough = saved >= ONCE_FROM_BYTES and saved >= ONCE_FROM_SHARE * slots
+    return bool(modes.min() != OFF and (modes.max() == ALWAYS or enough))
 
 
 def _side(routing: Routing, rank: int, world: int, code: int, size: int, may_send_once: bool) -> Outgoing:
