@@ -265,6 +265,76 @@ def device_path_against_plain(rank: int) -> dict:
     return report
 
 
+def _compiled_scenarios(rank: int, world: int):
+    """(name, x, ids, weights, experts, capacity) for the compiled step (each compile costs
+    seconds): float64 top-4 weighted, float32 top-2 unweighted with a capacity and a rank
+    without tokens; dropped slots in both."""
+    rng = np.random.default_rng([rank, world])
+    for dtype, k, experts, capacity, weighted in ((torch.float64, 4, 2, None, True), (torch.float32, 2, 2, 2, False)):
+        tokens = 0 if (rank == 1 and k == 2) else 7
+        ids = np.array([rng.permutation(world * experts)[:k] for _ in range(tokens)], dtype=np.int64)
+        ids = ids.reshape(tokens, k)
+        if tokens:
+            ids[0, 1] = -1
+        x = torch.from_numpy(rng.integers(0, 3, (tokens, 8))).to(dtype)
+        w = torch.from_numpy(rng.choice([1.0, 2.0], (tokens, k))).to(dtype) if weighted else None
+        yield f"{dtype} top-{k} E={experts} capacity={capacity} weighted={weighted}", x, ids, w, experts, capacity
+
+
+def _moe_step(x, ids, w, experts, capacity):
+    rows, rows_per_expert, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=experts, capacity=capacity)
+    again = uc.moe.redispatch(x * 2, handle)
+    parts = torch.split(rows + again, rows_per_expert)
+    y = torch.cat([part * (e + 2.0) for e, part in enumerate(parts)])
+    return uc.moe.combine(y, handle), handle.once is not None
+
+
+def compiled_against_eager(rank: int) -> dict:
+    """Per scenario, a step compiled (fullgraph, aot_eager) with UNICOLL_MOE_ONCE=1 against the
+    eager step with one row per slot: the result and the gradients of x and the weights equal,
+    the once form used; and the compiles of one routing after another (three new routings of
+    the same shapes: one compile each scenario)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    report = {}
+    for name, x0, ids0, w0, experts, capacity in _compiled_scenarios(rank, uc.get_world_size()):
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(_moe_step, fullgraph=True, backend=counter)
+        same = True
+        for turn in range(3):  # a new routing each turn: the rows per expert change, no recompile
+            ids = torch.from_numpy(np.roll(ids0, turn, axis=1).copy())
+            results = []
+            for once, fn in (("0", _moe_step), ("1", compiled)):
+                os.environ[ONCE_ENV_VAR] = once
+                try:
+                    x = x0.clone().requires_grad_()
+                    w = None if w0 is None else w0.clone().requires_grad_()
+                    out, used = fn(x, ids, w, experts, capacity)
+                    (out * out).sum().backward()
+                    grads = (x.grad.tolist(), None if w is None else w.grad.tolist())
+                    results.append((out.detach().tolist(), grads, used))
+                finally:
+                    del os.environ[ONCE_ENV_VAR]
+            (plain, plain_grads, plain_used), (once, once_grads, used) = results
+            same &= plain == once and plain_grads == once_grads and used and not plain_used
+        report[name] = (same, counter.frame_count)
+    return report
+
+
+def compiled_on_one_rank_only(rank: int) -> str:
+    """Rank 0 runs the step compiled to send each token once per rank, the others eagerly (or
+    compiled with one row per slot): the layout's count exchange refuses it on every rank."""
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    os.environ[ONCE_ENV_VAR] = "1" if rank == 0 else "0"
+    try:
+        step = torch.compile(_moe_step, fullgraph=True, backend="aot_eager") if rank < 2 else _moe_step
+        with pytest.raises(uc.CrossRankMismatchError) as refused:
+            step(torch.ones(3, 4), ids, None, 2, None)
+        return str(refused.value)
+    finally:
+        del os.environ[ONCE_ENV_VAR]
+
+
 def one_rank_turns_it_off(rank: int) -> dict:
     """Rank 0 turns the once form off: every rank then sends one row per slot, correctly."""
     ids = torch.tensor([[0, 1], [2, 3], [0, 1]])
@@ -490,6 +560,32 @@ def test_on_a_device_backend_once_per_rank_equals_one_row_per_slot(world: int, c
             # the dispatch's one read of its counts and nothing more (check mode reads what it compares)
             assert reads[1] == reads[0] and (check or reads == (1, 1)), (name, reads)
     assert any(b[0] < b[1] for report in reports for (_, _, _, b, _) in report.values())
+
+
+COMPILED = {
+    (backend, world): share(
+        backend,
+        world,
+        [Case("once: compiled", compiled_against_eager), Case("once: compiled on one rank", compiled_on_one_rank_only)],
+    )
+    for backend, world in (("gloo", 2), ("mpi", 2))
+}
+
+
+@pytest.mark.parametrize(("backend", "world"), list(COMPILED))
+def test_a_compiled_step_sends_each_token_once_per_rank_with_eager_s_results(backend: str, world: int) -> None:
+    for report in SESSION.results(COMPILED[backend, world], "once: compiled"):
+        for name, (same, compiles) in report.items():
+            assert same, name
+            assert compiles == 1, (name, compiles)  # new routings never recompile
+
+
+@pytest.mark.parametrize(("backend", "world"), list(COMPILED))
+def test_a_step_compiled_to_send_once_on_some_ranks_only_is_refused_on_every_rank(backend: str, world: int) -> None:
+    messages = SESSION.results(COMPILED[backend, world], "once: compiled on one rank")
+    others = list(range(1, world))
+    expected = "moe.dispatch: ranks disagree: ranks [0] run a step compiled to send each token once per rank"
+    assert all(m.startswith(expected) and f"ranks {others} do not" in m for m in messages), messages
 
 
 GROUP = share("gloo", 3, [Case("once: in a group", in_a_group)])

@@ -26,7 +26,8 @@ import torch
 from .. import runtime
 from ..backends.layout import moe_plan
 from ..counts import even_split
-from ..eager import moe, ops, static_moe
+from ..eager import device_once, moe, ops, static_moe
+from ..eager.once_choice import COMPILED
 from ..group import Group, group_numbered
 from . import locked
 
@@ -500,8 +501,8 @@ _reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_
 
 @_op(
     "moe_layout",
-    "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int group, int? capacity) "
-    "-> (Tensor, Tensor, Tensor, Tensor, SymInt[])",
+    "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int group, int? capacity, bool once) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, SymInt[])",
 )
 def _moe_layout(
     x: torch.Tensor,
@@ -510,18 +511,56 @@ def _moe_layout(
     experts_per_rank: int,
     group: int,
     capacity: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    once: bool,
+) -> tuple[torch.Tensor, ...]:
     """moe.dispatch's validation, check and count exchange: the counts sent and received (host
     int64), the token of each row sent and each slot's row (int64 on x's device), and the rows
-    each local expert receives (ints: the graph reads no tensor for them)."""
+    each local expert receives (ints: the graph reads no tensor for them). ``once``: the step
+    sends each token once per rank (every rank's must: the count exchange refuses a mix), and
+    the layout of that follows (:func:`_once_layout`; else five empty tensors and no size)."""
     weights = None if topk_weights is None else topk_weights.detach()
     local_count, global_count, send_tokens, slot_rows = locked.moe_layout(
-        x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity
+        x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity, once
     )
     on_x = functools.partial(torch.as_tensor, device=x.device)
     rows_per_expert = global_count.reshape(-1, experts_per_rank).sum(0).tolist()
     counts = torch.from_numpy(local_count), torch.from_numpy(global_count)
-    return *counts, on_x(send_tokens), on_x(slot_rows), rows_per_expert
+    plain = *counts, on_x(send_tokens), on_x(slot_rows)
+    if not once:
+        return *plain, *_no_once_layout(x), rows_per_expert
+    *layout, pairs_received = _once_layout(topk_idx.to(x.device), plain, experts_per_rank, group)
+    return *plain, *layout, [*rows_per_expert, pairs_received]
+
+
+def _no_once_layout(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """moe_layout's once outputs of a step that sends one row per slot: five empty tensors,
+    the counts on the host, the indices on x's device."""
+    host = [torch.empty(0, dtype=torch.int64) for _ in range(2)]  # outputs never alias each other
+    return *host, *(x.new_empty(0, dtype=torch.int64) for _ in range(3))
+
+
+def _once_layout(
+    topk_idx: torch.Tensor, plain: tuple[torch.Tensor, ...], experts_per_rank: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The layout of a compiled step that sends each token once per rank, from the plain one
+    (``plain``: moe_layout's four tensors): the (token, rank) pairs made where the tokens are
+    (:func:`unicoll.eager.device_once.pairs`), their counts exchanged (host int64: sent to and
+    received from each rank), each slot's metadata sent along the plain counts and read into
+    each expert row's row among the token rows received; returned with the pairs' tokens, each
+    plain row's slot and the token rows received."""
+    local_count, global_count, _, slot_rows = plain
+    grp = runtime.resolve_group(group_of(group), "moe.dispatch")
+    found = device_once.pairs(torch, topk_idx, slot_rows, local_count.to(topk_idx.device), grp.rank,
+                              grp.world_size, experts_per_rank, 0, 0, COMPILED)  # fmt: skip
+    sent = found.told[:, 0].cpu()
+    received = locked.exchange_counts(sent, group_of(group))
+    rows = int(local_count.sum())
+    meta = locked.global_scatter(found.meta[:rows].reshape(-1, 1), local_count, global_count, group_of(group), True)
+    where = meta.reshape(-1)
+    firsts = torch.as_tensor(np.concatenate([[0], np.cumsum(received.numpy())[:-1]]), device=where.device)
+    index = firsts[where // device_once.SOURCE] + where % device_once.SOURCE
+    pair_token = found.pair_token[: int(sent.sum())]
+    return sent, received, pair_token, index, found.row_slot[:rows], int(received.sum())
 
 
 @_moe_layout.register_fake
@@ -532,14 +571,25 @@ def _moe_layout_fake(
     experts_per_rank: int,
     group: int,
     capacity: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    once: bool,
+) -> tuple[torch.Tensor, ...]:
     """Counts of one size per global expert; the rows sent (a new dynamic size); one row per
-    slot; a new dynamic size per local expert."""
-    experts = world_size(group, "moe.dispatch") * experts_per_rank
-    counts = torch.empty((experts,), dtype=torch.int64)
+    slot; a new dynamic size per local expert; with ``once``, counts of one size per rank, the
+    pairs sent, one index per row received, one slot per row sent and the token rows received
+    (new dynamic sizes)."""
+    world = world_size(group, "moe.dispatch")
+    counts = torch.empty((world * experts_per_rank,), dtype=torch.int64)
     send_tokens = x.new_empty((_new_rows(None),), dtype=torch.int64)
     slot_rows = x.new_empty((topk_idx.numel(),), dtype=torch.int64)
-    return counts, torch.empty_like(counts), send_tokens, slot_rows, [_new_rows(None) for _ in range(experts_per_rank)]
+    rows_per_expert = [_new_rows(None) for _ in range(experts_per_rank)]
+    plain = counts, torch.empty_like(counts), send_tokens, slot_rows
+    if not once:
+        return *plain, *_no_once_layout(x), rows_per_expert
+    per_rank = torch.empty((world,), dtype=torch.int64)
+    index = x.new_empty((sum(rows_per_expert),), dtype=torch.int64)
+    pair_token, row_slot = (x.new_empty((_new_rows(None),), dtype=torch.int64) for _ in range(2))
+    sizes = [*rows_per_expert, _new_rows(None)]
+    return *plain, per_rank, torch.empty_like(per_rank), pair_token, index, row_slot, sizes
 
 
 @_op("moe_check", "(Tensor rows, Tensor send_tokens, SymInt tokens, SymInt received, bool weighted, str op) -> ()")

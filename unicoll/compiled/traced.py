@@ -14,6 +14,8 @@ calls trace as its layout in tensors (``unicoll::moe_layout``, a :class:`TracedH
 from __future__ import annotations
 
 import functools
+import math
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,6 +25,7 @@ import torch
 from .. import runtime
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
+from ..eager.once_choice import ONCE_ENV_VAR
 from ..group import Group
 from ..routing import Handle, Routing
 from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks
@@ -304,6 +307,24 @@ def reduce_scatter(
     return torch.ops.unicoll.reduce_scatter(tensor, op, splits, number, use_calc_stream, state)
 
 
+class TracedOnce(NamedTuple):
+    """What a compiled dispatch that sends each token once per rank keeps beside its
+    :class:`TracedHandle` (the once outputs of ``unicoll::moe_layout``)."""
+
+    sent: torch.Tensor
+    """The token rows sent to each rank (host int64)."""
+    received: torch.Tensor
+    """The token rows received from each rank (host int64)."""
+    pair_token: torch.Tensor
+    """The token of each row sent (int64, on x's device)."""
+    index: torch.Tensor
+    """Each expert row's row among the token rows received (int64, on x's device)."""
+    row_slot: torch.Tensor
+    """The slot of each row one row per slot would have sent (int64, on x's device)."""
+    pairs_received: int
+    """The token rows received (an unbacked size while tracing)."""
+
+
 class TracedHandle(NamedTuple):
     """What :func:`unicoll.moe.dispatch` hands back in compiled code: the layout as tensors (the
     outputs of ``unicoll::moe_layout``), which :func:`moe_redispatch` and :func:`moe_combine`
@@ -327,6 +348,8 @@ class TracedHandle(NamedTuple):
     """The slots per token."""
     rows_per_expert: list[int]
     """The rows each local expert received (unbacked sizes while tracing)."""
+    once: TracedOnce | None = None
+    """How each token went once per rank, or None where one row per slot went."""
 
     @property
     def weighted(self) -> bool:
@@ -373,17 +396,40 @@ def moe_dispatch(
     sizes_ok = type(experts_per_rank) is int and (capacity is None or type(capacity) is int)
     if not tensors or not weights_ok or not sizes_ok or not _flags(sync_op) or not _traced(number):
         return _untraced(eager)
-    local_count, global_count, send_tokens, slot_rows, rows_per_expert = torch.ops.unicoll.moe_layout(
-        x, topk_idx, topk_weights, experts_per_rank, number, capacity
-    )
+    once = _sends_once(x, topk_idx, number)
+    *layout, sizes = torch.ops.unicoll.moe_layout(x, topk_idx, topk_weights, experts_per_rank, number, capacity, once)
+    local_count, global_count, send_tokens, slot_rows = layout[:4]
+    rows_per_expert = sizes[:experts_per_rank]
+    tokens, topk = topk_idx.shape
+    traced_once = TracedOnce(*layout[4:], sizes[experts_per_rank]) if once else None
+    handle = TracedHandle(local_count, global_count, send_tokens, slot_rows, topk_weights, number, tokens, topk,
+                          rows_per_expert, traced_once)  # fmt: skip
+    if traced_once is not None:
+        return _once_rows(x, handle), rows_per_expert, handle
     received = torch.ops.unicoll.global_scatter(
         x.index_select(0, send_tokens), local_count, global_count, number, True, sum(rows_per_expert)
     )
-    tokens, topk = topk_idx.shape
-    handle = TracedHandle(
-        local_count, global_count, send_tokens, slot_rows, topk_weights, number, tokens, topk, rows_per_expert
-    )
     return received, rows_per_expert, handle
+
+
+def _sends_once(x: torch.Tensor, topk_idx: torch.Tensor, number: int) -> bool:
+    """Whether a compiled dispatch sends each token once per rank: where
+    ``UNICOLL_MOE_ONCE=1`` when the step is compiled (a graph cannot take either form per call,
+    so by default it sends one row per slot), over more than one rank, at top-k above 1, for
+    rows of some bytes. Every rank's step must be compiled alike (the layout refuses a mix)."""
+    if os.environ.get(ONCE_ENV_VAR) != "1" or topk_idx.ndim != 2 or topk_idx.shape[1] < 2:
+        return False
+    return world_size(number, "moe.dispatch") > 1 and math.prod(x.shape[1:]) > 0
+
+
+def _once_rows(x: torch.Tensor, handle: TracedHandle) -> torch.Tensor:
+    """The rows of x a once handle's dispatch (or redispatch) delivers: each token's row to each
+    of its ranks by ``unicoll::global_scatter`` of one count per rank, expanded there into the
+    expert rows by one gather; autograd follows both (dispatch's backward is a combine)."""
+    once = handle.once
+    sent = x.index_select(0, once.pair_token)
+    arrived = torch.ops.unicoll.global_scatter(sent, once.sent, once.received, handle.group, True, once.pairs_received)
+    return arrived.index_select(0, once.index)
 
 
 def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
@@ -397,6 +443,8 @@ def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
         return _untraced(_with_handle, locked.moe_redispatch, x, handle, sync_op)
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(x, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.redispatch")
+    if handle.once is not None:
+        return _once_rows(x, handle)
     sent = x.index_select(0, handle.send_tokens)
     return torch.ops.unicoll.global_scatter(sent, handle.local_count, handle.global_count, handle.group, True, received)
 
@@ -414,6 +462,8 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     sent = handle.send_tokens.shape[0]
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")
+    if handle.once is not None:
+        return _once_combine(y, handle)
     back = torch.ops.unicoll.global_gather(y, handle.local_count, handle.global_count, handle.group, True, sent)
     back = torch.cat([back, back.new_zeros((1, *y.shape[1:]))])
     weights = handle.weights
@@ -421,6 +471,38 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
         kept = handle.slot_rows.reshape(handle.tokens, handle.topk) < sent
         weights = torch.where(kept, weights, torch.zeros_like(weights))
     return sum_at_once(back, handle.slot_rows, handle.tokens, handle.topk, weights, None)
+
+
+def _once_combine(y: torch.Tensor, handle: TracedHandle) -> torch.Tensor:
+    """combine along a once handle: each slot's weight (1 without weights: every rank's graph
+    sends them) to its expert row by ``unicoll::global_scatter`` along the plain counts, each
+    token's weighted rows summed there into one row per (token, rank), sent back by
+    ``unicoll::global_gather`` of one count per rank and summed per token, in the promoted dtype
+    of the rows and this rank's weights (2-byte floats in float32). Autograd follows it all:
+    the weights' gradients come back along the counts they went by."""
+    once, weights = handle.once, handle.weights
+    dtype = _sum_dtype(y.dtype, None if weights is None else weights.dtype)
+    if weights is None:
+        column = torch.ones((once.row_slot.shape[0], 1), dtype=torch.float64, device=y.device)
+    else:
+        column = weights.reshape(-1).index_select(0, once.row_slot).to(torch.float64).reshape(-1, 1)
+    rows = sum(handle.rows_per_expert)
+    there = torch.ops.unicoll.global_scatter(column, handle.local_count, handle.global_count, handle.group, True, rows)
+    flat = y.reshape(y.shape[0], math.prod(y.shape[1:])).to(dtype) * there.to(dtype)
+    summed = flat.new_zeros((once.pairs_received, flat.shape[1])).index_add(0, once.index, flat).to(y.dtype)
+    sent = once.pair_token.shape[0]
+    back = torch.ops.unicoll.global_gather(summed, once.sent, once.received, handle.group, True, sent).to(dtype)
+    out = back.new_zeros((handle.tokens, back.shape[1])).index_add(0, once.pair_token, back)
+    return out.to(y.dtype).reshape(handle.tokens, *y.shape[1:])
+
+
+def _sum_dtype(rows: torch.dtype, weights: torch.dtype | None) -> torch.dtype:
+    """The dtype a combine sums in: rows' and weights' promoted (rows' own without weights),
+    2-byte floats in float32."""
+    if weights is None:
+        return rows
+    dtype = torch.promote_types(rows, weights)
+    return torch.float32 if dtype.is_floating_point and dtype.itemsize == 2 else dtype
 
 
 # -- the static-shape MoE operators: the layout traced on the array API, even all-to-alls ------

@@ -31,8 +31,8 @@ from ..backends.once import WEIGHT_DTYPES
 from ..group import Group
 from .once_choice import agreed_on
 
-_SOURCE = 1 << 40
-"""The factor of the source rank in a plain row's metadata (``source * _SOURCE + position``)."""
+SOURCE = 1 << 40
+"""The factor of the source rank in a plain row's metadata (``source * SOURCE + position``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +75,7 @@ def pairs(torch: Any, ids: Any, slot_rows: Any, local_count: Any, rank: int, wor
     row_slot = torch.argsort(slot_rows, stable=True)  # kept slots' rows are 0 .. sent - 1, dropped last
     token = row_slot // k
     row_rank = expert // experts
-    meta = rank * _SOURCE + position.reshape(-1)[(token * world + row_rank).clamp(max=max(tokens * world - 1, 0))]
+    meta = rank * SOURCE + position.reshape(-1)[(token * world + row_rank).clamp(max=max(tokens * world - 1, 0))]
     slots = local_count.reshape(world, experts).sum(1)
     others = torch.arange(world, device=where) != rank
     one_per_slot = (slots * others).sum() * row_bytes
@@ -165,7 +165,7 @@ def dispatch(backend: Backend, group: Group, x: Any, once: DeviceOnce, async_op:
 
         arrived, where = tokens.finish(), meta.finish().reshape(-1)
         firsts = torch.as_tensor(np.concatenate([[0], np.cumsum(once.received)[:-1]]), device=where.device)
-        once.index = firsts[where // _SOURCE] + where % _SOURCE
+        once.index = firsts[where // SOURCE] + where % SOURCE
         return backend.take_rows(arrived, once.index)
 
     return Pending(tokens.works + meta.works, finish)

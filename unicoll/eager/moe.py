@@ -44,7 +44,7 @@ from ..workspace import FROM_BYTES
 from . import device_once, moe_once
 from .device_once import DeviceOnce, Pairs
 from .moe_once import OnceLayout
-from .once_choice import OFF, OFFER_INTS, offer, once_mode
+from .once_choice import COMPILED, OFF, OFFER_INTS, offer, once_mode, refuse_mixed
 from .ops import _functional, _run, global_gather_backward, global_scatter_backward, guarded
 
 
@@ -107,17 +107,25 @@ def combine(y: Any, handle: Handle, *, sync_op: bool = True) -> Any | Task:
 
 
 def layout(
-    x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, group: Group | None, capacity: int | None
+    x: Any,
+    topk_idx: Any,
+    topk_weights: Any,
+    experts_per_rank: int,
+    group: Group | None,
+    capacity: int | None,
+    once: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, Any, Any]:
     """:func:`dispatch`'s validation, check and counts exchange, without sending the rows: the
     counts sent and received (host int64), the send order (each row's token) and each slot's
     row (see :class:`~unicoll.backends.layout.Routing`: host int64 on a host backend, on x's
     device on a device backend, which reads the counts on the host once), from which a caller
-    that keeps the layout in arrays of its own sends the rows with ``global_scatter``."""
+    that keeps the layout in arrays of its own sends the rows with ``global_scatter``.
+    ``once``: the caller (a compiled step) sends each token once per rank; every rank must
+    (:func:`unicoll.eager.once_choice.refuse_mixed`)."""
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
                      group=group, sync_op=True, capacity=capacity)  # fmt: skip
     call = prepare(MOE_DISPATCH, arguments)
-    exchanged = _routed(call, call.backend.to_native(x), topk_idx, None, once=False)
+    exchanged = _routed(call, call.backend.to_native(x), topk_idx, None, COMPILED_ONCE if once else PLAIN_ONLY)
     with translated(MOE_DISPATCH.name, call.group, call.timeout):
         if call.compare:
             verify(MOE_DISPATCH, call)
@@ -164,7 +172,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     native = backend.to_native(x)
     native_weights = None if weights is None else backend.to_native(weights)
-    exchanged = _routed(call, native, arguments["topk_idx"], native_weights, once=True)
+    exchanged = _routed(call, native, arguments["topk_idx"], native_weights, EAGER_ONCE)
     routing: Routing | None = None
     plan: MoePlan | None = None
     once: OnceLayout | None = None
@@ -199,58 +207,63 @@ def host_ids(topk_idx: Any) -> np.ndarray:
     return np.asarray(on_host(topk_idx), dtype=np.int64)
 
 
+EAGER_ONCE, PLAIN_ONLY, COMPILED_ONCE = "eager once", "plain only", "compiled once"
+"""What a dispatch's routing offers its peers (:func:`_routed`): an eager dispatch may send each
+token once per rank; a caller who moves the rows itself sends one row per slot; a compiled
+step's graph sends each token once per rank."""
+
+
 def _routed(
-    call: Call, native: Any, topk_idx: Any, weights: Any, once: bool
-) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
+    call: Call, native: Any, topk_idx: Any, weights: Any, form: str
+) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | DeviceOnce | None]]:
     """The routing of a dispatch, made now where the backend's arrays are: on the host for a
     host backend (:func:`_routed_on_host`), else on the device (:func:`_routed_on_device`;
-    ``native``: x as the backend moves it); and how to exchange its counts. ``once``: whether
-    this dispatch may send each token once per rank (``weights``: its native weights, or None)."""
+    ``native``: x as the backend moves it); and how to exchange its counts, with what ``form``
+    offers (``weights``: the dispatch's native weights, or None)."""
     if call.backend.host_memory:
-        return _routed_on_host(call, native if once else None, weights)
-    return _routed_on_device(call, native, topk_idx, weights if once else _NOT_ONCE)
+        return _routed_on_host(call, native if form == EAGER_ONCE else None, weights, form == COMPILED_ONCE)
+    return _routed_on_device(call, native, topk_idx, weights, form)
 
 
-def _routed_on_host(call: Call, native: Any, weights: Any) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
+def _routed_on_host(
+    call: Call, native: Any, weights: Any, compiled: bool
+) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a host backend's dispatch, made now, and how to exchange its counts:
     which returns the routing, the plan of the rows' transfer and, where the ranks agree on it
     (:mod:`unicoll.eager.once_choice`, whose offer travels beside the counts), the layout that
     sends each token once per rank. ``native``: x as the backend moves it, or None for a caller
-    who moves the rows itself; ``weights``: native, or None."""
+    who moves the rows itself; ``weights``: native, or None; ``compiled``: a compiled step's
+    layout whose graph sends each token once per rank."""
     world, experts = call.W, call.experts_per_rank
     routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
     moved = bool({"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe)
-    offered = offer(MOE_DISPATCH.name, routing, call.group.rank, world, native, weights, moved)
+    offered = offer(MOE_DISPATCH.name, routing, call.group.rank, world, native, weights, moved, compiled)
 
     def exchanged() -> tuple[Routing, MoePlan, OnceLayout | None]:
         told = np.concatenate([routing.local_count.reshape(world, experts), offered.told], axis=1)
         heard = call.backend.exchange_ints(told.reshape(-1), call.group).reshape(world, -1)
+        refuse_mixed(MOE_DISPATCH.name, heard[:, experts:])
         plan = moe_plan(routing.local_count, np.ascontiguousarray(heard[:, :experts]).reshape(-1), world)
         return routing, plan, offered.agreed(heard[:, experts:], np.array(plan.recv, dtype=np.int64))
 
     return exchanged
 
 
-_NOT_ONCE = object()
-"""What :func:`_routed` passes for the weights of a dispatch that may not send each token once
-per rank (a caller who moves the rows itself)."""
-
-
 def _routed_on_device(
-    call: Call, native: Any, topk_idx: Any, weights: Any
+    call: Call, native: Any, topk_idx: Any, weights: Any, form: str
 ) -> Callable[[], tuple[Routing, MoePlan, DeviceOnce | None]]:
     """The routing of a device backend's dispatch, made now where x is (``native``: x as the
     backend moves it; :func:`unicoll.device_routing.device_routing`), with its (token, rank)
-    pairs where this rank offers to send each token once per rank
-    (:func:`unicoll.eager.device_once.pairs`: torch tensors; ``weights``: native, or
-    :data:`_NOT_ONCE`), and how to exchange its counts there and read them in one copy
-    (:func:`_counts_read`)."""
+    pairs where this eager dispatch offers to send each token once per rank
+    (:func:`unicoll.eager.device_once.pairs`: torch tensors; ``weights``: native, or None), and
+    how to exchange its counts there and read them in one copy (:func:`_counts_read`), with
+    what ``form`` offers."""
     xp = array_namespace(native)
     ids = _ids_on(call.backend, topk_idx, native)
     experts = call.W * call.experts_per_rank
     found = device_routing(xp, ids, experts, call.capacity)
     pairs = None
-    if weights is not _NOT_ONCE:
+    if form == EAGER_ONCE:
         code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
         usable = native if code >= 0 and library_of(native) == "torch" else None  # torch tensors only
         moved = bool({"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe)
@@ -261,7 +274,8 @@ def _routed_on_device(
             rank, size = call.group.rank, row_bytes(native)
             pairs = device_once.pairs(torch, ids, found.slot_rows, found.local_count, rank, call.W,
                                       call.experts_per_rank, size, code, mode)  # fmt: skip
-    return functools.partial(_counts_read, call, xp, found, ids.shape, pairs, row_bytes(native))
+    mode = COMPILED if form == COMPILED_ONCE else OFF
+    return functools.partial(_counts_read, call, xp, found, ids.shape, pairs, mode, row_bytes(native))
 
 
 def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
@@ -273,25 +287,32 @@ def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
     return xp.asarray(on_host(ids), device=device(native))
 
 
+def _mode_told(xp: Any, mode: int, world: int, like: Any) -> Any:
+    """What a rank that makes no (token, rank) pairs tells each peer of the once form: ``mode`` alone."""
+    told = [xp.zeros((world, 2), dtype=like.dtype, device=device(like))]
+    told.append(xp.full((world, 1), mode, dtype=like.dtype, device=device(like)))
+    told.append(xp.zeros((world, OFFER_INTS - 3), dtype=like.dtype, device=device(like)))
+    return xp.concat(told, axis=1)
+
+
 def _counts_read(
-    call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, int], pairs: Pairs | None, size: int
+    call: Call, xp: Any, found: DeviceRouting, shape: tuple[int, int], pairs: Pairs | None, mode: int, size: int
 ) -> tuple[Routing, MoePlan, DeviceOnce | None]:
     """The counts of a routing on the device (``found``) exchanged on the device, with every
-    rank's ids' range and its offer of the once form (``pairs``, or None: off), then read on the
-    host in one copy: the routing and plan of the rows' transfer, and the once layout where the
+    rank's ids' range and its offer of the once form (``pairs``, or None: ``mode`` alone), then
+    read on the host in one copy: the routing and plan of the rows' transfer, and the once layout where the
     ranks agree on it (rows of ``size`` bytes). Ids out of range on any rank raise the same
     ValueError on every rank here, before a row is sent."""
     backend, grp, world, experts = call.backend, call.group, call.W, call.experts_per_rank
     width = experts + FAULTS + OFFER_INTS
     counts = xp.reshape(found.local_count, (world, experts))
     faults = xp.broadcast_to(xp.reshape(found.faults, (1, FAULTS)), (world, FAULTS))
-    offered = (
-        pairs.told if pairs is not None else xp.zeros((world, OFFER_INTS), dtype=counts.dtype, device=device(counts))
-    )
+    offered = pairs.told if pairs is not None else _mode_told(xp, mode, world, counts)
     told = xp.reshape(xp.concat([counts, faults, offered], axis=1), (-1,))
     got = backend.exchange_native_ints(told, grp)
     both = backend.read_ints(xp.concat([told, got])).reshape(2, world, width)  # the one read
     _refuse_ids(both[1, :, experts : experts + FAULTS], shape, world * experts, grp.rank)
+    refuse_mixed(MOE_DISPATCH.name, both[1, :, experts + FAULTS :])
     local_count, global_count = both[0, :, :experts].reshape(-1), both[1, :, :experts].reshape(-1)
     sent, received = int(local_count.sum()), int(global_count.sum())
     orders = None

@@ -196,7 +196,7 @@ def combine(
     return issued(work, lambda: back)
 
 
-def _torch(a: Any) -> Any:
+def as_torch(a: Any) -> Any:
     """A host native array as a torch tensor over the same memory."""
     if library_of(a) == "torch":
         return a
@@ -210,7 +210,7 @@ def _flat(t: Any) -> Any:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
-def _as_native(t: Any, like: Any) -> Any:
+def as_native(t: Any, like: Any) -> Any:
     """A torch result as ``like``'s library (a numpy array shares its memory)."""
     return t if library_of(like) == "torch" else t.numpy()
 
@@ -235,14 +235,14 @@ def sum_by_target(y: Any, layout: OnceLayout, weighted: bool) -> Any:
     import torch
 
     expansion, rows = layout.expansion, int(layout.incoming.back.sum())
-    ty = _torch(y)
+    ty = as_torch(y)
     flat = _flat(ty)
     if weighted and expansion.weights is not None:
         dtype = _sum_dtype(ty.dtype, expansion.weight_code)
         summed = torch.sparse.mm(layout.weighing(dtype), flat.to(dtype)).to(ty.dtype)
     else:
         summed = flat.new_zeros((rows, flat.shape[1])).index_add_(0, layout.torch_index("target"), flat)
-    return _as_native(summed.reshape(rows, *ty.shape[1:]), y)
+    return as_native(summed.reshape(rows, *ty.shape[1:]), y)
 
 
 def sum_at_source(layout: OnceLayout, back: Any, tokens: int, weights: Any) -> Any:
@@ -252,18 +252,18 @@ def sum_at_source(layout: OnceLayout, back: Any, tokens: int, weights: Any) -> A
     dtype. A token with no row (every slot dropped) gets zeros."""
 
     out = layout.outgoing
-    tb = _torch(back)
+    tb = as_torch(back)
     flat = _flat(tb)
     vals = flat
     if weights is not None:
-        tw = _torch(weights)
+        tw = as_torch(weights)
         dtype = _sum_dtype(tb.dtype, 1 + WEIGHT_DTYPES.index(str(tw.dtype).rsplit(".", 1)[-1]))
         vals = flat.to(dtype)
         column = _source_column(out, tw, dtype)
         if column is not None:
             vals = vals * column[:, None]
     summed = vals.new_zeros((tokens, flat.shape[1])).index_add_(0, layout.torch_index("row_token"), vals)
-    return _as_native(summed.to(tb.dtype).reshape(tokens, *tb.shape[1:]), back)
+    return as_native(summed.to(tb.dtype).reshape(tokens, *tb.shape[1:]), back)
 
 
 def _source_column(out: Outgoing, weights: Any, dtype: Any) -> Any:
@@ -301,36 +301,36 @@ def combine_backward(
     import torch
 
     out, into, expansion = layout.outgoing, layout.incoming, layout.expansion
-    tg = _torch(grad)
+    tg = as_torch(grad)
     flat = _flat(tg)
     rows = flat.index_select(0, layout.torch_index("row_token"))
-    column = None if weights is None else _source_column(out, _torch(weights), rows.dtype)
+    column = None if weights is None else _source_column(out, as_torch(weights), rows.dtype)
     if column is not None:
         rows = rows * column[:, None]
-    sent = _as_native(rows, grad)
+    sent = as_native(rows, grad)
     there = backend.empty_rows(sent, int(into.back.sum()))
     backend.alltoallv(there, sent, into.back.tolist(), out.back.tolist(), group, False, True)
-    per_row = _flat(_torch(there)).index_select(0, layout.torch_index("target"))
-    ty = _flat(_torch(y))
+    per_row = _flat(as_torch(there)).index_select(0, layout.torch_index("target"))
+    ty = _flat(as_torch(y))
     remote = _remote_weight_grads(backend, group, layout, per_row, ty, y)
     if expansion.weights is not None:
         per_row = per_row.mul_(torch.from_numpy(expansion.weights).to(per_row.dtype)[:, None])
-    grad_y = _as_native(per_row.to(ty.dtype).reshape(_torch(y).shape), y)
+    grad_y = as_native(per_row.to(ty.dtype).reshape(as_torch(y).shape), y)
     if weights is None:
         return grad_y, None
     grad_w = torch.zeros(tokens * topk, dtype=torch.float64)
     here = np.flatnonzero(out.weighed_here[out.row_lead])
     if here.size:
         leads = torch.from_numpy(out.row_lead[here])
-        mine = _flat(_torch(back)).index_select(0, torch.from_numpy(here))
+        mine = _flat(as_torch(back)).index_select(0, torch.from_numpy(here))
         grad_w[leads] = (mine * flat.index_select(0, leads // topk)).sum(1).to(torch.float64)
     at = 0
     for c in np.flatnonzero(out.once):  # in rank order, as they came
         rows_of_c = torch.from_numpy(out.row_slot[out.plain_rows(c)])
         grad_w[rows_of_c] = torch.from_numpy(remote[at : at + rows_of_c.numel()])
         at += rows_of_c.numel()
-    shaped = grad_w.reshape(tokens, topk).to(_torch(weights).dtype)
-    return grad_y, _as_native(shaped, weights)
+    shaped = grad_w.reshape(tokens, topk).to(as_torch(weights).dtype)
+    return grad_y, as_native(shaped, weights)
 
 
 def _remote_weight_grads(

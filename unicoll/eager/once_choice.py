@@ -22,7 +22,7 @@ import numpy as np
 from ..backends.host import row_bytes
 from ..backends.layout import Routing
 from ..backends.once import PLAIN, Outgoing, incoming, outgoing, weight_code
-from ..errors import bad_input
+from ..errors import CrossRankMismatchError, bad_input
 from .moe_once import OnceLayout
 
 ONCE_ENV_VAR = "UNICOLL_MOE_ONCE"
@@ -50,8 +50,9 @@ tells its peers the plain form and no savings, which every rank hears alike."""
 OFFER_INTS = 5
 """The ints a rank tells each peer of the once form beside its counts (see above)."""
 
-OFF, AUTO, ALWAYS = 0, 1, 2
-"""The modes a rank tells its peers (:func:`once_mode`)."""
+OFF, AUTO, ALWAYS, COMPILED = 0, 1, 2, 3
+"""The modes a rank tells its peers: :func:`once_mode`'s, or ``COMPILED`` from a compiled step
+whose graph sends each token once per rank (:func:`refuse_mixed`)."""
 
 
 def once_mode(op: str, world: int, topk: int, native: Any, moved_by_backend: bool) -> int:
@@ -95,12 +96,28 @@ class Offer:
 
 
 def agreed_on(heard: np.ndarray) -> bool:
-    """Whether the ranks agree on the once form, from what every rank told (``heard``: ``(W,
-    OFFER_INTS)``, the same on every rank but for the first column): no rank is off, and one
-    says always or the savings add up to :data:`ONCE_FROM_BYTES` and :data:`ONCE_FROM_SHARE`."""
+    """Whether the ranks agree on the eager once form, from what every rank told (``heard``:
+    ``(W, OFFER_INTS)``, the same on every rank but for the first column): every rank offers it
+    eagerly, and one says always or the savings add up to :data:`ONCE_FROM_BYTES` and
+    :data:`ONCE_FROM_SHARE`."""
     modes, saved, slots = heard[:, 2], int(heard[:, 3].sum()), int(heard[:, 4].sum())
     enough = saved >= ONCE_FROM_BYTES and saved >= ONCE_FROM_SHARE * slots
-    return bool(modes.min() != OFF and (modes.max() == ALWAYS or enough))
+    return bool(modes.min() != OFF and modes.max() != COMPILED and (modes.max() == ALWAYS or enough))
+
+
+def refuse_mixed(op: str, heard: np.ndarray) -> None:
+    """The same :class:`~unicoll.errors.CrossRankMismatchError` on every rank where some ranks
+    run a compiled step whose graph sends each token once per rank (mode ``COMPILED`` in
+    ``heard``, what every rank told) and others do not: a graph cannot take the other form, so
+    their next transfers would not match. Raised before a row moves."""
+    compiled = heard[:, 2] == COMPILED
+    if compiled.any() and not compiled.all():
+        once, other = np.flatnonzero(compiled).tolist(), np.flatnonzero(~compiled).tolist()
+        raise CrossRankMismatchError(
+            f"{op}: ranks disagree: ranks {once} run a step compiled to send each token once per rank "
+            f"({ONCE_ENV_VAR}=1 when it was compiled), ranks {other} do not; compile the step on every rank "
+            f"with the same {ONCE_ENV_VAR}"
+        )
 
 
 def _side(routing: Routing, rank: int, world: int, code: int, size: int, may_send_once: bool) -> Outgoing:
@@ -109,18 +126,29 @@ def _side(routing: Routing, rank: int, world: int, code: int, size: int, may_sen
     return outgoing(r.send_tokens, r.slot_rows, r.local_count, rank, world, r.topk, code, size, may_send_once)
 
 
-def offer(op: str, routing: Routing, rank: int, world: int, native: Any, weights: Any, moved_by_backend: bool) -> Offer:
+def offer(
+    op: str,
+    routing: Routing,
+    rank: int,
+    world: int,
+    native: Any,
+    weights: Any,
+    moved_by_backend: bool,
+    compiled: bool = False,
+) -> Offer:
     """What rank ``rank`` of ``world`` offers for the dispatch ``op`` of ``routing`` (host),
     whose rows are ``native``'s (None: a caller who moves the rows itself) weighed by native
-    ``weights`` (or None); ``moved_by_backend``: the backend moves the MoE rows itself. A rank
-    that would send the others fewer than :data:`ONCE_WEIGHED_FROM_BYTES` by default tells
-    them the plain form without making its side."""
+    ``weights`` (or None); ``moved_by_backend``: the backend moves the MoE rows itself;
+    ``compiled``: a compiled step's layout, whose graph sends each token once per rank (mode
+    ``COMPILED``). A rank that would send the others fewer than
+    :data:`ONCE_WEIGHED_FROM_BYTES` by default tells them the plain form without making its
+    side."""
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
     usable = native if code >= 0 else None  # weights the metadata cannot carry: as without rows
-    mode = once_mode(op, world, routing.topk, usable, moved_by_backend)
+    mode = COMPILED if compiled else once_mode(op, world, routing.topk, usable, moved_by_backend)
     code, size = max(code, 0), 0 if native is None else row_bytes(native)
     sender, saved, slots = None, 0, 0
-    if mode != OFF:
+    if mode in (AUTO, ALWAYS):
         per_rank = routing.local_count.reshape(world, -1).sum(1)
         slots = (int(per_rank.sum()) - int(per_rank[rank])) * size
         if mode == ALWAYS or slots >= ONCE_WEIGHED_FROM_BYTES:

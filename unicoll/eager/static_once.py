@@ -18,13 +18,13 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from ..backends.base import Backend, Pending
-from ..backends.blocks import StaticLayout, counts_heard, counts_told, refuse_other_capacities, with_zero_row
+from ..backends.blocks import StaticLayout, counts_heard, counts_told, refuse_other_capacities
 from ..backends.layout import Routing, moe_plan
 from ..backends.once import bounds
 from ..group import Group
 from ..spec import MOE_DISPATCH_STATIC
 from . import moe_once
-from .moe_once import OnceLayout
+from .moe_once import OnceLayout, as_native, as_torch
 from .once_choice import Offer, offer
 
 
@@ -153,5 +153,9 @@ def valid_rows(backend: Backend, blocks: Any, once: StaticOnce) -> Any:
 def placed(backend: Backend, rows: Any, once: StaticOnce, blocks: tuple[int, int]) -> Any:
     """Native expert-major rows laid into blocks ``(E, W * C, ...)`` (``blocks``: E and W * C),
     zeros after each block's valid rows."""
-    index = np.where(once.rows.placed >= 0, once.rows.placed, rows.shape[0])
-    return _shaped(backend.take_rows(with_zero_row(array_namespace(rows), rows), index), blocks)
+    import torch  # the sums are torch's on every host backend (moe_once)
+
+    flat = as_torch(rows)
+    out = flat.new_zeros((once.rows.placed.size, *flat.shape[1:]))
+    out.index_copy_(0, torch.from_numpy(once.rows.valid_rows), flat)
+    return _shaped(as_native(out, rows), blocks)
