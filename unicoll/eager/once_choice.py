@@ -55,18 +55,21 @@ OFF, AUTO, ALWAYS, COMPILED = 0, 1, 2, 3
 whose graph sends each token once per rank (:func:`refuse_mixed`)."""
 
 
-def once_mode(op: str, world: int, topk: int, native: Any, moved_by_backend: bool) -> int:
+def once_mode(op: str, world: int, topk: int, native: Any, moved_by_backend: bool, by_default: bool = True) -> int:
     """What this rank says of the once form for a dispatch ``op`` over ``world`` ranks at
     top-``topk``: off where it cannot take part (a caller who moves the rows itself, or weights
     the metadata cannot carry: ``native`` None; one rank; top-1; rows of no bytes; a backend
-    that moves the MoE rows itself) or :data:`ONCE_ENV_VAR` turns it off; else auto, or always.
-    Any other value of the variable is refused, naming ``op``, before anything is sent."""
+    that moves the MoE rows itself) or :data:`ONCE_ENV_VAR` turns it off (or, without
+    ``by_default``, does not turn it on); else auto, or always. Any other value of the variable
+    is refused, naming ``op``, before anything is sent."""
     setting = os.environ.get(ONCE_ENV_VAR, "auto")
     if setting not in ("0", "1", "auto", ""):
         raise bad_input(op, f"${ONCE_ENV_VAR}", "0, 1 or auto (empty: auto)", repr(setting))
     if native is None or setting == "0" or world == 1 or topk == 1 or row_bytes(native) == 0 or moved_by_backend:
         return OFF
-    return ALWAYS if setting == "1" else AUTO
+    if setting == "1":
+        return ALWAYS
+    return AUTO if by_default else OFF
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,17 +138,19 @@ def offer(
     weights: Any,
     moved_by_backend: bool,
     compiled: bool = False,
+    by_default: bool = True,
 ) -> Offer:
     """What rank ``rank`` of ``world`` offers for the dispatch ``op`` of ``routing`` (host),
     whose rows are ``native``'s (None: a caller who moves the rows itself) weighed by native
     ``weights`` (or None); ``moved_by_backend``: the backend moves the MoE rows itself;
     ``compiled``: a compiled step's layout, whose graph sends each token once per rank (mode
-    ``COMPILED``). A rank that would send the others fewer than
+    ``COMPILED``); ``by_default``: whether the form is weighed where the variable is unset
+    (:func:`once_mode`). A rank that would send the others fewer than
     :data:`ONCE_WEIGHED_FROM_BYTES` by default tells them the plain form without making its
     side."""
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
     usable = native if code >= 0 else None  # weights the metadata cannot carry: as without rows
-    mode = COMPILED if compiled else once_mode(op, world, routing.topk, usable, moved_by_backend)
+    mode = COMPILED if compiled else once_mode(op, world, routing.topk, usable, moved_by_backend, by_default)
     code, size = max(code, 0), 0 if native is None else row_bytes(native)
     sender, saved, slots = None, 0, 0
     if mode in (AUTO, ALWAYS):
