@@ -175,7 +175,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     exchanged = _routed(call, native, arguments["topk_idx"], native_weights, EAGER_ONCE)
     routing: Routing | None = None
     plan: MoePlan | None = None
-    once: OnceLayout | None = None
+    once: OnceLayout | DeviceOnce | None = None
     number = -1
 
     def issue() -> Pending:
@@ -357,7 +357,12 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
 
 def dispatch_backward(
-    backend: Backend, group: Group, grad: Any, plan: MoePlan, routing: Routing, once: OnceLayout | None = None
+    backend: Backend,
+    group: Group,
+    grad: Any,
+    plan: MoePlan | None,
+    routing: Routing,
+    once: OnceLayout | DeviceOnce | None = None,
 ) -> Any:
     """The rows' gradients sent back (global_scatter's backward, with the handle's counts) and
     each token's slots summed: a combine without weights (each token's once per rank, where

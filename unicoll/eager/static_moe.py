@@ -173,7 +173,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     native_weights = None if weights is None else backend.to_native(weights)
     offered = None
     if backend.host_memory and not {"moe_dispatch_static", "moe_combine_static"} & backend.capabilities.moe:
-        offered = static_once.static_offer(layout, grp.rank, world, native_x, native_weights, False)
+        offered = static_once.static_offer(layout, grp.rank, world, native_x, native_weights)
     number, valid, once = -1, None, None
 
     def issue() -> Pending:

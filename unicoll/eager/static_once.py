@@ -80,16 +80,14 @@ class StaticOnce(NamedTuple):
     rows: BlockRows
 
 
-def static_offer(
-    layout: StaticLayout, rank: int, world: int, native: Any, weights: Any, moved_by_backend: bool
-) -> Offer:
+def static_offer(layout: StaticLayout, rank: int, world: int, native: Any, weights: Any) -> Offer:
     """This rank's offer of the once form for a static dispatch of ``native`` by ``layout``
     (:func:`~unicoll.eager.once_choice.offer`): only where ``UNICOLL_MOE_ONCE=1``. By default
     the static mode sends one row per slot: its blocks add passes over the rows to the form's
     local work, and with the backward pass the form was slower on mpi's shared memory even at
     top-8 (1.27-1.48 of the time; 0.64-0.81 on gloo; docs/performance.md)."""
     routing = routing_of(layout)
-    return offer(MOE_DISPATCH_STATIC.name, routing, rank, world, native, weights, moved_by_backend, by_default=False)
+    return offer(MOE_DISPATCH_STATIC.name, routing, rank, world, native, weights, False, by_default=False)
 
 
 def dispatch(
