@@ -97,6 +97,24 @@ def test_the_examples_in_the_docstrings() -> None:
     assert doctest.testmod(static_once).failed == 0
 
 
+def test_a_mix_of_compiled_and_other_forms_is_refused() -> None:
+    """What every rank heard: a compiled once step beside eager ranks (auto, off) is refused,
+    naming both sides; compiled once everywhere is no eager agreement; no compiled rank, no error."""
+    from unicoll.eager.once_choice import ALWAYS, AUTO, COMPILED, OFF, agreed_on, refuse_mixed
+
+    def heard(*modes: int) -> np.ndarray:
+        told = np.zeros((len(modes), 5), dtype=np.int64)
+        told[:, 2] = modes
+        return told
+
+    with pytest.raises(uc.CrossRankMismatchError, match=r"ranks \[0\] run a step compiled .* ranks \[1, 2\] do not"):
+        refuse_mixed("moe.dispatch", heard(COMPILED, AUTO, OFF))
+    refuse_mixed("moe.dispatch", heard(COMPILED, COMPILED))
+    assert not agreed_on(heard(COMPILED, COMPILED))
+    refuse_mixed("moe.dispatch", heard(ALWAYS, AUTO))
+    assert agreed_on(heard(ALWAYS, AUTO)) and not agreed_on(heard(ALWAYS, OFF))
+
+
 def test_a_bad_setting_is_refused_before_anything_is_sent(monkeypatch) -> None:
     monkeypatch.setenv(ONCE_ENV_VAR, "yes")
     uc.init("gloo")
@@ -324,12 +342,12 @@ def compiled_against_eager(rank: int) -> dict:
 
 
 def compiled_on_one_rank_only(rank: int) -> str:
-    """Rank 0 runs the step compiled to send each token once per rank, the others eagerly (or
-    compiled with one row per slot): the layout's count exchange refuses it on every rank."""
+    """Rank 0 runs the step compiled to send each token once per rank, rank 1 compiled to send
+    one row per slot: the layout's count exchange refuses it on both."""
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
     os.environ[ONCE_ENV_VAR] = "1" if rank == 0 else "0"
     try:
-        step = torch.compile(_moe_step, fullgraph=True, backend="aot_eager") if rank < 2 else _moe_step
+        step = torch.compile(_moe_step, fullgraph=True, backend="aot_eager")
         with pytest.raises(uc.CrossRankMismatchError) as refused:
             step(torch.ones(3, 4), ids, None, 2, None)
         return str(refused.value)
