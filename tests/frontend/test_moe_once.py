@@ -584,9 +584,10 @@ def test_on_a_device_backend_once_per_rank_equals_one_row_per_slot(world: int, c
 
 
 def compiled_world(rank: int) -> dict:
-    """The compiled cases, in a world of their own: a process that compiled a step keeps its
-    session's store port bound after finalize (see docs/compile.md), which a later case of a
-    shared world that starts a new session on the same port would trip over."""
+    """The compiled cases, in a world of their own: torch._dynamo, first imported while a
+    session runs, keeps its process group and store port after finalize (docs/compile.md),
+    which a later case of a shared world that starts a new session on the same port would trip
+    over."""
     return {"compiled": compiled_against_eager(rank), "one rank": compiled_on_one_rank_only(rank)}
 
 
