@@ -15,6 +15,7 @@ imports torch until a store is opened, and the store's failures leave as unicoll
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import socket
@@ -74,6 +75,22 @@ def listen(addr: str, port: int) -> socket.socket:
     """A listening socket bound to ``addr:port`` itself, so a loopback address (the launcher's
     default) is never reachable from another machine."""
     return socket.create_server((addr, port))
+
+
+def stop_listening(fd: int) -> None:
+    """Shut rank 0's store socket (``fd``, which the store owns and still holds open) down, so
+    the port is free for the next session's store even where something keeps this session's
+    store alive: ``torch._dynamo``, first imported while a session runs, keeps torch's default
+    group, and with it the store, for good (docs/compile.md). Its connections stay; no rank
+    connects to it once the session runs. The store closes the socket itself, if ever."""
+    listener = socket.socket(fileno=os.dup(fd))
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError as exc:  # a system that refuses to shut a listening socket down: the port stays bound
+        if exc.errno != errno.ENOTCONN:
+            raise
+    finally:
+        listener.close()  # the copy only
 
 
 def route_source(addr: str) -> str:

@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from unicoll.backends.base import Backend, Capabilities, Pending, Work, issued
 from unicoll.backends.host import host_rows, row_bytes, rows_as
-from unicoll.backends.rendezvous import init_hint, open_store, remaining
+from unicoll.backends.rendezvous import init_hint, open_store, remaining, stop_listening
 from unicoll.backends.torch import compat, workers
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.backends.torch.gloo_world import connect_world, listen_interface, listening_on
@@ -418,7 +418,9 @@ class TorchDistBackend(Backend):
             self.workspace.clear()
         world, groups = getattr(self, "_world", None), self._groups
         self._world, self._groups = None, []  # tasks and autograd graphs that outlive the session hold none of it
-        self._listen_fd = None  # closed with the store
+        if self._listen_fd is not None:
+            stop_listening(self._listen_fd)  # before the store goes: then the descriptor may be another file's
+            self._listen_fd = None  # closed with the store
         if not dist.is_initialized():
             return
         running = [work for work in self._given_up if not work.is_completed()]

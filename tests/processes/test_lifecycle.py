@@ -317,6 +317,24 @@ def test_init_again_when_rank_0_finalizes_last(world_size: int) -> None:
     assert _shared_results(LAGS[world_size], "lifecycle: rank 0 finalizes last") == [expected] * world_size
 
 
+def init_again_after_compiling(rank: int) -> list[int]:
+    """torch.compile for the first time while a session runs (which imports torch._dynamo: it
+    keeps torch's default group, and so rank 0's store, alive for good), then finalize() and
+    init() again on the same port."""
+    doubled = torch.compile(lambda x: uc.all_reduce(x * 2), fullgraph=True, backend="eager")
+    doubled(torch.ones(2))
+    uc.finalize()
+    uc.init("gloo", timeout=30)
+    return uc.all_gather(None, np.array([rank + 40])).tolist()
+
+
+def test_init_again_after_compiling() -> None:
+    """Rank 0's store socket is shut down at finalize, whatever keeps the store alive: the new
+    session listens on the same port (before, rank 0 got "Address already in use" and the
+    others timed out)."""
+    assert uc.testing.spawn(init_again_after_compiling, 2, backend="gloo", timeout=120) == [[40, 41]] * 2
+
+
 def _shared_results(key: tuple, name: str) -> list:
     from helpers.several import SESSION
 
