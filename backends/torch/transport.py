@@ -399,8 +399,10 @@ class TorchDistBackend(Backend):
         return recv.cpu().numpy().reshape(group.world_size, -1)
 
     def finalize(self) -> None:
-        """Close the watch, then destroy the process groups this backend made (the default
-        group with them when it made that too).
+        """Close the watch, shut rank 0's store socket down (its port is then free for a new
+        session whatever keeps this one's store alive: :func:`~unicoll.backends.rendezvous.stop_listening`),
+        then destroy the process groups this backend made (the default group with them when it
+        made that too).
 
         A transfer that a wait gave up on (its peer gone, its timeout run out) may still hold a
         thread of gloo until gloo's own timeout, and destroying its process group would wait for
