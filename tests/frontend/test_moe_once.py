@@ -583,27 +583,26 @@ def test_on_a_device_backend_once_per_rank_equals_one_row_per_slot(world: int, c
     assert any(b[0] < b[1] for report in reports for (_, _, _, b, _) in report.values())
 
 
-COMPILED = {
-    backend: share(
-        backend,
-        2,
-        [Case("once: compiled", compiled_against_eager), Case("once: compiled on one rank", compiled_on_one_rank_only)],
-    )
-    for backend in ("gloo", "mpi")
-}
+def compiled_world(rank: int) -> dict:
+    """The compiled cases, in a world of their own: once torch._dynamo is loaded every later
+    call of a shared world's cases would go through its checks."""
+    return {"compiled": compiled_against_eager(rank), "one rank": compiled_on_one_rank_only(rank)}
 
 
-@pytest.mark.parametrize("backend", list(COMPILED))
-def test_a_compiled_step_sends_each_token_once_per_rank_with_eager_s_results(backend: str) -> None:
-    for report in SESSION.results(COMPILED[backend], "once: compiled"):
-        for name, (same, compiles) in report.items():
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def compiled_reports(request) -> list[dict]:
+    return uc.testing.spawn(compiled_world, 2, backend=request.param, timeout=240)
+
+
+def test_a_compiled_step_sends_each_token_once_per_rank_with_eager_s_results(compiled_reports) -> None:
+    for report in compiled_reports:
+        for name, (same, compiles) in report["compiled"].items():
             assert same, name
             assert compiles == 1, (name, compiles)  # new routings never recompile
 
 
-@pytest.mark.parametrize("backend", list(COMPILED))
-def test_a_step_compiled_to_send_once_on_some_ranks_only_is_refused_on_every_rank(backend: str) -> None:
-    messages = SESSION.results(COMPILED[backend], "once: compiled on one rank")
+def test_a_step_compiled_to_send_once_on_some_ranks_only_is_refused_on_every_rank(compiled_reports) -> None:
+    messages = [report["one rank"] for report in compiled_reports]
     expected = "moe.dispatch: ranks disagree: ranks [0] run a step compiled to send each token once per rank"
     assert all(m.startswith(expected) and "ranks [1] do not" in m for m in messages), messages
 
