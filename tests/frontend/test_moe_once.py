@@ -584,8 +584,9 @@ def test_on_a_device_backend_once_per_rank_equals_one_row_per_slot(world: int, c
 
 
 def compiled_world(rank: int) -> dict:
-    """The compiled cases, in a world of their own: once torch._dynamo is loaded every later
-    call of a shared world's cases would go through its checks."""
+    """The compiled cases, in a world of their own: nothing a compile leaves behind (Dynamo's
+    caches, its references to the session's group: docs/compile.md) reaches the later cases of
+    a shared world."""
     return {"compiled": compiled_against_eager(rank), "one rank": compiled_on_one_rank_only(rank)}
 
 
