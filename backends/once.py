@@ -39,10 +39,6 @@ WEIGHT_BYTES = (2, 2, 4, 8)
 PLAIN = -1
 """What a rank tells a peer in place of its token count where the pair uses the plain form."""
 
-TOLD = 2
-"""The ints a rank tells each peer beside its counts: its token rows (or :data:`PLAIN`) and
-its weights' code."""
-
 _SEEN_TABLE_LIMIT = 1 << 24
 """The most (rank, token) pairs :func:`_group_rows` marks in a table; above, it sorts."""
 

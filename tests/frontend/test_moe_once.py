@@ -180,6 +180,20 @@ def _scenarios(rank: int, world: int):
     yield "rank 0 unweighted", torch.ones(5, 16), ids, None if rank == 0 else torch.full((5, 2), 2.0), 2, None
 
 
+def _outcome(rows, out, x, w, handle, **more) -> dict:
+    """What a step's comparison reads: its rows, result and gradients as lists, whether the once
+    form was used, the bytes sent against one row per slot, and ``more``."""
+    return {
+        "rows": rows.detach().float().tolist(),
+        "out": out.detach().float().tolist(),
+        "x.grad": x.grad.float().tolist(),
+        "w.grad": None if w is None else w.grad.float().tolist(),
+        "once": handle.once is not None,
+        "bytes": (handle.bytes_sent, handle.bytes_one_row_per_slot),
+        **more,
+    }
+
+
 def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True, count_reads: bool = False):
     """dispatch, redispatch and combine with the once form on or off; results and gradients,
     and with ``count_reads`` the host reads the step would make on a GPU
@@ -196,16 +210,9 @@ def _step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True, c
             out = uc.moe.combine((rows + again) * scale, handle, sync_op=sync_op)
             out = out if sync_op else out.wait()
             out.sum().backward()
-        return {
-            "reads": reads.total if count_reads else None,
-            "rows": rows.detach().float().tolist(),
-            "rows_per_expert": rows_per_expert,
-            "out": out.detach().float().tolist(),
-            "x.grad": x.grad.float().tolist(),
-            "w.grad": None if w is None else w.grad.float().tolist(),
-            "once": handle.once is not None,
-            "bytes": (handle.bytes_sent, handle.bytes_one_row_per_slot),
-        }
+        return _outcome(
+            rows, out, x, w, handle, reads=reads.total if count_reads else None, rows_per_expert=rows_per_expert
+        )
     finally:
         del os.environ[ONCE_ENV_VAR]
 
@@ -236,15 +243,8 @@ def _static_step(x, ids, weights, experts, capacity, once: str, sync_op: bool = 
         out = uc.moe.combine_static((rows + again) * scale + 1, handle, sync_op=sync_op)  # + 1: padding stays out
         out = out if sync_op else out.wait()
         out.sum().backward()
-        return {
-            "rows": rows.detach().float().tolist(),
-            "counts": (counts.tolist(), handle.received_before_drop.tolist(), handle.sent_before_drop.tolist()),
-            "out": out.detach().float().tolist(),
-            "x.grad": x.grad.float().tolist(),
-            "w.grad": None if w is None else w.grad.float().tolist(),
-            "once": handle.once is not None,
-            "bytes": (handle.bytes_sent, handle.bytes_one_row_per_slot),
-        }
+        drops = (counts.tolist(), handle.received_before_drop.tolist(), handle.sent_before_drop.tolist())
+        return _outcome(rows, out, x, w, handle, counts=drops)
     finally:
         del os.environ[ONCE_ENV_VAR]
 

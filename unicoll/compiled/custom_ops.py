@@ -556,9 +556,7 @@ def _once_layout(
     received = locked.exchange_counts(sent, group_of(group))
     rows = int(local_count.sum())
     meta = locked.global_scatter(found.meta[:rows].reshape(-1, 1), local_count, global_count, group_of(group), True)
-    where = meta.reshape(-1)
-    firsts = torch.as_tensor(np.concatenate([[0], np.cumsum(received.numpy())[:-1]]), device=where.device)
-    index = firsts[where // device_once.SOURCE] + where % device_once.SOURCE
+    index = device_once.expansion_index(meta.reshape(-1), received.tolist())
     pair_token = found.pair_token[: int(sent.sum())]
     return sent, received, pair_token, index, found.row_slot[:rows], int(received.sum())
 

@@ -25,6 +25,7 @@ import torch
 from .. import runtime
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
+from ..eager.moe_once import sum_dtype
 from ..eager.once_choice import ONCE_ENV_VAR
 from ..group import Group
 from ..routing import Handle, Routing
@@ -481,7 +482,7 @@ def _once_combine(y: torch.Tensor, handle: TracedHandle) -> torch.Tensor:
     of the rows and this rank's weights (2-byte floats in float32). Autograd follows it all:
     the weights' gradients come back along the counts they went by."""
     once, weights = handle.once, handle.weights
-    dtype = _sum_dtype(y.dtype, None if weights is None else weights.dtype)
+    dtype = sum_dtype(y.dtype, None if weights is None else weights.dtype)
     if weights is None:
         column = torch.ones((once.row_slot.shape[0], 1), dtype=torch.float64, device=y.device)
     else:
@@ -494,15 +495,6 @@ def _once_combine(y: torch.Tensor, handle: TracedHandle) -> torch.Tensor:
     back = torch.ops.unicoll.global_gather(summed, once.sent, once.received, handle.group, True, sent).to(dtype)
     out = back.new_zeros((handle.tokens, back.shape[1])).index_add(0, once.pair_token, back)
     return out.to(y.dtype).reshape(handle.tokens, *y.shape[1:])
-
-
-def _sum_dtype(rows: torch.dtype, weights: torch.dtype | None) -> torch.dtype:
-    """The dtype a combine sums in: rows' and weights' promoted (rows' own without weights),
-    2-byte floats in float32."""
-    if weights is None:
-        return rows
-    dtype = torch.promote_types(rows, weights)
-    return torch.float32 if dtype.is_floating_point and dtype.itemsize == 2 else dtype
 
 
 # -- the static-shape MoE operators: the layout traced on the array API, even all-to-alls ------

@@ -27,8 +27,8 @@ import numpy as np
 
 from ..backends.base import Backend, Pending
 from ..backends.layout import MoePlan
-from ..backends.once import WEIGHT_DTYPES
 from ..group import Group
+from .moe_once import sum_dtype, weights_dtype
 from .once_choice import agreed_on
 
 SOURCE = 1 << 40
@@ -135,19 +135,19 @@ def _flat(rows: Any) -> Any:
     return rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
 
 
-def _sum_dtype(torch: Any, rows: Any, weights_dtype: Any) -> Any:
-    """The dtype a combine sums in: the promoted dtype of rows and weights, 2-byte floats in
-    float32 (rows' own without weights: ``weights_dtype`` None), as every combine sums."""
-    if weights_dtype is None:
-        return rows.dtype
-    dtype = torch.promote_types(rows.dtype, weights_dtype)
-    return torch.float32 if dtype.is_floating_point and dtype.itemsize == 2 else dtype
-
-
-def _widest(torch: Any, once: DeviceOnce) -> Any:
+def _widest(once: DeviceOnce) -> Any:
     """The widest weights' dtype of the ranks (None where no rank's dispatch was weighted)."""
-    code = max(once.codes)
-    return getattr(torch, WEIGHT_DTYPES[code - 1]) if code else None
+    return weights_dtype(max(once.codes))
+
+
+def expansion_index(meta: Any, received: list[int]) -> Any:
+    """Each expert row's row among the token rows received (``received[c]`` from rank c, in
+    rank order), from the metadata that arrived with it (``meta``: ``source * SOURCE +
+    position``, a tensor)."""
+    import torch
+
+    firsts = torch.as_tensor(np.concatenate([[0], np.cumsum(received)[:-1]]), device=meta.device)
+    return firsts[meta // SOURCE] + meta % SOURCE
 
 
 def dispatch(backend: Backend, group: Group, x: Any, once: DeviceOnce, async_op: bool, calc_stream: bool) -> Pending:
@@ -161,11 +161,8 @@ def dispatch(backend: Backend, group: Group, x: Any, once: DeviceOnce, async_op:
     once.meta = None
 
     def finish() -> Any:
-        import torch
-
-        arrived, where = tokens.finish(), meta.finish().reshape(-1)
-        firsts = torch.as_tensor(np.concatenate([[0], np.cumsum(once.received)[:-1]]), device=where.device)
-        once.index = firsts[where // SOURCE] + where % SOURCE
+        arrived = tokens.finish()
+        once.index = expansion_index(meta.finish().reshape(-1), once.received)
         return backend.take_rows(arrived, once.index)
 
     return Pending(tokens.works + meta.works, finish)
@@ -197,8 +194,8 @@ def combine(
     those rows (:func:`sum_at_source` adds them up). The expert rows' weights are kept in ``kept``."""
     import torch
 
-    widest = _widest(torch, once) if kept is not None else None
-    dtype = _sum_dtype(torch, y, widest)
+    widest = _widest(once) if kept is not None else None
+    dtype = sum_dtype(y.dtype, widest)
     flat = _flat(y).to(dtype)
     if widest is not None:
         if weights is None:
@@ -216,9 +213,8 @@ def sum_at_source(once: DeviceOnce, back: Any, tokens: int, weights: Any) -> Any
     """Each token's result from the rows that came back (``back``, native): the sum of its
     rows (weighed on their ranks), in the dtype combine sums in with ``weights`` (native, or
     None), as back's dtype; zeros for a token with no row."""
-    import torch
 
-    dtype = _sum_dtype(torch, back, None if weights is None else weights.dtype)
+    dtype = sum_dtype(back.dtype, None if weights is None else weights.dtype)
     flat = _flat(back).to(dtype)
     out = flat.new_zeros((tokens, flat.shape[1])).index_add_(0, once.pair_token, flat)
     return out.to(back.dtype).reshape(tokens, *back.shape[1:])
@@ -239,7 +235,7 @@ def combine_backward(
     rows = there.index_select(0, once.index)
     if kept.rows is None:
         return rows, None
-    dtype = _sum_dtype(torch, y, _widest(torch, once))
+    dtype = sum_dtype(y.dtype, _widest(once))
     flat, ys = _flat(rows).to(dtype), _flat(y).to(dtype)
     grad_y = (flat * kept.rows.to(dtype)[:, None]).to(y.dtype).reshape(y.shape)
     dots = (flat * ys).sum(1, keepdim=True).to(torch.float64)

@@ -215,16 +215,23 @@ def as_native(t: Any, like: Any) -> Any:
     return t if library_of(like) == "torch" else t.numpy()
 
 
-def _sum_dtype(rows_dtype: Any, code: int) -> Any:
-    """The torch dtype rows of ``rows_dtype`` are summed in with weights of ``code``
-    (:data:`~unicoll.backends.once.WEIGHT_DTYPES`; 0: unweighted, the rows' own dtype): the
-    promoted dtype, 2-byte floats in float32, as every combine sums."""
+def sum_dtype(rows_dtype: Any, weights_dtype: Any) -> Any:
+    """The torch dtype a once combine sums rows of ``rows_dtype`` in with weights of
+    ``weights_dtype`` (None: unweighted, the rows' own dtype): the promoted dtype, 2-byte floats
+    in float32, as every combine sums. The host form, the device form and compiled code share it."""
     import torch
 
-    if code == 0:
+    if weights_dtype is None:
         return rows_dtype
-    dtype = torch.promote_types(rows_dtype, getattr(torch, WEIGHT_DTYPES[code - 1]))
+    dtype = torch.promote_types(rows_dtype, weights_dtype)
     return torch.float32 if dtype.is_floating_point and dtype.itemsize == 2 else dtype
+
+
+def weights_dtype(code: int) -> Any:
+    """The torch dtype of weights of ``code`` (:data:`~unicoll.backends.once.WEIGHT_DTYPES`), None for 0."""
+    import torch
+
+    return getattr(torch, WEIGHT_DTYPES[code - 1]) if code else None
 
 
 def sum_by_target(y: Any, layout: OnceLayout, weighted: bool) -> Any:
@@ -238,7 +245,7 @@ def sum_by_target(y: Any, layout: OnceLayout, weighted: bool) -> Any:
     ty = as_torch(y)
     flat = _flat(ty)
     if weighted and expansion.weights is not None:
-        dtype = _sum_dtype(ty.dtype, expansion.weight_code)
+        dtype = sum_dtype(ty.dtype, weights_dtype(expansion.weight_code))
         summed = torch.sparse.mm(layout.weighing(dtype), flat.to(dtype)).to(ty.dtype)
     else:
         summed = flat.new_zeros((rows, flat.shape[1])).index_add_(0, layout.torch_index("target"), flat)
@@ -257,7 +264,7 @@ def sum_at_source(layout: OnceLayout, back: Any, tokens: int, weights: Any) -> A
     vals = flat
     if weights is not None:
         tw = as_torch(weights)
-        dtype = _sum_dtype(tb.dtype, 1 + WEIGHT_DTYPES.index(str(tw.dtype).rsplit(".", 1)[-1]))
+        dtype = sum_dtype(tb.dtype, tw.dtype)
         vals = flat.to(dtype)
         column = _source_column(out, tw, dtype)
         if column is not None:
