@@ -121,6 +121,8 @@ def test_a_bad_setting_is_refused_before_anything_is_sent(monkeypatch) -> None:
     try:
         with pytest.raises(ValueError, match=r"moe.dispatch: \$UNICOLL_MOE_ONCE: expected 0, 1 or auto .*, got 'yes'"):
             uc.moe.dispatch(torch.ones(2, 4), torch.tensor([[0, 1], [1, 0]]), experts_per_rank=2)
+        with pytest.raises(ValueError, match=r"moe.dispatch_static: \$UNICOLL_MOE_ONCE: expected 0, 1 or auto"):
+            uc.moe.dispatch_static(torch.ones(2, 4), torch.tensor([[0, 1], [1, 0]]), experts_per_rank=2, capacity=2)
     finally:
         uc.finalize()
 
