@@ -361,10 +361,11 @@ def _moe_combine(op: str, call: Call) -> None:
 
 
 def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
-    """Every rank passes the same experts_per_rank, capacity and overflow; in check mode also
-    expert ids from -1 to W * experts_per_rank - 1 (outside it, other ids are dropped slots:
-    finding them reads the ids on the host). ``topk_idx``: the caller's ids. k (topk_idx's
-    columns) may differ: each rank routes its own tokens."""
+    """Every rank passes the same experts_per_rank, capacity, overflow and max_tokens_per_rank
+    (and, with the latter, the same k: each token's slots travel beside its row); in check mode
+    also expert ids from -1 to W * experts_per_rank - 1 (outside it, other ids are dropped
+    slots: finding them reads the ids on the host). ``topk_idx``: the caller's ids. Without
+    max_tokens_per_rank k (topk_idx's columns) may differ: each rank routes its own tokens."""
     experts = call.W * call.experts_per_rank
     where = [_UNKNOWN] * 3
     if call.check:
@@ -372,10 +373,14 @@ def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
         bad = np.flatnonzero((ids < -1) | (ids >= experts))
         if bad.size:
             where = [int(ids.flat[bad[0]]), *divmod(int(bad[0]), ids.shape[1])]
-    scalars = (call.experts_per_rank, call.capacity, OVERFLOWS.index(call.overflow), *where)
+    bound = _UNKNOWN if call.max_tokens_per_rank is None else call.max_tokens_per_rank
+    k = _UNKNOWN if call.max_tokens_per_rank is None else int(topk_idx.shape[1])
+    scalars = (call.experts_per_rank, call.capacity, OVERFLOWS.index(call.overflow), *where, bound, k)
     records = _gather(call.backend, call.group, call.x, op, scalars=scalars, thread=call.check)
     _given(op, records.scalars, ("experts_per_rank", "capacity"))
     _given(op, records.scalars[:, 2:3], ("overflow",), lambda v: repr(OVERFLOWS[v]))
+    _given(op, records.scalars[:, 6:7], ("max_tokens_per_rank",), lambda v: "None" if v == _UNKNOWN else str(v))
+    _given(op, records.scalars[:, 7:8], ("k (topk_idx's columns, with max_tokens_per_rank)",))
     for c in range(call.W):
         bad_row = records.scalars[c, 4]
         if bad_row != _UNKNOWN:

@@ -91,6 +91,7 @@ class Call:
     topk_weights: Any = None
     experts_per_rank: int | None = None
     capacity: int | None = None
+    max_tokens_per_rank: int | None = None
     y: Any = None
     handle: Handle | None = None
     overflow: str | None = None
@@ -780,6 +781,11 @@ MOE_DISPATCH_STATIC = OpSpec(
         Param("overflow", OVERFLOW, "str",
               "'drop': slots beyond the capacity are dropped; 'error': a ValueError on every rank when any rank "
               "drops one (this reads the counts on the host: one synchronization).", "drop", keyword_only=True),
+        Param("max_tokens_per_rank", OPTIONAL_SIZE, "int | None",
+              "The most tokens any rank dispatches (the same on every rank, as are k and x's row): on a device "
+              "backend and in compiled code each token then travels once to each rank holding one of its kept "
+              "slots, min(max_tokens_per_rank, experts_per_rank * capacity) rows per rank, where that is fewer "
+              "bytes than the whole blocks. None: the whole blocks travel there.", None, keyword_only=True),
     ),
     rules=(
         _EXPERTS_RULE,
@@ -787,6 +793,9 @@ MOE_DISPATCH_STATIC = OpSpec(
         Rule("topk_idx", "the library and device of x", _same_place_as_x("topk_idx"), TypeError),
         *_WEIGHTS_RULES,
         _STATIC_ROWS_RULE,
+        Rule("x", "at most max_tokens_per_rank rows",
+             lambda c: None if c.max_tokens_per_rank is None or _rows(c.x) <= c.max_tokens_per_rank
+             else f"{_rows(c.x)} rows for max_tokens_per_rank={c.max_tokens_per_rank}"),
     ),
     backward="to x: the rows' gradients sent back (the even all-to-all back, alltoall_single's backward) and "
     "summed over each token's kept slots; padding rows and dropped slots get none",

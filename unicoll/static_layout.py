@@ -154,13 +154,14 @@ class StaticHandle(SessionHandle):
         the :class:`~unicoll.backends.blocks.StaticLayout` as the backend takes it (numpy
         arrays on a host backend, else where the router's ids were).
         ``dispatch_number``: in check mode, the dispatch's collective number on ``group``.
-        ``once``: how each token went once per rank (:class:`unicoll.eager.static_once.StaticOnce`),
-        or None. ``row_nbytes``: the bytes of one dispatched row. ``whole_blocks``: whether the
-        blocks travelled whole (else only their valid rows did)."""
+        ``once``: how each token went once per rank (see :attr:`once`), or None.
+        ``row_nbytes``: the bytes of one dispatched row. ``whole_blocks``: whether the blocks
+        travelled whole (else only their valid rows did)."""
         self.layout = layout
         """What combine, redispatch and the backward passes follow (see above)."""
         self.once = once
-        """How each token went once per rank (:mod:`unicoll.backends.once`), or None."""
+        """How each token went once per rank (:class:`unicoll.eager.static_once.StaticOnce` on a
+        host backend, :class:`unicoll.once_blocks.BlocksOnce` in fixed shapes), or None."""
         self._row_nbytes, self._whole_blocks = row_nbytes, whole_blocks
         self.world = group.world_size
         self.experts_per_rank = experts_per_rank
@@ -203,7 +204,7 @@ class StaticHandle(SessionHandle):
         whole blocks where they travelled whole (a device backend, compiled code), else their
         valid rows, each token once per rank where it went so."""
         if self.once is not None:
-            return self.once.layout.bytes_sent(self.group.rank)[0]
+            return self.once.bytes_sent(self.group.rank)
         if self._whole_blocks:
             return (self.world - 1) * self.experts_per_rank * self.capacity * self._row_nbytes
         return self.bytes_one_row_per_slot

@@ -54,7 +54,7 @@ MOE = {
     "redispatch": "(x, handle, *, sync_op=True)",
     "combine": "(y, handle, *, sync_op=True)",
     "dispatch_static": "(x, topk_idx, topk_weights=None, *, experts_per_rank, capacity, group=None, sync_op=True, "
-    "overflow='drop')",
+    "overflow='drop', max_tokens_per_rank=None)",
     "redispatch_static": "(x, handle, *, sync_op=True)",
     "combine_static": "(y, handle, *, sync_op=True)",
     "jit_errors": "()",

@@ -35,8 +35,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "unicoll.backends.cupy.rows", "unicoll.backends.cupy.schedule", "unicoll.backends.cupy.torch_bridge",
          "unicoll.backends.cupy.transport"),
     ),
-    ("descriptions", ("unicoll.device_routing", "unicoll.routing", "unicoll.static_layout", "unicoll.kinds",
-                      "unicoll.spec", "unicoll.check")),
+    ("descriptions", ("unicoll.device_routing", "unicoll.routing", "unicoll.static_layout", "unicoll.once_blocks",
+                      "unicoll.kinds", "unicoll.spec", "unicoll.check")),
     (
         "backend factories",
         ("unicoll.backends.torch.gloo", "unicoll.backends.torch.nccl", "unicoll.backends.mpi.mpi",

@@ -98,3 +98,60 @@ def test_the_host_route_makes_the_same_layout() -> None:
         want, got = layout_of(xnp, ids, experts, capacity), static_route(ids, experts, capacity)
         for name, a, b in zip(want._fields, want, got):
             assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (name, ids, experts, capacity)
+
+
+ONCE_CASES = [  # world, experts per rank, k, capacity, tokens per rank, bound
+    (1, 2, 2, 3, [4], 4),
+    (2, 1, 2, 2, [5, 0], 5),
+    (2, 3, 2, 1, [6, 4], 8),
+    (2, 2, 3, 4, [6, 6], 6),  # repeated experts within a token below
+    (3, 3, 4, 3, [7, 2, 5], 7),
+    (4, 2, 8, 9, [9, 1, 0, 4], 12),
+]
+
+
+def test_once_per_rank_blocks_equal_the_reference_and_the_plain_gradients() -> None:
+    """Each token sent once per rank in fixed shapes (unicoll.once_blocks), a whole world on one
+    process: the blocks, counts and combine of the reference, and the gradients of x and the
+    weights equal to the plain step's (integer values: every sum exact), NaN and inf in x and in
+    the padding kept out."""
+    from helpers.static_world import world_once
+    from unicoll import once_blocks
+
+    rng = np.random.default_rng(11)
+    for world, experts, k, capacity, tokens, bound in ONCE_CASES:
+        case = f"W={world} E={experts} k={k} C={capacity} tokens={tokens} bound={bound}"
+        ids = [rng.integers(-1, world * experts, size=(t, k)) for t in tokens]
+        if k == 3:
+            ids[0][:, 2] = ids[0][:, 0]  # one expert twice in a token
+        xs = [rng.integers(0, 4, (t, 3)).astype(np.float64) for t in tokens]
+        weights = [rng.integers(1, 3, (t, k)).astype(np.float64) for t in tokens]
+        tx = [torch.from_numpy(x).requires_grad_() for x in xs]
+        tw = [torch.from_numpy(w).requires_grad_() if c else None for c, w in enumerate(weights)]  # rank 0 unweighted
+        blocks, counts, outs, sent = world_once(tx, [torch.from_numpy(i) for i in ids], tw, experts, capacity, bound)
+        want_rows, want_counts, _ = reference.moe_dispatch_static(xs, ids, experts, capacity)
+        ys = [2 * r + 1 for r in want_rows]
+        plain_weights = [np.ones_like(weights[0])] + weights[1:]
+        want = reference.moe_combine_static(ys, ids, experts, capacity, plain_weights)
+        for r in range(world):
+            np.testing.assert_array_equal(blocks[r].detach().numpy(), want_rows[r], err_msg=f"rows {r}, {case}")
+            np.testing.assert_array_equal(counts[r].numpy(), want_counts[r], err_msg=f"counts {r}, {case}")
+            np.testing.assert_array_equal(outs[r].detach().numpy(), want[r], err_msg=f"combine {r}, {case}")
+            assert sent[r].token.shape[0] == world * once_blocks.rows_per_rank(bound, experts, capacity)
+        # the gradients against the plain step's, simulated the same way
+        sum(((o * o).sum() for o in outs), torch.tensor(0.0, dtype=torch.float64)).backward()
+        px = [torch.from_numpy(x).requires_grad_() for x in xs]
+        pw = [torch.from_numpy(w).requires_grad_() if c else None for c, w in enumerate(weights)]
+        layouts, rows, _, _ = world_dispatch(xtorch, px, [torch.from_numpy(i) for i in ids], experts, capacity)
+        plain = world_combine(xtorch, [2 * r + 1 for r in rows], layouts, pw, experts, capacity)
+        sum(((o * o).sum() for o in plain), torch.tensor(0.0, dtype=torch.float64)).backward()
+        for r in range(world):
+            assert torch.equal(tx[r].grad, px[r].grad), f"x.grad {r}, {case}"
+            if r:
+                assert torch.equal(tw[r].grad, pw[r].grad), f"w.grad {r}, {case}"
+
+
+def test_once_per_rank_blocks_doctests() -> None:
+    from unicoll import once_blocks
+
+    assert doctest.testmod(once_blocks).failed == 0

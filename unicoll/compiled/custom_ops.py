@@ -608,7 +608,8 @@ def _moe_check_fake(
 
 @_op(
     "moe_check_static",
-    "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int capacity, int group) -> ()",
+    "(Tensor x, Tensor topk_idx, Tensor? topk_weights, int experts_per_rank, int capacity, "
+    "int? max_tokens_per_rank, int group) -> ()",
 )
 def _moe_check_static(
     x: torch.Tensor,
@@ -616,11 +617,14 @@ def _moe_check_static(
     topk_weights: torch.Tensor | None,
     experts_per_rank: int,
     capacity: int,
+    max_tokens_per_rank: int | None,
     group: int,
 ) -> None:
     """moe.dispatch_static's arguments checked by its spec: eager's errors, raised when the
     graph runs."""
-    static_moe.check_dispatch(x, topk_idx, topk_weights, experts_per_rank, capacity, group_of(group))
+    static_moe.check_dispatch(
+        x, topk_idx, topk_weights, experts_per_rank, capacity, max_tokens_per_rank, group_of(group)
+    )
 
 
 @_moe_check_static.register_fake
@@ -630,6 +634,7 @@ def _moe_check_static_fake(
     topk_weights: torch.Tensor | None,
     experts_per_rank: int,
     capacity: int,
+    max_tokens_per_rank: int | None,
     group: int,
 ) -> None:
     """Nothing comes out."""

@@ -22,14 +22,14 @@ from typing import Any, NamedTuple
 import array_api_compat.torch as xpt
 import torch
 
-from .. import runtime
+from .. import once_blocks, runtime
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
 from ..eager.moe_once import sum_dtype
 from ..eager.once_choice import ONCE_ENV_VAR
 from ..group import Group
 from ..routing import Handle, Routing
-from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks
+from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks, static_layout
 from . import locked
 from .custom_ops import WORLD, group_of, world_size
 
@@ -521,16 +521,18 @@ def moe_dispatch_static(
     group: Group | None = None,
     sync_op: bool = True,
     overflow: str = "drop",
+    max_tokens_per_rank: int | None = None,
 ) -> Any:
     """:func:`unicoll.moe.dispatch_static` as traced: the layout in the graph (array-API
     operations on torch), the rows and the counts sent by ``unicoll::alltoall_single`` in W equal
-    blocks; every shape static, no value read on the host. The call is checked by its spec, as
-    eager's is (``unicoll::moe_check_static``: eager's errors, raised when the compiled code
-    runs), and the handle is eager's :class:`~unicoll.moe.StaticHandle` over the layout's
-    tensors. ``overflow='error'`` (a host read) runs eagerly."""
+    blocks (with ``max_tokens_per_rank``, each token once per rank where that saves bytes:
+    :mod:`unicoll.once_blocks`); every shape static, no value read on the host. The call is
+    checked by its spec, as eager's is (``unicoll::moe_check_static``: eager's errors, raised
+    when the compiled code runs), and the handle is eager's :class:`~unicoll.moe.StaticHandle`
+    over the layout's tensors. ``overflow='error'`` (a host read) runs eagerly."""
     eager = functools.partial(
         locked.moe_dispatch_static, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank,
-        capacity=capacity, group=group, sync_op=sync_op, overflow=overflow,
+        capacity=capacity, group=group, sync_op=sync_op, overflow=overflow, max_tokens_per_rank=max_tokens_per_rank,
     )  # fmt: skip
     if sync_op is False:
         return _as_task(eager)
@@ -538,12 +540,19 @@ def moe_dispatch_static(
     tensors = isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor) and topk_idx.ndim == 2
     weights_ok = topk_weights is None or isinstance(topk_weights, torch.Tensor)
     sizes_ok = type(experts_per_rank) is int and experts_per_rank > 0 and type(capacity) is int and capacity >= 0
-    if not tensors or not weights_ok or not sizes_ok or overflow != "drop" or not _traced(number):
+    bound = max_tokens_per_rank
+    bound_ok = bound is None or (type(bound) is int and bound >= 0)
+    if not tensors or not weights_ok or not sizes_ok or not bound_ok or overflow != "drop" or not _traced(number):
         return _untraced(eager)
-    torch.ops.unicoll.moe_check_static(x, topk_idx, topk_weights, experts_per_rank, capacity, number)
+    torch.ops.unicoll.moe_check_static(x, topk_idx, topk_weights, experts_per_rank, capacity, bound, number)
     world = world_size(number, "moe.dispatch_static")
-    layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even(number))
     grp = runtime.resolve_group(group_of(number), "moe.dispatch_static")
+    if once_blocks.chosen(bound, world, experts_per_rank, capacity, x, topk_idx.shape[1]):
+        layout = static_layout(xpt, topk_idx, world * experts_per_rank, capacity)
+        arrived, once = once_blocks.dispatch_blocks(x, layout, world, bound, _even(number))
+        handle = StaticHandle.of_blocks(grp, experts_per_rank, capacity, topk_weights, x, layout, arrived, once=once)
+        return arrived.rows, arrived.counts, handle
+    layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even(number))
     handle = StaticHandle.of_blocks(grp, experts_per_rank, capacity, topk_weights, x, layout, arrived)
     return arrived.rows, arrived.counts, handle
 
@@ -571,6 +580,9 @@ def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     if not traced:
         return _untraced(locked.moe_redispatch_static, x, handle, sync_op=sync_op)
     _check_blocks(x, handle, "moe.redispatch_static", number)
+    if isinstance(handle.once, once_blocks.BlocksOnce):
+        blocks = handle.experts_per_rank, handle.world * handle.capacity
+        return once_blocks.redispatch_blocks(x, handle.once, blocks, _even(number))
     return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even(number))
 
 
@@ -582,4 +594,6 @@ def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     if not traced:
         return _untraced(locked.moe_combine_static, y, handle, sync_op=sync_op)
     _check_blocks(y, handle, "moe.combine_static", number)
+    if isinstance(handle.once, once_blocks.BlocksOnce):
+        return once_blocks.combine_blocks(y, handle.once, handle.weights, _even(number))
     return combine_blocks(xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even(number))

@@ -38,7 +38,7 @@ from ..task import Task
 from ..validate import prepare, read_only
 from . import static_once
 from .moe import check_handled, combine_once, dispatch_backward, handle_group, records_gradient, sum_slots
-from .ops import _functional, _run
+from .ops import _functional, _run, guarded
 
 
 def dispatch_static(
@@ -51,6 +51,7 @@ def dispatch_static(
     group: Group | None = None,
     sync_op: bool = True,
     overflow: str = "drop",
+    max_tokens_per_rank: int | None = None,
 ) -> tuple[Any, Any, StaticHandle] | Task:
     """Send each token to its top-k experts in blocks of a fixed size; returns ``(rows, counts, handle)``.
 
@@ -63,7 +64,10 @@ def dispatch_static(
     host memory, only the valid rows travel). Each rank sends each expert at most
     ``capacity`` rows, the lowest slots first; the handle's ``received_before_drop`` and
     ``sent_before_drop`` count the slots before that. ``sync_op=False`` returns a
-    :class:`~unicoll.Task` whose ``wait()`` returns the same tuple.
+    :class:`~unicoll.Task` whose ``wait()`` returns the same tuple. With ``max_tokens_per_rank``
+    (the same on every rank) a device backend and compiled code send each token once to each
+    rank holding one of its kept slots, in fixed shapes, where that moves fewer bytes than the
+    whole blocks (:mod:`unicoll.once_blocks`).
 
     >>> # W=1, E=2, capacity 2: tokens x = [1, 2, 3], top-2 experts [[1, 0], [1, -1], [0, 1]]
     >>> rows, counts, handle = uc.moe.dispatch_static(x, topk_idx, experts_per_rank=2, capacity=2)  # doctest: +SKIP
@@ -71,7 +75,8 @@ def dispatch_static(
     ([[1, 3], [1, 2]], [[2], [2]])
     """
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
-                     capacity=capacity, group=group, sync_op=sync_op, overflow=overflow)  # fmt: skip
+                     capacity=capacity, group=group, sync_op=sync_op, overflow=overflow,
+                     max_tokens_per_rank=max_tokens_per_rank)  # fmt: skip
     return _dispatch(prepare(MOE_DISPATCH_STATIC, arguments), arguments)
 
 
@@ -99,13 +104,20 @@ def combine_static(y: Any, handle: StaticHandle, *, sync_op: bool = True) -> Any
 
 
 def check_dispatch(
-    x: Any, topk_idx: Any, topk_weights: Any, experts_per_rank: int, capacity: int, group: Group | None
+    x: Any,
+    topk_idx: Any,
+    topk_weights: Any,
+    experts_per_rank: int,
+    capacity: int,
+    max_tokens_per_rank: int | None,
+    group: Group | None,
 ) -> None:
     """moe.dispatch_static's arguments read and checked by its spec, eager's errors raised, for
     a caller that runs the step itself (torch.compile's traced form); in check mode the ranks
     then compare it as the dispatch it is (its transfers are compared as what they are too)."""
     arguments = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, experts_per_rank=experts_per_rank,
-                     capacity=capacity, group=group, sync_op=True, overflow="drop")  # fmt: skip
+                     capacity=capacity, group=group, sync_op=True, overflow="drop",
+                     max_tokens_per_rank=max_tokens_per_rank)  # fmt: skip
     call = read_only(MOE_DISPATCH_STATIC, arguments)
     if call.check:
         count_call(call.group)
@@ -162,8 +174,10 @@ def _layout(backend: Backend, topk_idx: Any, experts: int, capacity: int) -> Sta
 
 def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     """On a host backend whose static transfers are the built-in ones, the counts travel with
-    the offer of the once form (:mod:`unicoll.eager.static_once`); elsewhere the backend's
-    static transfer moves the counts and the rows."""
+    the offer of the once form (:mod:`unicoll.eager.static_once`); on a device backend given
+    ``max_tokens_per_rank``, each token once per rank in fixed shapes where that saves bytes
+    (:mod:`unicoll.eager.device_static_once`); elsewhere the backend's static transfer moves
+    the counts and the rows."""
     backend, grp, x, weights = call.backend, call.group, arguments["x"], arguments["topk_weights"]
     world, experts, capacity = call.W, call.experts_per_rank, call.capacity
     topk_idx = arguments["topk_idx"]
@@ -171,9 +185,11 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     native_x = backend.to_native(x)
     native = _native(backend, layout, native_x)
     native_weights = None if weights is None else backend.to_native(weights)
+    built_in = not {"moe_dispatch_static", "moe_combine_static"} & backend.capabilities.moe
     offered = None
-    if backend.host_memory and not {"moe_dispatch_static", "moe_combine_static"} & backend.capabilities.moe:
+    if backend.host_memory and built_in:
         offered = static_once.static_offer(layout, grp.rank, world, native_x, native_weights)
+    bounded = built_in and not backend.host_memory and _sends_once(call, native_x, topk_idx)
     number, valid, once = -1, None, None
 
     def issue() -> Pending:
@@ -183,6 +199,11 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             number = call_number(grp)
         if call.overflow == "error":
             refuse_drops(backend, grp, on_host(layout.demand), capacity)
+        if bounded:
+            from . import device_static_once
+
+            bound = call.max_tokens_per_rank
+            return device_static_once.dispatch(backend, grp, native_x, native, bound, not call.sync_op, call.sync_op)
         if offered is None:
             return backend.moe_dispatch_static(native_x, native, grp, not call.sync_op, call.sync_op)
         once, pending = static_once.dispatch(
@@ -191,6 +212,10 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         return pending
 
     def backward(grad: Any) -> Any:  # valid and once are known once the dispatch finishes, before any backward
+        if bounded:
+            from . import device_static_once
+
+            return device_static_once.dispatch_backward(backend, grp, grad, once)
         if once is not None:
             rows = static_once.valid_rows(backend, grad, once)
             return dispatch_backward(backend, grp, rows, None, once.routing, once.layout)
@@ -198,9 +223,10 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 
     received = _functional(MOE_DISPATCH_STATIC.name, call, x, backward)
 
-    def finish(result: tuple[Any, Any]) -> tuple[Any, Any, StaticHandle]:
-        nonlocal valid
-        blocks, heard = result
+    def finish(result: tuple[Any, ...]) -> tuple[Any, Any, StaticHandle]:
+        nonlocal valid, once
+        blocks, heard, *kept = result
+        once = kept[0] if kept else once
         _, valid, before = counts_heard(array_namespace(heard), heard, world, experts)
         library = library_of(x)
         arrived = Arrived(received(blocks), backend.from_native(valid, library), backend.from_native(before, library))
@@ -209,6 +235,17 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
+
+
+def _sends_once(call: Call, native_x: Any, topk_idx: Any) -> bool:
+    """Whether a device backend's static dispatch sends each token once per rank: on torch
+    tensors, where :func:`unicoll.once_blocks.chosen` says so."""
+    if call.max_tokens_per_rank is None or library_of(native_x) != "torch":
+        return False
+    from ..once_blocks import chosen
+
+    experts, capacity = call.experts_per_rank, call.capacity
+    return chosen(call.max_tokens_per_rank, call.W, experts, capacity, native_x, topk_idx.shape[1])
 
 
 def _slots_summed(backend: Backend, group: Group, grad: Any, layout: StaticLayout, valid: Any) -> Any:
@@ -248,15 +285,24 @@ def _redispatch(call: Call, arguments: dict[str, Any]) -> Any:
     native_x = backend.to_native(x)
     layout, valid = _handled(backend, handle, native_x)
     once, blocks = handle.once, (handle.experts_per_rank, handle.world * handle.capacity)
+    in_blocks = once is not None and not isinstance(once, static_once.StaticOnce)
 
     def issue() -> Pending:
         if call.compare:
             verify(MOE_REDISPATCH_STATIC, call)
+        if in_blocks:
+            from . import device_static_once
+
+            return device_static_once.redispatch(backend, grp, native_x, once, blocks, not call.sync_op, call.sync_op)
         if once is not None:
             return static_once.redispatch(backend, grp, native_x, once, blocks, not call.sync_op, call.sync_op)
         return backend.moe_dispatch_static(native_x, layout, grp, not call.sync_op, call.sync_op, valid)
 
     def backward(grad: Any) -> Any:
+        if in_blocks:
+            from . import device_static_once
+
+            return device_static_once.dispatch_backward(backend, grp, grad, once)
         if once is not None:
             rows = static_once.valid_rows(backend, grad, once)
             return dispatch_backward(backend, grp, rows, None, once.routing, once.layout)
@@ -273,6 +319,8 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     gradient is a dispatch of the slots' gradient rows."""
     backend, grp, handle, y = call.backend, call.group, arguments["handle"], arguments["y"]
     weights, once = handle.weights, handle.once
+    if once is not None and not isinstance(once, static_once.StaticOnce):
+        return _combine_once_blocks(call, y, handle)
     if once is not None:
         blocks = handle.experts_per_rank, handle.world * handle.capacity
         shape = (
@@ -297,6 +345,47 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
             return backend.from_native(_summed_by_slot(backend, back, index, layout, weights), library_of(y))
         rows = returned(backend.take_rows(back, index))
         return weighted_sum(array_namespace(rows), rows, host_as(handle.layout.kept, rows), weights)
+
+    return _run(MOE_COMBINE_STATIC.name, call, issue, finish)
+
+
+def _combine_once_blocks(call: Call, y: Any, handle: StaticHandle) -> Any:
+    """combine_static along a device dispatch that sent each token once per rank in fixed
+    shapes (:mod:`unicoll.eager.device_static_once`), with its backward: every rank's backward
+    runs the same two transfers, whatever its weights."""
+    from . import device_static_once
+    from .autograd import attach_many
+
+    backend, grp, weights = call.backend, call.group, handle.weights
+    recorded = records_gradient(y, weights)
+    forward = call_number(grp) if call.compare and recorded else None  # this call's number: prepare counted it
+    native_y = backend.to_native(y)
+    native_weights = None if weights is None else backend.to_native(weights)
+    combined = device_static_once.Combined(backend, grp, handle.once)
+
+    def issue() -> Pending:
+        if call.compare:
+            verify(MOE_COMBINE_STATIC, call)
+        return combined.issue(native_y, native_weights, not call.sync_op, call.sync_op)
+
+    def finish(back: Any) -> Any:
+        from ..once_blocks import summed_at_source
+
+        result = backend.from_native(summed_at_source(back, handle.once.sent), library_of(y))
+        if not recorded:
+            return result
+        version = y._version  # the blocks the weights' gradients are taken from, as they were
+
+        def backward(grad: Any) -> tuple[Any, Any]:
+            if y._version != version:  # refused as torch's own operations refuse it, before anything is sent
+                raise RuntimeError(
+                    f"{MOE_COMBINE_STATIC.name} (backward): y was modified in place after combine_static; its "
+                    "backward needs the blocks as combine_static saw them (clone y before changing it)"
+                )
+            return combined.backward(grad, native_y, native_weights)
+
+        return attach_many((y, weights), result, guarded(MOE_COMBINE_STATIC.name, backend, grp, call.timeout,
+                                                         forward, backward))  # fmt: skip
 
     return _run(MOE_COMBINE_STATIC.name, call, issue, finish)
 

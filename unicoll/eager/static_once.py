@@ -79,6 +79,10 @@ class StaticOnce(NamedTuple):
     routing: Routing
     rows: BlockRows
 
+    def bytes_sent(self, rank: int) -> int:
+        """The bytes of rows and metadata the dispatch sent the other ranks."""
+        return self.layout.bytes_sent(rank)[0]
+
 
 def static_offer(layout: StaticLayout, rank: int, world: int, native: Any, weights: Any) -> Offer:
     """This rank's offer of the once form for a static dispatch of ``native`` by ``layout``
