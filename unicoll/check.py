@@ -74,7 +74,7 @@ MAX_TRAILING_DIMS = 8
 # length of the counts; then the operator's scalars; then two slots per peer
 _HEADER = 5 + MAX_TRAILING_DIMS + 1
 _DIMS = slice(4, 5 + MAX_TRAILING_DIMS)
-_SCALARS = 6
+_SCALARS = 8
 _UNKNOWN = -1
 _NO_ROWS = np.empty(0, np.int64)
 """What barrier describes as its rows: none, of int64."""
@@ -175,11 +175,13 @@ def _gather(
     length: int = 0,
     thread: bool = False,
 ) -> Records:
-    """Every rank's record of this call, gathered in one exchange of fixed size (a header, six
-    scalars and two slots per peer: the same size for every entry point), after checking that
+    """Every rank's record of this call, gathered in one exchange of fixed size (a header,
+    :data:`_SCALARS` scalars and two slots per peer: the same size for every entry point), after checking that
     the headers agree. ``length``: the number of counts the call passes; ``thread``: compare the
     issuing threads' names (check mode)."""
     world = group.world_size
+    if len(scalars) > _SCALARS:
+        raise ValueError(f"{op}: {len(scalars)} scalars to compare, room for {_SCALARS}")
     record = np.full(_HEADER + _SCALARS + 2 * world, _UNKNOWN, np.int64)
     record[:_HEADER] = _header(op, group, x, length, thread)
     record[_HEADER : _HEADER + len(scalars)] = scalars
@@ -380,7 +382,7 @@ def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:
     _given(op, records.scalars, ("experts_per_rank", "capacity"))
     _given(op, records.scalars[:, 2:3], ("overflow",), lambda v: repr(OVERFLOWS[v]))
     _given(op, records.scalars[:, 6:7], ("max_tokens_per_rank",), lambda v: "None" if v == _UNKNOWN else str(v))
-    _given(op, records.scalars[:, 7:8], ("k (topk_idx's columns, with max_tokens_per_rank)",))
+    _given(op, records.scalars[:, 7:8], ("topk_idx.shape[1]",))
     for c in range(call.W):
         bad_row = records.scalars[c, 4]
         if bad_row != _UNKNOWN:

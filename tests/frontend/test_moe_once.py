@@ -232,21 +232,25 @@ def once_against_plain(rank: int) -> dict:
     return report
 
 
-def _static_step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True):
-    """dispatch_static, redispatch_static and combine_static with the once form on or off."""
+def _static_step(x, ids, weights, experts, capacity, once: str, sync_op: bool = True, bound: int | None = None,
+                 count_reads: bool = False):  # fmt: skip
+    """dispatch_static, redispatch_static and combine_static with the once form on or off (on
+    a device backend: with ``max_tokens_per_rank=bound``); with ``count_reads`` as _step's."""
     os.environ[ONCE_ENV_VAR] = once
     try:
         x = x.clone().requires_grad_(x.is_floating_point())
         w = None if weights is None else weights.clone().requires_grad_()
-        got = uc.moe.dispatch_static(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op)
-        rows, counts, handle = got if sync_op else got.wait()
-        again = uc.moe.redispatch_static(x * 2, handle)
-        scale = torch.arange(1.0, experts + 1, dtype=rows.dtype).reshape(experts, 1, 1)
-        out = uc.moe.combine_static((rows + again) * scale + 1, handle, sync_op=sync_op)  # + 1: padding stays out
-        out = out if sync_op else out.wait()
-        out.sum().backward()
+        with SyncCounter() if count_reads else contextlib.nullcontext() as reads:
+            got = uc.moe.dispatch_static(x, ids, w, experts_per_rank=experts, capacity=capacity, sync_op=sync_op,
+                                         max_tokens_per_rank=bound)  # fmt: skip
+            rows, counts, handle = got if sync_op else got.wait()
+            again = uc.moe.redispatch_static(x * 2, handle)
+            scale = torch.arange(1.0, experts + 1, dtype=rows.dtype).reshape(experts, 1, 1)
+            out = uc.moe.combine_static((rows + again) * scale + 1, handle, sync_op=sync_op)  # + 1: padding stays out
+            out = out if sync_op else out.wait()
+            out.sum().backward()
         drops = (counts.tolist(), handle.received_before_drop.tolist(), handle.sent_before_drop.tolist())
-        return _outcome(rows, out, x, w, handle, counts=drops)
+        return _outcome(rows, out, x, w, handle, counts=drops, reads=reads.total if count_reads else None)
     finally:
         del os.environ[ONCE_ENV_VAR]
 
@@ -285,6 +289,47 @@ def device_path_against_plain(rank: int) -> dict:
     off = one_rank_turns_it_off(rank)
     report["rank 0 off"] = (off["out"], not off["once"], (0, 0), (0, 0), (1, 1))
     return report
+
+
+def device_static_against_plain(rank: int) -> dict:
+    """On a device backend's code path, per scenario (capacity 10 for none): the static mode
+    given max_tokens_per_rank against whole blocks, blocks, counts, result and gradients; whether
+    the form was chosen (and whether unicoll.once_blocks.chosen says it should be), the bytes
+    each sent, and the host reads of each whole step (none)."""
+    from unicoll.once_blocks import chosen
+
+    restart_on_the_device_path("nccl-device")
+    world, report = uc.get_world_size(), {}
+    tokens = 0 if rank == 1 else 6
+    ids = np.array([np.random.default_rng(t).permutation(world * 4)[:6] for t in range(tokens)], dtype=np.int64)
+    ids = torch.from_numpy(ids.reshape(tokens, 6))
+    empty = ("rank 1 without tokens", torch.ones(tokens, 16), ids, torch.ones(tokens, 6), 4, 10)
+    bound = 6 + world  # at least every rank's tokens
+    for i, (name, x, ids, weights, experts, capacity) in enumerate([*_scenarios(rank, world), empty]):
+        if name.startswith(("bfloat16", "float16")):  # not in the stand-in's dtypes
+            continue
+        capacity = 10 if capacity is None else capacity
+        scenario = (x, ids, weights, experts, capacity, "0")
+        plain = _static_step(*scenario, count_reads=True)
+        once = _static_step(*scenario, sync_op=i % 3 != 0, bound=bound, count_reads=True)
+        same = all(plain[key] == once[key] for key in ("rows", "counts", "out", "x.grad", "w.grad"))
+        expected = chosen(bound, world, experts, capacity, x, ids.shape[1])
+        reads = plain["reads"] + once["reads"]
+        report[name] = (same, once["once"], expected, plain["bytes"][0], once["bytes"][0], reads)
+    return report
+
+
+def bounds_that_differ(rank: int) -> list[str]:
+    """In check mode on a device backend's path: ranks passing different max_tokens_per_rank,
+    then the same one with different k: each refused on every rank before a row moves."""
+    restart_on_the_device_path("nccl-device")
+    messages = []
+    for bound, k in ((8 + (rank == 1), 2), (8, 2 + (rank == 2))):
+        ids = torch.zeros((3, k), dtype=torch.int64)
+        with pytest.raises(uc.CrossRankMismatchError) as refused:
+            uc.moe.dispatch_static(torch.ones(3, 4), ids, experts_per_rank=2, capacity=4, max_tokens_per_rank=bound)
+        messages.append(str(refused.value))
+    return messages
 
 
 def _compiled_scenarios(rank: int, world: int):
@@ -585,11 +630,73 @@ def test_on_a_device_backend_once_per_rank_equals_one_row_per_slot(world: int, c
     assert any(b[0] < b[1] for report in reports for (_, _, _, b, _) in report.values())
 
 
+@pytest.mark.parametrize(("world", "check"), [(2, False), (3, True)])
+def test_on_a_device_backend_the_static_mode_given_a_bound_sends_each_token_once(world: int, check: bool) -> None:
+    env = {"UNICOLL_CHECK": "1"} if check else {}
+    reports = uc.testing.spawn(device_static_against_plain, world, backend="gloo", env=env, timeout=120)
+    for report in reports:
+        for name, (same, used, expected, plain_bytes, once_bytes, reads) in report.items():
+            assert same, name
+            assert used == expected, name
+            assert once_bytes < plain_bytes if used else once_bytes == plain_bytes, name
+            assert check or reads == 0, (name, reads)  # nothing read on the host (check mode reads what it compares)
+    assert sum(used for report in reports for (_, used, *_) in report.values()) >= 10
+
+
+def test_ranks_passing_different_bounds_or_k_are_refused_in_check_mode() -> None:
+    reports = uc.testing.spawn(bounds_that_differ, 3, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=60)
+    expected = [
+        "moe.dispatch_static: ranks disagree: rank 0 passes max_tokens_per_rank=8 but rank 1 passes 9",
+        "moe.dispatch_static: ranks disagree: rank 0 passes topk_idx.shape[1]=2 but rank 2 passes 3",
+    ]
+    assert reports == [expected] * 3
+
+
+def _static_moe_step(x, ids, w, experts, capacity, bound):
+    rows, counts, handle = uc.moe.dispatch_static(x, ids, w, experts_per_rank=experts, capacity=capacity,
+                                                  max_tokens_per_rank=bound)  # fmt: skip
+    again = uc.moe.redispatch_static(x * 2, handle)
+    scale = torch.arange(2.0, experts + 2, dtype=rows.dtype).reshape(experts, 1, 1)
+    return rows, counts, uc.moe.combine_static((rows + again) * scale + 1, handle), handle.once is not None
+
+
+def compiled_static_against_eager(rank: int) -> tuple[bool, int]:
+    """The static step compiled (fullgraph, static shapes) given max_tokens_per_rank against the
+    eager step's whole blocks, three routings (a token with one expert twice; rank 1 without
+    tokens): blocks, counts, result and gradients equal, the once form used; and the compiles."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_static_moe_step, fullgraph=True, dynamic=False, backend=counter)
+    world, tokens, same = uc.get_world_size(), 0 if rank == 1 else 6, True
+    for turn in range(3):
+        rng = np.random.default_rng([rank, turn])
+        ids = [rng.permutation(world * 2)[:3] for _ in range(tokens)]
+        ids = torch.from_numpy(np.array(ids, dtype=np.int64).reshape(tokens, 3))
+        if tokens:
+            ids[0, 2] = ids[0, 0]
+        x0 = torch.from_numpy(rng.integers(0, 3, (tokens, 8))).double()
+        w0 = torch.from_numpy(rng.integers(1, 3, (tokens, 3))).double()
+        results = []
+        for fn, bound in ((_static_moe_step, None), (compiled, 6)):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            rows, counts, out, used = fn(x, ids, w, 2, 6, bound)
+            (out * out).sum().backward()
+            results.append((rows.tolist(), counts.tolist(), out.tolist(), x.grad.tolist(), w.grad.tolist(), used))
+        (*plain, plain_used), (*once, used) = results
+        same &= plain == once and used and not plain_used
+    return same, counter.frame_count
+
+
 def compiled_world(rank: int) -> dict:
     """The compiled cases, in a world of their own: nothing a compile leaves behind (Dynamo's
     caches, its references to the session's group: docs/compile.md) reaches the later cases of
     a shared world."""
-    return {"compiled": compiled_against_eager(rank), "one rank": compiled_on_one_rank_only(rank)}
+    return {
+        "compiled": compiled_against_eager(rank),
+        "one rank": compiled_on_one_rank_only(rank),
+        "static": compiled_static_against_eager(rank),
+    }
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
@@ -602,6 +709,10 @@ def test_a_compiled_step_sends_each_token_once_per_rank_with_eager_s_results(com
         for name, (same, compiles) in report["compiled"].items():
             assert same, name
             assert compiles == 1, (name, compiles)  # new routings never recompile
+
+
+def test_a_compiled_static_step_given_a_bound_sends_each_token_once_with_eager_s_results(compiled_reports) -> None:
+    assert [report["static"] for report in compiled_reports] == [(True, 1)] * 2  # new routings never recompile
 
 
 def test_a_step_compiled_to_send_once_on_some_ranks_only_is_refused_on_every_rank(compiled_reports) -> None:
