@@ -2,7 +2,7 @@
 
     python benchmarks/moe_once.py [--backend gloo --backend mpi] [--world 2 --world 4]
                                   [--topk 2 --topk 8] [--experts 4 --experts 8]
-                                  [--tokens 4096] [--hidden 1024] [--iters 5] [--static]
+                                  [--tokens 4096] [--hidden 1024] [--iters 5] [--static | --compiled]
 
 For each backend and world size, one world (one thread per rank) runs every (top-k, experts per
 rank) case on ``--tokens`` tokens of ``--hidden`` float32 per rank, routed to random distinct
@@ -15,7 +15,10 @@ the gather, the rows there and back, the weighted sum), one row per slot. Printe
 the bytes of rows the ranks' dispatches sent each other (both forms, summed over the ranks),
 and the median step of the slowest rank in milliseconds. ``--static``: the static-shape mode
 (``moe.dispatch_static`` + ``moe.combine_static``) at a capacity factor of 1.25 (no slot of
-these routings is dropped), against the same step by hand.
+these routings is dropped), against the same step by hand. ``--compiled``: that step compiled
+(``fullgraph``, static shapes, aot_eager), its whole blocks (plain) against each token once per
+rank in fixed shapes (``max_tokens_per_rank=--tokens``: unicoll.once_blocks), whose bytes come
+from the arguments (the form is what a GPU backend sends).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def _case(config: dict, k: int, experts: int, alltoallv) -> dict:
     import torch
 
     import unicoll as uc
+    from unicoll import once_blocks
 
     rank, world = uc.get_rank(), uc.get_world_size()
     tokens, hidden = config["tokens"], config["hidden"]
@@ -93,8 +97,26 @@ def _case(config: dict, k: int, experts: int, alltoallv) -> dict:
         ids = torch.from_numpy(rng.random((tokens, world * experts)).argsort(axis=1)[:, :k].copy())
         routings.append((ids, torch.from_numpy(rng.random((tokens, k), dtype=np.float32))))
     turn, sent = [0], {}
-    capacity = math.ceil(1.25 * tokens * k / (world * experts)) if config["static"] else 0
+    capacity = math.ceil(1.25 * tokens * k / (world * experts)) if config["static"] or config["compiled"] else 0
     gradient = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32))
+
+    compiled = {}
+    if config["compiled"]:
+        bounds = {"0": None, "1": tokens}
+
+        def static_step(xs, ids, ws, bound):
+            rows, _, handle = uc.moe.dispatch_static(xs, ids, ws, experts_per_rank=experts, capacity=capacity,
+                                                     max_tokens_per_rank=bound)  # fmt: skip
+            return uc.moe.combine_static(rows * 2.0, handle)
+
+        torch._dynamo.reset()  # each case compiles afresh: its closure's sizes differ from the last case's
+        compiled = {once: torch.compile(static_step, fullgraph=True, dynamic=False, backend="aot_eager")
+                    for once in bounds}  # fmt: skip
+        row, per_rank = hidden * 4, once_blocks.rows_per_rank(tokens, experts, capacity)
+        for once, bound in bounds.items():
+            used = once_blocks.chosen(bound, world, experts, capacity, x, k)
+            whole = (world - 1) * experts * capacity * row
+            sent[once] = ((world - 1) * per_rank * (row + once_blocks.META_BYTES * k) if used else whole, whole)
 
     def step(once: str, backward: bool):
         def run():
@@ -102,13 +124,16 @@ def _case(config: dict, k: int, experts: int, alltoallv) -> dict:
             turn[0] += 1
             os.environ["UNICOLL_MOE_ONCE"] = once
             xs, ws = (x.requires_grad_(), weights.requires_grad_()) if backward else (x, weights)
-            if capacity:
+            if compiled:
+                out = compiled[once](xs, ids, ws, bounds[once])
+            elif capacity:
                 rows, _, handle = uc.moe.dispatch_static(xs, ids, ws, experts_per_rank=experts, capacity=capacity)
                 out = uc.moe.combine_static(rows * 2.0, handle)
+                sent[once] = (handle.bytes_sent, handle.bytes_one_row_per_slot)
             else:
                 rows, _, handle = uc.moe.dispatch(xs, ids, ws, experts_per_rank=experts)
                 out = uc.moe.combine(rows * 2.0, handle)
-            sent[once] = (handle.bytes_sent, handle.bytes_one_row_per_slot)
+                sent[once] = (handle.bytes_sent, handle.bytes_one_row_per_slot)
             if backward:
                 (out * gradient).sum().backward()
                 xs.grad = ws.grad = None
@@ -189,13 +214,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--static", action="store_true", help="the static-shape mode")
+    parser.add_argument("--compiled", action="store_true", help="the static-shape mode compiled, whole blocks "
+                        "against max_tokens_per_rank=--tokens")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return _worker(json.loads(args.worker))
     config = dict(topk=args.topk or [2, 8], experts=args.experts or [4, 8], tokens=args.tokens,
-                  hidden=args.hidden, iters=args.iters, static=args.static)  # fmt: skip
+                  hidden=args.hidden, iters=args.iters, static=args.static, compiled=args.compiled)  # fmt: skip
     mode = "the static-shape mode, capacity factor 1.25" if args.static else "the dynamic mode"
+    if args.compiled:
+        mode = "the static-shape mode compiled (aot_eager), capacity factor 1.25; plain: whole blocks"
     print(f"# {mode}: {args.tokens} tokens x {args.hidden} float32 per rank, one thread per rank; bytes: rows (and the")
     print("# once form's metadata) the ranks' dispatches sent each other, summed; times: median step, slowest rank")
     print(f"# {'backend':<7} {'W':>2} {'k':>2} {'E':>2} | {'plain MiB':>9} {'once MiB':>8} {'once/plain':>10} | "

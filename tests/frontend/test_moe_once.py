@@ -316,7 +316,29 @@ def device_static_against_plain(rank: int) -> dict:
         expected = chosen(bound, world, experts, capacity, x, ids.shape[1])
         reads = plain["reads"] + once["reads"]
         report[name] = (same, once["once"], expected, plain["bytes"][0], once["bytes"][0], reads)
+    if world == 3:  # ranks 0 and 2 in a group of their own; world rank 1 takes no part
+        group = uc.new_group([0, 2])
+        if rank != 1:
+            rng = np.random.default_rng(rank)
+            ids = torch.from_numpy(np.array([rng.permutation(8)[:6] for _ in range(7)]))
+            x = torch.from_numpy(rng.integers(0, 2, (7, 16)).astype(np.float32))
+            plain, once = (_static_in_group(x, ids, group, bound) for bound in (None, 7))
+            same = plain["outcome"] == once["outcome"]
+            report["in a group"] = (same, once["once"], True, plain["bytes"], once["bytes"], once["reads"])
     return report
+
+
+def _static_in_group(x, ids, group, bound) -> dict:
+    """A static step of 4 experts per rank in ``group``: blocks, result and x's gradient, whether
+    the once form was used, the bytes sent and the host reads."""
+    x = x.clone().requires_grad_()
+    with SyncCounter() as reads:
+        rows, _, handle = uc.moe.dispatch_static(x, ids, experts_per_rank=4, capacity=8, group=group,
+                                                 max_tokens_per_rank=bound)  # fmt: skip
+        out = uc.moe.combine_static(rows * 3, handle)
+        out.sum().backward()
+    outcome = (rows.tolist(), out.tolist(), x.grad.tolist())
+    return {"outcome": outcome, "once": handle.once is not None, "bytes": handle.bytes_sent, "reads": reads.total}
 
 
 def bounds_that_differ(rank: int) -> list[str]:
@@ -641,6 +663,7 @@ def test_on_a_device_backend_the_static_mode_given_a_bound_sends_each_token_once
             assert once_bytes < plain_bytes if used else once_bytes == plain_bytes, name
             assert check or reads == 0, (name, reads)  # nothing read on the host (check mode reads what it compares)
     assert sum(used for report in reports for (_, used, *_) in report.values()) >= 10
+    assert world == 2 or ["in a group" in report for report in reports] == [True, False, True]
 
 
 def test_ranks_passing_different_bounds_or_k_are_refused_in_check_mode() -> None:
