@@ -6,8 +6,10 @@ array-API operations, so nothing is read to the host, and the backend's entry po
 rows: :meth:`~unicoll.backends.base.Backend.moe_dispatch_static` lays x's rows into blocks and
 moves them with the counts, :meth:`~unicoll.backends.base.Backend.moe_combine_static` moves
 blocks back as each slot's row, which the front end weighs and sums. Built in, a device backend
-moves whole blocks by even all-to-alls whose shapes the arguments fix; a host backend, where
-reading a count waits for nothing, sends only the valid rows. Gradients: dispatch's backward is
+moves whole blocks by even all-to-alls whose shapes the arguments fix (given
+``max_tokens_per_rank``, each token once per rank in shapes those fix:
+:mod:`unicoll.eager.device_static_once`); a host backend, where reading a count waits for
+nothing, sends only the valid rows. Gradients: dispatch's backward is
 a combine of the gradient blocks, summed over each token's slots; combine's is a dispatch of the
 slots' gradient rows; the weighted sum is the array library's own differentiable operations.
 The semantics are in docs/semantics.md.
