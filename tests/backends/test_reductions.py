@@ -1,6 +1,7 @@
 """all_reduce, reduce_scatter and broadcast at their edges, on gloo and mpi (one world of 3 each):
-integer and float16 overflow, bool, empty arrays, an output inside its input, a zero block, a
-group of one, broadcast's src as a position in the group, and torch's rules for in-place changes.
+integer and float16 overflow, bool, empty arrays, a 0-d loss, an output inside its input, a zero
+block, a group of one, broadcast's src as a position in the group, and torch's rules for in-place
+changes.
 
 The edges run in the session's shared world of 3 ranks of each backend (helpers/several.py)."""
 
@@ -63,6 +64,12 @@ def edges(rank: int) -> dict:
     with torch.no_grad():  # a parameter's initial value
         uc.broadcast(p, 0)
     got["parameter"] = [p.tolist(), p.requires_grad, p.grad_fn is None]
+    w = torch.tensor(float(rank + 1), requires_grad=True)
+    loss = w * 2  # a 0-d loss, summed over the ranks in place as torch.distributed does it
+    summed = uc.all_reduce(loss)
+    summed.backward()
+    task = uc.all_reduce(np.array(float(rank)), "max", sync_op=False)
+    got["0-d"] = [summed is loss, tuple(summed.shape), summed.item(), w.grad.item(), task.wait().tolist()]
     return got
 
 
@@ -83,6 +90,7 @@ def test_edges(backend: str) -> None:
         start, end = [(0, 3), (3, 3), (3, 5)][rank]  # the max over the ranks is rank 2's: 3 * arange
         assert got["padded blocks"] == (3 * np.arange(10.0).reshape(5, 2)[start:end]).tolist()
         assert got["parameter"] == [[0.0, 0.0], True, True]
+        assert got["0-d"] == [True, (), 12.0, 6.0, 2.0]  # the gradient of w: 2, summed over 3 ranks
     assert results[1]["group of one"] == [[5.0], [7], [1, 2]]
     assert results[1]["src in a group"] == results[2]["src in a group"] == [2]
 

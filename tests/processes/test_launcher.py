@@ -254,3 +254,28 @@ def test_cli_run_refuses_a_rendezvous_it_cannot_start(tmp_path, flags, message):
 
     assert (result.returncode, result.stderr.strip(), result.stdout) == (2, message, "")
     assert time.monotonic() - start < 10
+
+
+PARTIAL_LINES = """
+import sys, time
+for i in range(60):
+    print(f"part {i} ", end="", flush=True)
+    time.sleep(0.002)  # the other rank writes meanwhile
+    print("end", flush=True)
+print("to stderr", file=sys.stderr)
+print("no newline at the end", end="")
+"""
+
+
+@pytest.mark.parametrize("mpi", [False, True], ids=["gloo", "mpi"])
+def test_run_keeps_lines_whole_and_prefixed_on_both_launchers(tmp_path, mpi: bool) -> None:
+    """Two ranks writing lines in parts at once: every line arrives whole with its rank's
+    prefix, a last line without its newline too, under ``unicoll run`` and ``unicoll run --mpi``
+    (whose MPI launcher forwarded the parts as it read them: the ranks' lines merged)."""
+    script = write_script(tmp_path, "partial.py", PARTIAL_LINES)
+    result = cli_subprocess("run", *(["--mpi"] if mpi else []), "-n", "2", script)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert rank_lines(result.stdout, rank) == [f"part {i} end" for i in range(60)] + ["no newline at the end"]
+        assert rank_lines(result.stderr, rank) == ["to stderr"]
+    assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in result.stdout.splitlines())

@@ -613,6 +613,13 @@ def _in_place_collective(
     tensor whose :func:`autograd_state` is ``state``. ``transfer(call, native, async_op)``
     issues it; ``backward(call, grad)`` is its gradient's collective (``reduction``: the one
     :func:`_recorded` checks, None for broadcast)."""
+    scalar = arguments["tensor"]
+    if spec is ALL_REDUCE and getattr(scalar, "ndim", None) == 0:
+        # a 0-d array (a loss) is reduced as the one row of a view of it, which the change reaches
+        # (autograd records it on the view, and so on the array); the caller gets the array back
+        result = _in_place_collective(spec, {**arguments, "tensor": scalar.reshape(1)}, state, reduction, transfer,
+                                      backward)  # fmt: skip
+        return _as_scalar(result, scalar, state is None)
     call = prepare(spec, arguments)
     tensor = arguments["tensor"]
     recorded = _recorded(spec.name, call, tensor, reduction, True, state)
@@ -628,6 +635,15 @@ def _in_place_collective(
     if state is not None:
         return _run(spec.name, call, issue, lambda _: target)
     return _run(spec.name, call, issue, _in_place(spec.name, call, tensor, recorded, lambda g: backward(call, g)))
+
+
+def _as_scalar(result: Any, scalar: Any, in_place: bool) -> Any:
+    """An all_reduce of ``scalar`` (0-d) through a view of one row, as the caller gets it: the
+    array itself in place (its copy's one element in the functional form), or a Task whose
+    ``wait()`` returns that."""
+    if isinstance(result, Task):
+        return result.then(lambda row: scalar if in_place else row.reshape(()))
+    return scalar if in_place else result.reshape(())
 
 
 def reduce_scatter(

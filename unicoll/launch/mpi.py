@@ -6,7 +6,8 @@ The command is ``MPIEXEC -n N python ARGV...``. MPIEXEC is the one given, else t
 next to the libmpi that mpi4py loads), else the first ``mpiexec`` on ``PATH`` (a system MPI).
 The ranks get ``UNICOLL_BACKEND=mpi`` and, as with :func:`unicoll.launch.local.run`, their
 share of the cores in ``OMP_NUM_THREADS``; variables already set win. The MPI launcher
-forwards output. The module imports nothing heavy.
+forwards output (:func:`run`'s ranks write it in whole lines, prefixed ``[rank K] ``). The
+module imports nothing heavy.
 
 :func:`run` (``unicoll run --mpi``) runs each rank's program through
 :mod:`unicoll.launch.mpi_rank`, which keeps a note of how the rank is doing, and watches the

@@ -11,27 +11,87 @@ failed and why.
 
 A program that fails once MPI runs aborts the job (:mod:`unicoll.backends.mpi.abort`), a
 ``SystemExit`` with a non-zero status included: this runner sees it leave the program.
+
+What the program prints through ``sys.stdout`` and ``sys.stderr`` reaches the launcher in whole
+lines, each prefixed ``[rank K] `` as :mod:`unicoll.launch.local` prefixes them
+(:class:`RankLines`): the MPI launcher forwards each rank's output as it reads it, so two ranks'
+partial lines would otherwise merge into one.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import io
 import json
 import os
 import runpy
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 from ..backends.mpi.abort import abort_on_failure, record_failure
 from .process import write_atomically
 
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 """Where MPICH's and Intel MPI's hydra, Open MPI and PMIx launchers give a process its rank."""
+
+
+def _rank() -> int | None:
+    """This process's rank from the MPI launcher's variables, or None."""
+    return next((int(os.environ[name]) for name in RANK_VARIABLES if os.environ.get(name, "").isdigit()), None)
+
+
+class RankLines(io.TextIOBase):
+    """A text stream over ``stream`` that writes whole lines only, each prefixed with ``prefix``:
+    a line's text waits here until its newline (or :meth:`end`), then goes out with the other
+    complete lines of the same write in one flush of ``stream``."""
+
+    def __init__(self, stream: TextIO, prefix: str) -> None:
+        super().__init__()
+        self._stream, self._prefix, self._partial = stream, prefix, ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+            if lines:
+                self._stream.write("".join(f"{self._prefix}{line}\n" for line in lines))
+                self._stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the complete lines (a partial line waits for its newline)."""
+        self._stream.flush()
+
+    def end(self) -> None:
+        """Write out a partial line (the program ended without its newline)."""
+        with self._lock:
+            partial, self._partial = self._partial, ""
+        if partial:
+            self._stream.write(f"{self._prefix}{partial}\n")
+            self._stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:
+        return self._stream.encoding
+
+    @property
+    def errors(self) -> str | None:
+        return self._stream.errors
 
 
 def note_path(notes: str | Path, rank: int) -> Path:
@@ -45,8 +105,8 @@ class _Note:
     no rank or the folder is not on this host."""
 
     def __init__(self, notes: str) -> None:
-        rank = next((os.environ[name] for name in RANK_VARIABLES if os.environ.get(name, "").isdigit()), None)
-        self._path = None if rank is None else note_path(notes, int(rank))
+        rank = _rank()
+        self._path = None if rank is None else note_path(notes, rank)
         self._fields: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "mpi": False, "exit": None}
         self.update()
 
@@ -111,8 +171,20 @@ def main(argv: list[str]) -> None:
     note = _Note(argv[0])
     abort_on_failure()
     sys.meta_path.insert(0, _MpiStartWatch(note))
+    prefix = f"[rank {_rank()}] "
+    out, err = RankLines(sys.stdout, prefix), RankLines(sys.stderr, prefix)
+    sys.stdout, sys.stderr = out, err
     try:
-        _run_program(argv[1:])
+        _run(argv[1:], note)
+    finally:
+        out.end()
+        err.end()
+
+
+def _run(argv: list[str], note: _Note) -> None:
+    """:func:`main`'s program, its ending noted."""
+    try:
+        _run_program(argv)
     except BaseException as exc:
         status, reason = _ending(exc)
         note.update(exit={"code": status, "reason": reason, "at": time.time()})
