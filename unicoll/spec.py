@@ -881,8 +881,12 @@ ALL_REDUCE = OpSpec(
         "Every rank passes the same shape and dtype."
     ),
     params=(
-        Param("tensor", IN_PLACE, "array",
-              "This rank's values, of any shape (a 0-d loss too); holds the reduction afterwards."),
+        Param(
+            "tensor",
+            IN_PLACE,
+            "array",
+            "This rank's values, of any shape (a 0-d loss too); holds the reduction afterwards.",
+        ),
         _OP,
         *_common_params(use_calc_stream=False),
     ),
