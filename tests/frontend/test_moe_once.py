@@ -711,11 +711,36 @@ def compiled_static_against_eager(rank: int) -> tuple[bool, int]:
     return same, counter.frame_count
 
 
+def compiled_before_anything_eager(rank: int) -> tuple[int, list[str]]:
+    """A dynamic step compiled in a fresh process before any eager call, three routings: the
+    compiles and Dynamo's warnings (before: two compiles, the first one's trace having filled
+    the array-type cache it then guarded on, and three lru_cache warnings)."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(x, ids, w):
+        rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=2)
+        return uc.moe.combine(rows * 2, handle)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for turn in range(3):
+            rng = np.random.default_rng([rank, turn])
+            ids = torch.from_numpy(np.array([rng.permutation(4)[:2] for _ in range(5)]))
+            x, w = torch.ones(5, 4, requires_grad=True), torch.ones(5, 2, requires_grad=True)
+            compiled(x, ids, w).sum().backward()
+    return counter.frame_count, [str(warning.message)[:60] for warning in caught]
+
+
 def compiled_world(rank: int) -> dict:
     """The compiled cases, in a world of their own: nothing a compile leaves behind (Dynamo's
     caches, its references to the session's group: docs/compile.md) reaches the later cases of
     a shared world."""
     return {
+        "first": compiled_before_anything_eager(rank),  # first: nothing eager has run in this process
         "compiled": compiled_against_eager(rank),
         "one rank": compiled_on_one_rank_only(rank),
         "static": compiled_static_against_eager(rank),
@@ -732,6 +757,10 @@ def test_a_compiled_step_sends_each_token_once_per_rank_with_eager_s_results(com
         for name, (same, compiles) in report["compiled"].items():
             assert same, name
             assert compiles == 1, (name, compiles)  # new routings never recompile
+
+
+def test_a_step_compiled_before_any_eager_call_compiles_once_without_warnings(compiled_reports) -> None:
+    assert [report["first"] for report in compiled_reports] == [(1, [])] * 2
 
 
 def test_a_compiled_static_step_given_a_bound_sends_each_token_once_with_eager_s_results(compiled_reports) -> None:
