@@ -106,6 +106,9 @@ class SessionHandle:
         self.weights = weights
         """The caller's ``topk_weights`` (None without them), which combine weighs by."""
         self.dispatch_number = dispatch_number
+        self.link: Any = None
+        """Where the dispatch recorded a gradient, an empty tensor of its autograd node, which
+        combine joins its rows to (:func:`unicoll.eager.autograd.attach_linked`), else None."""
         self._ended: str | None = None
         join_session(group.session, self)
 
@@ -121,7 +124,7 @@ class SessionHandle:
 
     def _end_session(self, reason: str, keep_handles: bool) -> None:
         self._ended = reason
-        self.weights = None
+        self.weights = self.link = None
 
 
 class Handle(SessionHandle):

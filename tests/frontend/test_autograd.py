@@ -43,6 +43,50 @@ def test_round_trip_gradient() -> None:
         assert grads == pytest.approx([18.0] * len(grads))
 
 
+def experts_that_skip_every_row(rank: int) -> dict:
+    """Both ranks route every token to rank 0's expert, so rank 1's receive no row, and rank 1's
+    experts, as transformers' eager experts code does, skip an expert without rows: its outputs
+    are made without the rows (zeros). Per mode (dynamic, static) and weights (none, given): x's
+    and the weights' gradients, and whether the combine's result records a gradient. Before,
+    rank 1 skipped combine's and dispatch's backward collectives (its result recorded none
+    unweighted; weighted, dispatch's node was never reached) and rank 0 waited for them."""
+    got = {}
+    for mode in ("dynamic", "static"):
+        for weighted in (False, True):
+            ids = torch.zeros(4, 1, dtype=torch.int64)
+            x = torch.arange(8.0).reshape(4, 2).requires_grad_()
+            w = torch.full((4, 1), 2.0, requires_grad=True) if weighted else None
+            if mode == "static":
+                rows, _, handle = uc.moe.dispatch_static(x, ids, w, experts_per_rank=1, capacity=4)
+            else:
+                rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=1)
+            y = (
+                torch.zeros(*rows.shape[:-1], 3)
+                if rank == 1
+                else rows.sum(-1, keepdim=True).expand(*rows.shape[:-1], 3)
+            )
+            out = uc.moe.combine_static(y, handle) if mode == "static" else uc.moe.combine(y, handle)
+            recorded = out.requires_grad
+            out.sum().backward()
+            got[mode, weighted] = (recorded, x.grad.tolist(), None if w is None else w.grad.tolist())
+    return got
+
+
+SKIPPED = {backend: share(backend, 2, [Case("autograd: skipped rows", experts_that_skip_every_row)])
+           for backend in ("gloo", "mpi")}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_experts_that_skip_every_row_still_take_part_in_the_backward_pass(backend: str) -> None:
+    reports = SESSION.results(SKIPPED[backend], "autograd: skipped rows")
+    for rank, report in enumerate(reports):
+        for (mode, weighted), (recorded, x_grad, w_grad) in report.items():
+            scale = 2.0 if weighted else 1.0
+            assert recorded, (rank, mode, weighted)
+            assert x_grad == [[3 * scale] * 2] * 4, (rank, mode, weighted)  # 3 outputs, each the row's sum
+            assert w_grad == (None if not weighted else [[3.0 * (4 * t + 1)] for t in range(4)]), (rank, mode)
+
+
 def test_no_graph_without_requires_grad() -> None:
     uc.init("gloo")
     try:

@@ -58,6 +58,32 @@ class _ManyCollective(torch.autograd.Function):
         return None, *ctx.backward_collective(grad.contiguous())
 
 
+class _LinkedCollective(torch.autograd.Function):
+    """:class:`_Collective` with a second output: an empty tensor from the same node."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, payload: _Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.backward_collective = payload.backward
+        return payload.result, x.new_empty(0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, link: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.backward_collective(grad.contiguous()), None
+
+
+class _Joined(torch.autograd.Function):
+    """``y`` as it is, from a node that also takes a link (:func:`joined`)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class _InPlaceCollective(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -79,6 +105,23 @@ def needs_grad(x: Any) -> bool:
 def attach(x: torch.Tensor, result: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``result`` with a ``grad_fn`` whose backward is ``backward(grad_of_result)``."""
     return _Collective.apply(x, _Payload(result, backward))
+
+
+def attach_linked(
+    x: torch.Tensor, result: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attach`, and a link: an empty tensor whose ``grad_fn`` is the same node. A later
+    result :func:`joined` to the link reaches that node in every backward pass through it, so
+    the backward collective runs even where nothing else of the result was used (it then gets
+    zeros: torch materializes the gradient no path gave)."""
+    return _LinkedCollective.apply(x, _Payload(result, backward))
+
+
+def joined(y: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
+    """``y`` (a view of it) as the output of a node that also takes ``link``
+    (:func:`attach_linked`), which it passes no gradient: whatever ``y`` came from, a backward
+    pass through it reaches the link's node."""
+    return _Joined.apply(y, link)
 
 
 def attach_many(

@@ -45,7 +45,7 @@ from . import device_once, moe_once
 from .device_once import DeviceOnce, Pairs
 from .moe_once import OnceLayout
 from .once_choice import COMPILED, OFF, OFFER_INTS, offer, once_mode, refuse_mixed
-from .ops import _functional, _run, global_gather_backward, global_scatter_backward, guarded
+from .ops import _functional, _functional_linked, _run, global_gather_backward, global_scatter_backward, guarded
 
 
 def dispatch(
@@ -193,11 +193,12 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
     def backward(grad: Any) -> Any:  # the routing and plan are made when the call is issued
         return dispatch_backward(backend, grp, grad, plan, routing, once)
 
-    received = _functional(MOE_DISPATCH.name, call, x, backward)
+    received = _functional_linked(MOE_DISPATCH.name, call, x, backward)
 
     def finish(result: Any) -> tuple[Any, list[int], Handle]:
         handle = Handle(routing, plan, grp, weights, x, number, once, row_bytes(native))
-        return received(result), handle.rows_per_expert, handle
+        rows, handle.link = received(result)
+        return rows, handle.rows_per_expert, handle
 
     return _run(MOE_DISPATCH.name, call, issue, finish)
 
@@ -384,9 +385,23 @@ def dispatch_backward(
 
 def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     handle = arguments["handle"]
+    y = joined_to_dispatch(arguments["y"], handle)
     if handle.once is not None:
-        return combine_once(MOE_COMBINE, call, arguments["y"], handle.once, handle.routing, handle.weights)
-    return combine_rows(MOE_COMBINE, call, arguments["y"], handle.routing, handle.plan, handle.weights)
+        return combine_once(MOE_COMBINE, call, y, handle.once, handle.routing, handle.weights)
+    return combine_rows(MOE_COMBINE, call, y, handle.routing, handle.plan, handle.weights)
+
+
+def joined_to_dispatch(y: Any, handle: Any) -> Any:
+    """combine's rows ``y`` joined to the autograd node of the dispatch of ``handle`` (its
+    :attr:`~unicoll.routing.SessionHandle.link`) where that dispatch recorded a gradient and
+    grad mode is on: every rank's backward pass through combine then runs combine's and
+    dispatch's backward collectives, whatever the experts made of the rows (rows an expert
+    skipped, outputs made without them: the dispatch's gradient is then zeros). Else ``y``."""
+    if handle.link is None:
+        return y
+    from .autograd import joined, needs_grad
+
+    return joined(y, handle.link) if needs_grad(handle.link) else y
 
 
 def combine_once(

@@ -78,6 +78,20 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
     return lambda result: call.backend.from_native(result, library)
 
 
+def _functional_linked(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, Any]]:
+    """:func:`_functional` for a dispatch, whose handle later joins combine's rows to it:
+    finishes as ``(result, link)``, the link (:func:`~unicoll.eager.autograd.attach_linked`)
+    None where no gradient is recorded."""
+    library = library_of(x)
+    if library == "torch" and x.requires_grad:
+        from .autograd import attach_linked, needs_grad
+
+        if needs_grad(x):
+            backend, guarded = call.backend, _guarded(op, call, backward)
+            return lambda result: attach_linked(x, backend.from_native(result, "torch"), guarded)
+    return lambda result: (call.backend.from_native(result, library), None)
+
+
 def _guarded(op: str, call: Call, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """:func:`guarded` for the forward call ``call`` (numbered where the ranks compare their calls:
     prepare counted it)."""

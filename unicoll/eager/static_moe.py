@@ -39,8 +39,16 @@ from ..static_layout import Arrived, StaticHandle, static_layout
 from ..task import Task
 from ..validate import prepare, read_only
 from . import static_once
-from .moe import check_handled, combine_once, dispatch_backward, handle_group, records_gradient, sum_slots
-from .ops import _functional, _run, guarded
+from .moe import (
+    check_handled,
+    combine_once,
+    dispatch_backward,
+    handle_group,
+    joined_to_dispatch,
+    records_gradient,
+    sum_slots,
+)
+from .ops import _functional, _functional_linked, _run, guarded
 
 
 def dispatch_static(
@@ -223,7 +231,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
             return dispatch_backward(backend, grp, rows, None, once.routing, once.layout)
         return _slots_summed(backend, grp, grad, native, valid)
 
-    received = _functional(MOE_DISPATCH_STATIC.name, call, x, backward)
+    received = _functional_linked(MOE_DISPATCH_STATIC.name, call, x, backward)
 
     def finish(result: tuple[Any, ...]) -> tuple[Any, Any, StaticHandle]:
         nonlocal valid, once
@@ -231,9 +239,11 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
         once = kept[0] if kept else once
         _, valid, before = counts_heard(array_namespace(heard), heard, world, experts)
         library = library_of(x)
-        arrived = Arrived(received(blocks), backend.from_native(valid, library), backend.from_native(before, library))
+        rows, link = received(blocks)
+        arrived = Arrived(rows, backend.from_native(valid, library), backend.from_native(before, library))
         handle = StaticHandle.of_blocks(grp, experts, capacity, weights, x, layout, arrived, number, once,
                                         row_bytes(native_x), not backend.host_memory)  # fmt: skip
+        handle.link = link
         return arrived.rows, arrived.counts, handle
 
     return _run(MOE_DISPATCH_STATIC.name, call, issue, finish)
@@ -319,8 +329,8 @@ def _combine(call: Call, arguments: dict[str, Any]) -> Any:
     no gradient recorded one slot at a time into rows the workspace lends
     (:func:`~unicoll.eager.moe.sum_slots`), else from each slot's row, made at once, whose
     gradient is a dispatch of the slots' gradient rows."""
-    backend, grp, handle, y = call.backend, call.group, arguments["handle"], arguments["y"]
-    weights, once = handle.weights, handle.once
+    backend, grp, handle = call.backend, call.group, arguments["handle"]
+    y, weights, once = joined_to_dispatch(arguments["y"], handle), handle.weights, handle.once
     if once is not None and not isinstance(once, static_once.StaticOnce):
         return _combine_once_blocks(call, y, handle)
     if once is not None:
