@@ -200,6 +200,23 @@ class Handle(SessionHandle):
         (rank, local expert), as global_scatter's ``local_count`` and ``global_count``."""
         return self.local_count, self.global_count
 
+    def local_expert_ids(self) -> Any:
+        """Each row dispatch returned, its local expert (``0 .. experts_per_rank - 1``), as
+        ``rows_per_expert`` says: int64, of x's library on its device (numpy for another
+        library's). What an experts module that routes rows by id takes: rows_per_expert
+        ``[2, 0, 1]`` gives ``[0, 0, 2]``."""
+        ids = np.repeat(np.arange(len(self.rows_per_expert), dtype=np.int64), self.rows_per_expert)
+        if self.library == "torch":
+            import torch
+
+            return torch.from_numpy(ids).to(self.device)
+        if self.library == "cupy":
+            import cupy
+
+            with self.device:
+                return cupy.asarray(ids)
+        return ids
+
     def __repr__(self) -> str:
         state = f"ended: {self._ended}" if self._ended else f"rows per expert {self.rows_per_expert}"
         return f"<unicoll.moe.Handle {self.tokens} tokens x top-{self.topk}, {state}>"

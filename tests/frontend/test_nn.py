@@ -1,0 +1,96 @@
+"""unicoll.nn's pieces apart from a model: sharding experts (a list, fused 3-D parameters, what
+cannot be sharded), the replicated gradients' buckets on 2 ranks, and the handle's local
+expert ids. Whole Hugging Face models: tests/frameworks/test_hf_expert_parallel.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import unicoll as uc
+from helpers.several import SESSION, Case, share
+
+
+class Fused(nn.Module):
+    """Experts as transformers holds them: one 3-D parameter per weight, num_experts."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = nn.Parameter(torch.arange(experts * 6.0).reshape(experts, 3, 2))
+        self.bias = nn.Parameter(torch.zeros(experts, 3))
+
+
+def sharding(rank: int) -> dict:
+    """What rank ``rank`` of 2 keeps of fused experts and of a list, and the errors."""
+    import unicoll.nn as unn
+
+    got = {}
+    fused = unn.sharded_experts(Fused(4))
+    got["fused"] = (fused.num_experts, fused.up[:, 0, 0].tolist(), tuple(fused.bias.shape))
+    listed = unn.sharded_experts(nn.ModuleList([nn.Linear(1, 1) for _ in range(6)]))
+    got["list"] = len(listed)
+    for bad in (Fused(3), nn.Linear(2, 2)):
+        with pytest.raises((ValueError, TypeError)) as caught:
+            unn.sharded_experts(bad)
+        got.setdefault("errors", []).append(str(caught.value))
+    odd = Fused(4)
+    odd.other = nn.Parameter(torch.zeros(5))
+    with pytest.raises(ValueError) as caught:
+        unn.sharded_experts(odd)
+    got["errors"].append(str(caught.value))
+    return got
+
+
+def buckets(rank: int) -> dict:
+    """Gradients of two dtypes, one parameter without a gradient, buckets of about 100 bytes:
+    each gradient summed over the ranks, in place."""
+    import unicoll.nn as unn
+
+    params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+              ((10, torch.float32), (30, torch.float32), (4, torch.float64), (3, torch.float32))]  # fmt: skip
+    for i, p in enumerate(params[:3] + params[3:]):
+        p.grad = torch.full_like(p, float(rank + 1 + i))
+    params.insert(1, nn.Parameter(torch.zeros(2)))  # no gradient: skipped on every rank
+    unn.all_reduce_gradients(params, bucket_mib=100 / 2**20)
+    return {"grads": [None if p.grad is None else p.grad.unique().tolist() for p in params]}
+
+
+def expert_ids(rank: int) -> list:
+    """Each dispatched row's local expert: rows_per_expert [2, 0, 1] on one rank and what it
+    takes on the other."""
+    ids = torch.tensor([[0, 2], [0, 3], [4, 5]]) if rank == 0 else torch.tensor([[1, 5]])
+    rows, rows_per_expert, handle = uc.moe.dispatch(torch.ones(ids.shape[0], 2), ids, experts_per_rank=3)
+    local = handle.local_expert_ids()
+    numpy_handle = uc.moe.dispatch(np.ones((ids.shape[0], 2)), ids.numpy(), experts_per_rank=3)[2]
+    return [rows_per_expert, local.tolist(), local.dtype == torch.int64, numpy_handle.local_expert_ids().tolist()]
+
+
+NN = share("gloo", 2, [Case("nn: sharding", sharding), Case("nn: buckets", buckets), Case("nn: ids", expert_ids)])
+
+
+def test_experts_are_sharded_by_rank_and_refused_where_they_cannot_be() -> None:
+    reports = SESSION.results(NN, "nn: sharding")
+    assert [r["fused"] for r in reports] == [(2, [0.0, 6.0], (2, 3)), (2, [12.0, 18.0], (2, 3))]
+    assert [r["list"] for r in reports] == [3, 3]
+    errors = reports[0]["errors"]
+    assert errors[0] == "unicoll.nn: experts: expected a number of experts divisible by the group's 2 ranks, got 3"
+    assert errors[1].startswith(
+        "unicoll.nn: experts: expected an nn.ModuleList of experts or a module with num_experts"
+    )
+    assert errors[2] == "unicoll.nn: experts.other: expected one slice per expert in dimension 0 (4), got shape (5,)"
+
+
+def test_replicated_gradients_are_summed_in_buckets_skipping_those_without_one() -> None:
+    reports = SESSION.results(NN, "nn: buckets")
+    assert reports == [{"grads": [[3.0], None, [5.0], [7.0], [9.0]]}] * 2  # (rank 1 + i) + (rank 2 + i)
+
+
+def test_the_handle_gives_each_row_s_local_expert() -> None:
+    reports = SESSION.results(NN, "nn: ids")
+    # rank 0 holds experts 0-2: rows from rank 0 (0, 0, 2) and rank 1 (1); rank 1 experts 3-5:
+    # from rank 0 (3, 4, 5) and rank 1 (5)
+    assert reports[0] == [[2, 1, 1], [0, 0, 1, 2], True, [0, 0, 1, 2]]
+    assert reports[1] == [[1, 1, 2], [0, 1, 2, 2], True, [0, 1, 2, 2]]

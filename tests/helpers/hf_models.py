@@ -1,0 +1,30 @@
+"""Tiny, randomly initialised Hugging Face MoE models for the expert-parallel tests (no
+weights are downloaded): float64, transformers' eager experts code, the same parameters on
+every rank (one seed)."""
+
+from __future__ import annotations
+
+import torch
+
+MODELS = ("mixtral", "qwen2_moe")
+"""Mixtral (experts only) and Qwen2-MoE (a sigmoid-gated shared expert beside them)."""
+
+VOCAB = 64
+
+
+def tiny(name: str, experts: int = 4, topk: int = 2) -> torch.nn.Module:
+    """A two-layer model ``name`` (:data:`MODELS`) of ``experts`` experts, top-``topk``."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=topk, max_position_embeddings=64, experts_implementation="eager")  # fmt: skip
+    if name == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=experts, **common))
+    else:
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                num_experts=experts, **common)  # fmt: skip
+        model = Qwen2MoeForCausalLM(config)
+    return model.double()

@@ -1,0 +1,206 @@
+"""Expert parallelism for the torch models people already have: one call shards every MoE
+block's experts over a group and routes their tokens through :mod:`unicoll.moe`
+(docs/expert_parallel.md).
+
+A model's MoE block keeps its router, its shared experts and its experts' own code: only the
+block's ``experts`` module is replaced, by an :class:`ExpertParallel` that holds this rank's
+slice of the experts (:func:`sharded_experts`) and, given the block's ``(hidden, top_k_index,
+top_k_weights)`` (transformers' experts interface), dispatches the tokens to their experts'
+ranks, runs the local experts on the rows it received (the wrapped module's own forward, each
+row with its local expert's id and weight 1), and combines the outputs, weighed by
+``top_k_weights``. :func:`expert_parallel` does it for every MoE block of a model;
+:func:`replicated_parameters` and :func:`all_reduce_gradients` sum the gradients every rank
+holds a copy of (combine's backward already sums the experts' own over the ranks).
+
+Imported on its own (``import unicoll.nn``): ``import unicoll`` does not load it, nor torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import moe
+from .face import all_reduce
+from .group import Group
+from .runtime import get_rank, get_world_size
+
+__all__ = [
+    "ExpertParallel",
+    "all_reduce_gradients",
+    "expert_parallel",
+    "replicated_parameters",
+    "sharded_experts",
+]
+
+
+def _expert_count(experts: nn.Module) -> int:
+    """The experts an experts module holds: a list's length, else its ``num_experts``."""
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    count = getattr(experts, "num_experts", None)
+    if not isinstance(count, int) or count < 1:
+        raise TypeError(
+            f"unicoll.nn: experts: expected an nn.ModuleList of experts or a module with num_experts (an int) whose "
+            f"parameters hold one slice per expert in dimension 0, got {type(experts).__name__}"
+        )
+    return count
+
+
+def sharded_experts(experts: nn.Module, group: Group | None = None) -> nn.Module:
+    """This rank's experts of ``experts``, in place: the consecutive slice ``rank * E .. (rank +
+    1) * E - 1`` of its experts (``E`` = the experts over the group's size, which must divide
+    them): the entries of an ``nn.ModuleList``, or dimension 0 of every parameter of a module
+    whose ``num_experts`` it holds (transformers' fused experts: ``gate_up_proj``,
+    ``down_proj``), whose ``num_experts`` becomes ``E``. The other experts' memory is let go.
+    Returns ``experts``."""
+    total, world, rank = _expert_count(experts), get_world_size(group), get_rank(group)
+    if total % world:
+        raise ValueError(
+            f"unicoll.nn: experts: expected a number of experts divisible by the group's {world} ranks, got {total}"
+        )
+    local = total // world
+    mine = slice(rank * local, (rank + 1) * local)
+    if isinstance(experts, nn.ModuleList):
+        kept = list(experts[mine])
+        for index in range(len(experts) - 1, -1, -1):
+            del experts[index]
+        experts.extend(kept)
+        return experts
+    for name, parameter in list(experts.named_parameters(recurse=False)):
+        if parameter.shape[:1] != (total,):
+            raise ValueError(
+                f"unicoll.nn: experts.{name}: expected one slice per expert in dimension 0 ({total}), "
+                f"got shape {tuple(parameter.shape)}"
+            )
+        setattr(experts, name, nn.Parameter(parameter.detach()[mine].clone(), parameter.requires_grad))
+    experts.num_experts = local
+    return experts
+
+
+class ExpertParallel(nn.Module):
+    """An experts module over a group: called as transformers' experts are, ``(hidden (T, H),
+    top_k_index (T, k) global expert ids, top_k_weights (T, k))``, it returns each token's
+    weighted sum of its experts' outputs ``(T, H)``, computed by this rank's ``experts``
+    (:func:`sharded_experts`) on the rows :func:`unicoll.moe.dispatch` brought them.
+
+    ``static``: the static-shape mode (:func:`unicoll.moe.dispatch_static`), with ``capacity``
+    rows per (rank, expert) block, or, where it is None, ``ceil(capacity_factor * T * k / experts)``
+    (T: this call's tokens; every rank must pass as many). ``max_tokens_per_rank``: passed on
+    to the static dispatch.
+    """
+
+    def __init__(
+        self,
+        experts: nn.Module,
+        group: Group | None = None,
+        *,
+        static: bool = False,
+        capacity: int | None = None,
+        capacity_factor: float = 1.25,
+        max_tokens_per_rank: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.experts = experts
+        self.group = group
+        self.static, self.capacity, self.capacity_factor = static, capacity, capacity_factor
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.experts_per_rank = _expert_count(experts)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Dispatch, the local experts, combine (see the class)."""
+        if self.static:
+            return self._static(hidden, top_k_index, top_k_weights)
+        rows, rows_per_expert, handle = moe.dispatch(
+            hidden, top_k_index, top_k_weights, experts_per_rank=self.experts_per_rank, group=self.group
+        )
+        return moe.combine(self._local(rows, handle.local_expert_ids(), rows_per_expert), handle)
+
+    def _static(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        experts, world = self.experts_per_rank, get_world_size(self.group)
+        capacity = self.capacity
+        if capacity is None:
+            capacity = math.ceil(self.capacity_factor * hidden.shape[0] * top_k_index.shape[1] / (experts * world))
+        rows, _, handle = moe.dispatch_static(
+            hidden, top_k_index, top_k_weights, experts_per_rank=experts, capacity=capacity, group=self.group,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+        )  # fmt: skip
+        flat = rows.reshape(-1, rows.shape[-1])
+        ids = torch.arange(experts, device=rows.device).repeat_interleave(rows.shape[1])
+        y = self._local(flat, ids, [rows.shape[1]] * experts)
+        return moe.combine_static(y.reshape(experts, rows.shape[1], -1), handle)
+
+    def _local(self, rows: torch.Tensor, ids: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        """Each row's output of its local expert ``ids``, by the wrapped module's own code: a
+        list's expert per run of rows, else the module called with k = 1 and weight 1."""
+        if isinstance(self.experts, nn.ModuleList):
+            parts = torch.split(rows, rows_per_expert)
+            return torch.cat([expert(part) for expert, part in zip(self.experts, parts)])
+        ones = torch.ones((rows.shape[0], 1), dtype=rows.dtype, device=rows.device)
+        return self.experts(rows, ids.reshape(-1, 1), ones)
+
+
+def expert_parallel(model: nn.Module, group: Group | None = None, **options: Any) -> nn.Module:
+    """``model`` made expert-parallel over ``group``, in place: the ``experts`` module of every
+    MoE block (a module with an ``experts`` attribute holding an ``nn.ModuleList`` or a module
+    with ``num_experts``: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE...) sharded
+    (:func:`sharded_experts`) and wrapped in an :class:`ExpertParallel` (``options``: its
+    keyword arguments). Every rank must start from the same parameters (the same seed, or
+    weights loaded alike). Returns ``model``; ValueError where it holds no MoE block."""
+    blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
+    blocks = [m for m in blocks if not isinstance(m.experts, ExpertParallel)]
+    if not blocks:
+        raise ValueError(
+            f"unicoll.nn.expert_parallel: model: expected a model with MoE blocks, got {type(model).__name__}"
+        )
+    for block in blocks:
+        block.experts = ExpertParallel(sharded_experts(block.experts, group), group, **options)
+    return model
+
+
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` that every rank holds a copy of: all but its
+    :class:`ExpertParallel` experts', whose gradients combine's backward already sums over the
+    ranks. Their gradients are each rank's own until :func:`all_reduce_gradients` sums them."""
+    experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
+    return [p for p in model.parameters() if id(p) not in experts]
+
+
+def _buckets(parameters: Iterable[nn.Parameter], limit: int) -> Iterator[list[torch.Tensor]]:
+    """The gradients of ``parameters`` (None skipped) in runs of one dtype and device of at most
+    ``limit`` bytes each (a larger gradient alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        nbytes = grad.numel() * grad.element_size()
+        if bucket and (size + nbytes > limit or (grad.dtype, grad.device) != (bucket[0].dtype, bucket[0].device)):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(grad)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def all_reduce_gradients(
+    parameters: Iterable[nn.Parameter], group: Group | None = None, *, op: str = "sum", bucket_mib: float = 25
+) -> None:
+    """Sum (``op``: or ``"avg"``) the gradients of ``parameters`` over ``group``, in place: in
+    flat buckets of at most ``bucket_mib`` MiB (one all-reduce each, gradients of one dtype
+    and device per bucket), parameters without a gradient skipped (every rank must skip the
+    same ones). For data and expert parallelism together, pass :func:`replicated_parameters`
+    and scale each rank's loss as docs/expert_parallel.md says."""
+    for bucket in _buckets(parameters, int(bucket_mib * 2**20)):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        all_reduce(flat, op, group)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
