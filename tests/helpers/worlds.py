@@ -89,15 +89,16 @@ def _with_same_counts(op, which: int) -> None:
 
 
 def _layer_backward(skips: bool) -> None:
-    """A top-k layer's forward and backward, then the next collective. Every token goes to rank
-    0's expert, so rank 1 receives no rows; if it ``skips`` its expert (a common idiom), its
-    graph holds no dispatch or combine backward, and rank 0's backward pairs with its next call
-    (before: gloo aborted the process, mpi read the gradient as counts and stalled)."""
+    """A top-k layer's forward and backward, then the next collective; a rank that ``skips``
+    takes no backward pass (its loss left alone), so rank 0's backward pairs with its next call
+    (before: gloo aborted the process, mpi read the gradient as counts and stalled). (A rank
+    whose experts skip every row still takes part: tests/frontend/test_autograd.py.)"""
     x = torch.tensor(X, requires_grad=True)
     gates = torch.ones(len(X), 1, requires_grad=True)
     rows, _, handle = uc.moe.dispatch(x, torch.from_numpy(TO_EXPERT_0), gates, experts_per_rank=1)
-    y = torch.zeros_like(rows) if skips else rows * 2
-    uc.moe.combine(y, handle).sum().backward()
+    out = uc.moe.combine(rows * 2, handle)
+    if not skips:
+        out.sum().backward()
     uc.all_gather(None, X)
 
 
