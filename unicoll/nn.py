@@ -32,6 +32,7 @@ from .runtime import get_rank, get_world_size
 __all__ = [
     "ExpertParallel",
     "all_reduce_gradients",
+    "capacity",
     "expert_parallel",
     "replicated_parameters",
     "sharded_experts",
@@ -80,6 +81,21 @@ def sharded_experts(experts: nn.Module, group: Group | None = None) -> nn.Module
         setattr(experts, name, nn.Parameter(parameter.detach()[mine].clone(), parameter.requires_grad))
     experts.num_experts = local
     return experts
+
+
+def capacity(
+    tokens: int, topk: int, experts_per_rank: int, *, factor: float | None = None, group: Group | None = None
+) -> int:
+    """A capacity for :func:`unicoll.moe.dispatch_static` (rows each rank sends each expert at
+    most), the same on every rank of ``group``: ``ceil(factor * T * k / experts)`` with a
+    capacity ``factor`` (T: the most ``tokens`` any rank passes, ``experts``: the group's),
+    else the drop-free one, T (a token's k slots go to k different experts, as a top-k router
+    picks them). Reads the ranks' token counts with one all-reduce (on the host)."""
+    most = all_reduce(torch.tensor([tokens], dtype=torch.int64), "max", group)
+    largest = int(most.item())
+    if factor is None:
+        return largest
+    return math.ceil(factor * largest * topk / (experts_per_rank * get_world_size(group)))
 
 
 class ExpertParallel(nn.Module):

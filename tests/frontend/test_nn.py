@@ -68,7 +68,21 @@ def expert_ids(rank: int) -> list:
     return [rows_per_expert, local.tolist(), local.dtype == torch.int64, numpy_handle.local_expert_ids().tolist()]
 
 
-NN = share("gloo", 2, [Case("nn: sharding", sharding), Case("nn: buckets", buckets), Case("nn: ids", expert_ids)])
+def capacities(rank: int) -> list[int]:
+    """Rank 0 has 10 tokens, rank 1 30: drop-free, and factors 1 and 1.25 at top-2 over 4
+    experts per rank."""
+    import unicoll.nn as unn
+
+    tokens = 10 if rank == 0 else 30
+    return [unn.capacity(tokens, 2, 4), unn.capacity(tokens, 2, 4, factor=1.0), unn.capacity(tokens, 2, 4, factor=1.25)]
+
+
+NN = share("gloo", 2, [Case("nn: sharding", sharding), Case("nn: buckets", buckets), Case("nn: ids", expert_ids),
+                       Case("nn: capacity", capacities)])  # fmt: skip
+
+
+def test_capacity_is_the_same_on_every_rank_from_the_largest_token_count() -> None:
+    assert SESSION.results(NN, "nn: capacity") == [[30, 8, 10]] * 2  # ceil(30 * 2 / 8), ceil(1.25 * 60 / 8)
 
 
 def test_experts_are_sharded_by_rank_and_refused_where_they_cannot_be() -> None:
