@@ -1,8 +1,9 @@
 """Hugging Face MoE models made expert-parallel by unicoll.nn.expert_parallel on 2 ranks, gloo
 and mpi: each rank trains on its own batch, and the logits, the gradients and every parameter
 after three AdamW steps equal the single-process model's trained on the union of the batches
-(float64, transformers' eager experts code), in the dynamic and the static mode, for Mixtral
-and Qwen2-MoE (with a shared expert). Skipped where transformers is not installed."""
+(float64, transformers' eager experts code), in the dynamic and the static mode, for Mixtral,
+Qwen2-MoE (a shared expert) and DeepSeek-V3 (a dense first layer, a shared expert, a
+group-limited router). Skipped where transformers is not installed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from helpers.hf_models import MODELS, VOCAB, tiny  # noqa: E402
 
 STEPS = 3
 CASES = [(name, static) for name in MODELS for static in (False, True)]
+TOLERANCE = {"deepseek_v3": 1e-6}
+"""DeepSeek-V3's router computes in float32 whatever the model's dtype: its weight's gradient,
+summed over each rank's tokens and then over the ranks, rounds otherwise than summed over the
+union (about 7e-11 after one step, the logits still equal), and AdamW's normalisation carries
+that into the parameters (about 5e-8 after three). The others agree to float64's rounding."""
 
 
 def _train(rank: int, name: str, static: bool) -> dict:
@@ -30,7 +36,7 @@ def _train(rank: int, name: str, static: bool) -> dict:
     model = tiny(name)
     single = copy.deepcopy(model)
     unn.expert_parallel(model, static=static, capacity_factor=4.0)  # no slot dropped
-    local = model.model.layers[0].mlp.experts.experts_per_rank
+    local = next(m for m in model.modules() if isinstance(m, unn.ExpertParallel)).experts_per_rank
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, single)]
     generator = torch.Generator().manual_seed(1)
     worst = {"logits": 0.0, "grads": 0.0, "params": 0.0}
@@ -71,4 +77,4 @@ def reports(request) -> list[dict]:
 def test_expert_parallel_training_equals_the_single_process(reports, name: str, static: bool) -> None:
     for report in reports:
         worst = report[name, static]
-        assert worst["logits"] < 1e-12 and worst["grads"] < 1e-12 and worst["params"] < 1e-12, worst
+        assert max(worst.values()) < TOLERANCE.get(name, 1e-12), worst

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-MODELS = ("mixtral", "qwen2_moe")
-"""Mixtral (experts only) and Qwen2-MoE (a sigmoid-gated shared expert beside them)."""
+MODELS = ("mixtral", "qwen2_moe", "deepseek_v3")
+"""Mixtral (experts only), Qwen2-MoE (a sigmoid-gated shared expert beside them) and
+DeepSeek-V3 (a dense first layer, a shared expert, a group-limited router)."""
 
 VOCAB = 64
 
@@ -21,6 +22,14 @@ def tiny(name: str, experts: int = 4, topk: int = 2) -> torch.nn.Module:
         from transformers import MixtralConfig, MixtralForCausalLM
 
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=experts, **common))
+    elif name == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        config = DeepseekV3Config(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=experts,
+                                  n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                  v_head_dim=8, **{**common, "num_key_value_heads": 4})  # fmt: skip
+        model = DeepseekV3ForCausalLM(config)
     else:
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
