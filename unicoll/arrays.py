@@ -8,6 +8,7 @@ their descriptions, once the caller has imported them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import array_api_compat as aac
@@ -48,9 +49,12 @@ def library_of(x: Any) -> str | None:
     """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, a joined
     library's name (``"paddle"``, ``"jax"``) for one of its arrays, else None.
 
-    The answer is cached per type: the front end asks on every call.
+    The answer is cached per type: the front end asks on every call. While torch.compile
+    traces, the cache is not read (:func:`_traced`).
     """
     kind = type(x)
+    if _DYNAMO in sys.modules and _traced(x):
+        return "torch"
     try:
         return _library_by_type[kind]
     except KeyError:
@@ -65,6 +69,18 @@ def library_of(x: Any) -> str | None:
         library = library_of_type(kind)
     _library_by_type[kind] = library
     return library
+
+
+_DYNAMO = "torch._dynamo"
+
+
+def _traced(x: Any) -> bool:
+    """Whether Dynamo is tracing and ``x`` is a torch tensor: then :func:`library_of` answers
+    without its cache, whose contents a traced read would guard on (a later eager call that
+    adds a type to it would make the next call compile again), and without array-api-compat's
+    cached type checks, which Dynamo warns about."""
+    torch = sys.modules["torch"]
+    return torch.compiler.is_compiling() and isinstance(x, torch.Tensor)
 
 
 def kind_of(x: Any) -> ArrayKind:

@@ -23,7 +23,6 @@ import array_api_compat.torch as xpt
 import torch
 
 from .. import once_blocks, runtime
-from ..arrays import library_of
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
 from ..eager.moe_once import sum_dtype
@@ -33,20 +32,6 @@ from ..routing import Handle, Routing
 from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks, static_layout
 from . import locked
 from .custom_ops import WORLD, group_of, world_size
-
-
-def _cache_torch_types() -> None:
-    """Put torch's tensor types in :func:`~unicoll.arrays.library_of`'s cache now, eagerly: this
-    module is imported once Dynamo traces a first unicoll call, before any traced code asks.
-    Filled from inside traced code, the cache drew a guard on its contents, which the next call
-    failed (a second compile of the whole model), and array-api-compat's cached type checks
-    drew Dynamo's warnings."""
-    for tensor in (torch.empty(0), torch.nn.Parameter(torch.empty(0))):
-        library_of(tensor)
-
-
-_cache_torch_types()
-
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 
