@@ -86,6 +86,11 @@ class RankLines(io.TextIOBase):
         return self._stream.isatty()
 
     @property
+    def buffer(self) -> Any:
+        """The stream's bytes underneath (what is written there goes out unprefixed)."""
+        return self._stream.buffer
+
+    @property
     def encoding(self) -> str:
         return self._stream.encoding
 
