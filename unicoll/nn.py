@@ -163,10 +163,12 @@ class ExpertParallel(nn.Module):
 def expert_parallel(model: nn.Module, group: Group | None = None, **options: Any) -> nn.Module:
     """``model`` made expert-parallel over ``group``, in place: the ``experts`` module of every
     MoE block (a module with an ``experts`` attribute holding an ``nn.ModuleList`` or a module
-    with ``num_experts``: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE...) sharded
-    (:func:`sharded_experts`) and wrapped in an :class:`ExpertParallel` (``options``: its
-    keyword arguments). Every rank must start from the same parameters (the same seed, or
-    weights loaded alike). Returns ``model``; ValueError where it holds no MoE block."""
+    with ``num_experts``, which the block calls as transformers' experts are called, ``(hidden,
+    top_k_index, top_k_weights)``: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, OLMoE...)
+    sharded (:func:`sharded_experts`) and wrapped in an :class:`ExpertParallel` (``options``:
+    its keyword arguments). A block that indexes its list of experts itself is not of this
+    kind. Every rank must start from the same parameters (the same seed, or weights loaded
+    alike). Returns ``model``; ValueError where it holds no MoE block."""
     blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)]
     blocks = [m for m in blocks if not isinstance(m.experts, ExpertParallel)]
     if not blocks:

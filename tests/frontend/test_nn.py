@@ -68,6 +68,35 @@ def expert_ids(rank: int) -> list:
     return [rows_per_expert, local.tolist(), local.dtype == torch.int64, numpy_handle.local_expert_ids().tolist()]
 
 
+def a_list_of_experts(rank: int) -> dict:
+    """ExpertParallel around an nn.ModuleList of 4 Linear experts (2 per rank), top-2, in both
+    modes, against the same experts computed densely on this rank: result, x's and the
+    weights' gradients (float64)."""
+    import unicoll.nn as unn
+
+    torch.manual_seed(0)
+    experts = nn.ModuleList([nn.Linear(3, 3).double() for _ in range(4)])
+    dense = [nn.Linear(3, 3).double() for _ in range(4)]
+    for d, e in zip(dense, experts):
+        d.load_state_dict(e.state_dict())
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(5, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    ids = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(5)])
+    w = torch.rand(5, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    want = sum(w[:, j : j + 1] * torch.stack([dense[i](x[t]) for t, i in enumerate(ids[:, j])]) for j in range(2))
+    want.sum().backward()
+    want_grads = (x.grad.clone(), w.grad.clone())
+    layer = unn.sharded_experts(experts)
+    got = {}
+    for static in (False, True):
+        x.grad = w.grad = None
+        out = unn.ExpertParallel(layer, static=static, capacity=5)(x, ids, w)
+        out.sum().backward()
+        got[static] = [(out - want).abs().max().item(), (x.grad - want_grads[0]).abs().max().item(),
+                       (w.grad - want_grads[1]).abs().max().item()]  # fmt: skip
+    return got
+
+
 def capacities(rank: int) -> list[int]:
     """Rank 0 has 10 tokens, rank 1 30: drop-free, and factors 1 and 1.25 at top-2 over 4
     experts per rank."""
@@ -78,7 +107,13 @@ def capacities(rank: int) -> list[int]:
 
 
 NN = share("gloo", 2, [Case("nn: sharding", sharding), Case("nn: buckets", buckets), Case("nn: ids", expert_ids),
-                       Case("nn: capacity", capacities)])  # fmt: skip
+                       Case("nn: capacity", capacities), Case("nn: a list", a_list_of_experts)])  # fmt: skip
+
+
+def test_a_list_of_experts_runs_expert_parallel_like_the_dense_experts() -> None:
+    for report in SESSION.results(NN, "nn: a list"):
+        for static, differences in report.items():
+            assert max(differences) < 1e-12, (static, differences)
 
 
 def test_capacity_is_the_same_on_every_rank_from_the_largest_token_count() -> None:
