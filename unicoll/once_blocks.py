@@ -8,10 +8,10 @@ E * C)`` rows (:func:`rows_per_rank`): the rows of its tokens with a kept slot t
 order, then padding (:class:`Sent`). Beside each row travel ``k`` ints, each slot's row in the
 peer's blocks (``local expert * C + place``) or -1 (with the blocks' counts, in one exchange of
 ints). The receiver lays each row into the blocks of its slots with one gather
-(:func:`block_slots`, :func:`expanded`). combine sends each slot's weight (float64: every
-weights dtype exactly; 1 where a rank has none) to its expert rank, weighs and sums there each
-token's rows into its one row (:func:`partial_sums`), sends it back, and the source adds the
-rows of its ranks (:func:`summed_at_source`). The sums are in y's dtype promoted with float32.
+(:class:`Laid`). combine sends each slot's weight (float64: every weights dtype exactly; 1
+where a rank has none) to its expert rank, weighs and sums there each token's rows into its one
+row (:meth:`Laid.summed`), sends it back, and the source adds the rows of its ranks
+(:func:`summed_at_source`). The sums are in y's dtype promoted with float32.
 
 Eager calls (:mod:`unicoll.eager.device_static_once`) move the arrays with the backend and write
 the backward passes out; compiled code composes the same functions around an
@@ -137,8 +137,8 @@ class Sent:
         counts = counts_told(xpt, layout, self.world).reshape(self.world, -1)
         return torch.cat([counts, self.slots.reshape(self.world, -1)], 1).reshape(-1)
 
-    def bytes_sent(self, rank: int, row_bytes: int) -> int:
-        """The bytes of rows and ints a dispatch sends the other ranks."""
+    def bytes_sent(self, row_bytes: int) -> int:
+        """The bytes of rows (of ``row_bytes``) and ints a dispatch sends the other ranks."""
         per_rank, k = self.rows_per_rank, self.slots.shape[1]
         return (self.world - 1) * per_rank * (row_bytes + META_BYTES * k)
 
@@ -220,8 +220,9 @@ class BlocksOnce:
     row_bytes: int
 
     def bytes_sent(self, rank: int) -> int:
-        """The bytes of rows and ints the dispatch sent the other ranks."""
-        return self.sent.bytes_sent(rank, self.row_bytes)
+        """The bytes of rows and ints the dispatch sent the other ranks (the same for every
+        ``rank``: the shapes are fixed)."""
+        return self.sent.bytes_sent(self.row_bytes)
 
 
 def told_apart(ints: torch.Tensor, world: int, experts: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
