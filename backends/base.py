@@ -364,8 +364,10 @@ class Backend(ABC):
             return self._valid_rows_out(x, layout, group, async_op, calc_stream, valid)
         xp, world = array_namespace(x), group.world_size
         experts, _ = layout.blocks(world)
-        rows = self._even(send_rows(xp, x, layout), group, async_op, calc_stream)
-        heard = None if valid is not None else self._even(counts_told(xp, layout, world), group, async_op, calc_stream)
+        rows = self.even_alltoall(send_rows(xp, x, layout), group, async_op, calc_stream)
+        heard = None
+        if valid is None:
+            heard = self.even_alltoall(counts_told(xp, layout, world), group, async_op, calc_stream)
         works = rows.works + (() if heard is None else heard.works)
         return Pending(
             works, lambda: (expert_major(xp, rows.finish(), world, experts), None if heard is None else heard.finish())
@@ -411,8 +413,9 @@ class Backend(ABC):
         back[rows:] = 0
         return back
 
-    def _even(self, x: Any, group: Group, async_op: bool, calc_stream: bool) -> Pending:
-        """The even all-to-all of ``x``'s rows: ``W`` equal blocks, block c to rank c."""
+    def even_alltoall(self, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
+        """The even all-to-all of ``x``'s rows: ``W`` equal blocks, block c to rank c (composed
+        from :meth:`alltoall_single`; the static-shape mode's transfers)."""
         splits = [x.shape[0] // group.world_size] * group.world_size
         return self.alltoall_single(None, x, splits, splits, group, async_op, calc_stream)
 

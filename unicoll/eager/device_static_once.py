@@ -15,12 +15,6 @@ from ..group import Group
 from ..once_blocks import BlocksOnce, Laid, Sent, row_bytes, sum_dtype, summed_at_source, told_apart
 
 
-def _even(backend: Backend, group: Group, rows: torch.Tensor, async_op: bool, calc_stream: bool) -> Pending:
-    """The even all-to-all of ``rows``: W equal blocks, block c to rank c."""
-    splits = [rows.shape[0] // group.world_size] * group.world_size
-    return backend.alltoall_single(None, rows, splits, splits, group, async_op, calc_stream)
-
-
 def dispatch(
     backend: Backend,
     group: Group,
@@ -37,8 +31,8 @@ def dispatch(
     world = group.world_size
     experts, capacity = layout.blocks(world)
     sent = Sent.of(layout, world, bound)
-    rows = _even(backend, group, sent.rows(x), async_op, calc_stream)
-    ints = _even(backend, group, sent.told(layout), async_op, calc_stream)
+    rows = backend.even_alltoall(sent.rows(x), group, async_op, calc_stream)
+    ints = backend.even_alltoall(sent.told(layout), group, async_op, calc_stream)
 
     def finish() -> tuple[torch.Tensor, torch.Tensor, BlocksOnce]:
         counts, slots = told_apart(ints.finish(), world, experts, sent.slots.shape[1])
@@ -55,14 +49,14 @@ def redispatch(
 ) -> Pending:  # fmt: skip
     """A static redispatch of ``x`` along ``once``; finishes as ``(blocks, None)``
     (``blocks``: E and W * C)."""
-    rows = _even(backend, group, once.sent.rows(x), async_op, calc_stream)
+    rows = backend.even_alltoall(once.sent.rows(x), group, async_op, calc_stream)
     return Pending(rows.works, lambda: (once.laid.expanded(rows.finish(), blocks), None))
 
 
 def dispatch_backward(backend: Backend, group: Group, grad: torch.Tensor, once: BlocksOnce) -> torch.Tensor:
     """dispatch's (and redispatch's) backward: each received row's gradient, the sum of its
     block rows', sent back and summed per token (a combine without weights)."""
-    back = _even(backend, group, once.laid.summed(grad, None), False, True).finish()
+    back = backend.even_alltoall(once.laid.summed(grad, None), group, False, True).finish()
     return summed_at_source(back, once.sent)
 
 
@@ -77,10 +71,10 @@ class Combined:
         """Each slot's weight (1 without ``weights``) to its expert rank, each received row's
         block rows of ``y`` weighed and summed there, and those rows sent back; finishes as the
         rows that came back (:func:`~unicoll.once_blocks.summed_at_source` adds them up)."""
-        there = _even(self.backend, self.group, self.once.sent.weights(weights), False, True).finish()
+        there = self.backend.even_alltoall(self.once.sent.weights(weights), self.group, False, True).finish()
         self.weights = self.once.laid.weights(there)
         summed = self.once.laid.summed(y, self.weights)
-        return _even(self.backend, self.group, summed, async_op, calc_stream)
+        return self.backend.even_alltoall(summed, self.group, async_op, calc_stream)
 
     def backward(
         self, grad: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None
@@ -90,14 +84,14 @@ class Combined:
         where a block row's is it times the row's weight and its weight's is their dot
         product, summed over the received row's slots and sent back (every rank takes part)."""
         sent, laid = self.once.sent, self.once.laid
-        there = _even(self.backend, self.group, sent.rows(grad), False, True).finish()
+        there = self.backend.even_alltoall(sent.rows(grad), self.group, False, True).finish()
         blocks = laid.expanded(there, y.shape[:2])
         dtype = sum_dtype(y.dtype)
         flat, ys = blocks.reshape(laid.slots.shape[0], -1).to(dtype), y.reshape(laid.slots.shape[0], -1).to(dtype)
         grad_y = (flat * self.weights.to(dtype)[:, None]).to(y.dtype).reshape(y.shape)
         dots = (flat * ys).sum(1).to(torch.float64)
         per_slot = dots.new_zeros(laid.rows * laid.k + 1).index_add(0, laid.slots, dots)[:-1]
-        back = _even(self.backend, self.group, per_slot.reshape(laid.rows, laid.k), False, True).finish()
+        back = self.backend.even_alltoall(per_slot.reshape(laid.rows, laid.k), self.group, False, True).finish()
         if weights is None:
             return grad_y, None
         back = torch.where(sent.slots >= 0, back, torch.zeros_like(back))
