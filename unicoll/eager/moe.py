@@ -450,11 +450,7 @@ def combine_once(
         version = y._version  # the expert rows the weights' gradients are taken from, as they were
 
         def backward(grad: Any) -> tuple[Any, Any]:
-            if y._version != version:  # refused as torch's own operations refuse it, before anything is sent
-                raise RuntimeError(
-                    f"{spec.name} (backward): y was modified in place after combine; its backward needs the "
-                    "rows as combine saw them (clone y before changing it)"
-                )
+            refuse_rewritten(spec.name, y, version)
             if on_device:
                 grad_y, grad_w = device_once.combine_backward(backend, grp, grad, once, rows, native_weights, kept)
             else:
@@ -468,6 +464,18 @@ def combine_once(
         return attach_many((y, weights), result, guarded_backward)
 
     return _run(spec.name, call, issue, finish)
+
+
+def refuse_rewritten(op: str, y: Any, version: int) -> None:
+    """The backward of the combine ``op`` refusing, as torch's own operations refuse it and
+    before anything is sent, expert rows ``y`` changed in place since the combine saw them
+    (``version``: y's version counter then): its weights' gradients are taken from them."""
+    if y._version != version:
+        name = op.removeprefix("moe.")
+        raise RuntimeError(
+            f"{op} (backward): y was modified in place after {name}; its backward needs the rows as {name} saw "
+            "them (clone y before changing it)"
+        )
 
 
 def combine_rows(spec: OpSpec, call: Call, y: Any, routing: Routing, plan: MoePlan, weights: Any) -> Any:

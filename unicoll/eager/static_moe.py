@@ -46,6 +46,7 @@ from .moe import (
     handle_group,
     joined_to_dispatch,
     records_gradient,
+    refuse_rewritten,
     sum_slots,
 )
 from .ops import _functional, _functional_linked, _run, guarded
@@ -389,11 +390,7 @@ def _combine_once_blocks(call: Call, y: Any, handle: StaticHandle) -> Any:
         version = y._version  # the blocks the weights' gradients are taken from, as they were
 
         def backward(grad: Any) -> tuple[Any, Any]:
-            if y._version != version:  # refused as torch's own operations refuse it, before anything is sent
-                raise RuntimeError(
-                    f"{MOE_COMBINE_STATIC.name} (backward): y was modified in place after combine_static; its "
-                    "backward needs the blocks as combine_static saw them (clone y before changing it)"
-                )
+            refuse_rewritten(MOE_COMBINE_STATIC.name, y, version)
             return combined.backward(grad, native_y, native_weights)
 
         return attach_many((y, weights), result, guarded(MOE_COMBINE_STATIC.name, backend, grp, call.timeout,
