@@ -28,36 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _transport(backend: str):
-    """``(alltoallv(send, send_splits, recv_splits) -> recv, all_reduce_(flat))`` of the raw transport."""
-    import numpy as np
-    import torch
-
-    if backend == "mpi":
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD.Dup()
-
-        def alltoallv(send, send_splits, recv_splits):
-            row = int(np.prod(send.shape[1:]))
-            recv = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype)
-            s, r = np.array(send_splits) * row, np.array(recv_splits) * row
-            comm.Alltoallv([send.contiguous().numpy(), (s, np.cumsum(s) - s)], [recv.numpy(), (r, np.cumsum(r) - r)])
-            return recv
-
-        def all_reduce_(flat):
-            comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-
-        return alltoallv, all_reduce_
-    import torch.distributed as dist
-
-    def alltoallv(send, send_splits, recv_splits):
-        recv = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype)
-        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits)
-        return recv
-
-    return alltoallv, dist.all_reduce
+from raw_transport import raw_transport  # beside this script
 
 
 def _by_hand_experts(experts, world: int, alltoallv):
@@ -115,7 +86,7 @@ def _worker(config: dict) -> None:
     torch.set_num_threads(1)
     uc.init(config["backend"])
     rank, world = uc.get_rank(), uc.get_world_size()
-    alltoallv, all_reduce_ = _transport(config["backend"])
+    alltoallv, all_reduce_ = raw_transport(config["backend"])
     hidden, experts = config["hidden"], config["experts"]
 
     def model():

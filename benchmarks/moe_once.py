@@ -33,33 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _by_hand(backend: str):
-    """The uneven all-to-all of the raw transport: ``(send, send_splits, recv_splits) -> recv``."""
-    import torch
-
-    if backend == "mpi":
-        import numpy as np
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD.Dup()
-
-        def alltoallv(send, send_splits, recv_splits):
-            row = int(np.prod(send.shape[1:]))
-            recv = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype)
-            s, r = np.array(send_splits) * row, np.array(recv_splits) * row
-            comm.Alltoallv([send.numpy(), (s, np.cumsum(s) - s)], [recv.numpy(), (r, np.cumsum(r) - r)])
-            return recv
-
-        return alltoallv
-    import torch.distributed as dist
-
-    def alltoallv(send, send_splits, recv_splits):
-        recv = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits)
-        return recv
-
-    return alltoallv
+from raw_transport import raw_transport  # beside this script
 
 
 def _hand_step(x, ids, weights, experts: int, world: int, alltoallv):
@@ -185,7 +159,7 @@ def _worker(config: dict) -> None:
 
     torch.set_num_threads(1)
     uc.init(config["backend"])
-    alltoallv = _by_hand(config["backend"])
+    alltoallv, _ = raw_transport(config["backend"])
     results = [_case(config, k, e, alltoallv) for k in config["topk"] for e in config["experts"]]
     if uc.get_rank() == 0:
         Path(config["out"]).write_text(json.dumps(results))
