@@ -151,9 +151,12 @@ def test_api_page_is_generated_from_the_specs() -> None:
 
 
 def test_import_loads_no_framework() -> None:
-    """Nor unicoll.nn's torch.nn layer, nor transformers."""
-    frameworks = "('torch', 'cupy', 'transformers')"
-    code = f"import sys, unicoll; print(sorted(m for m in sys.modules if m.split('.')[0] in {frameworks} or m == 'unicoll.nn'))"
+    """Nor unicoll.nn's torch.nn layer, nor unicoll.paddle_moe's route, nor transformers or Paddle."""
+    frameworks = "('torch', 'cupy', 'transformers', 'paddle')"
+    ours = "('unicoll.nn', 'unicoll.paddle_moe')"
+    code = (
+        f"import sys, unicoll; print(sorted(m for m in sys.modules if m.split('.')[0] in {frameworks} or m in {ours}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -48,7 +48,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("compile", ("unicoll.compiled", "unicoll.compiled.*")),
     ("carry", ("unicoll.carry",)),
     ("public face", ("unicoll.face",)),
-    ("names and tools", ("unicoll", "unicoll.moe", "unicoll.nn", "unicoll.__main__", "unicoll.cli", "unicoll.cli.*",
+    ("names and tools", ("unicoll", "unicoll.moe", "unicoll.nn", "unicoll.paddle_moe", "unicoll.__main__",
+                         "unicoll.cli", "unicoll.cli.*",
                          "unicoll.launch", "unicoll.launch.*", "unicoll.testing", "unicoll.testing.*")),
 )  # fmt: skip
 """The floors, bottom first, and the modules on each (``fnmatch`` patterns)."""
