@@ -7,7 +7,9 @@ same model on one process and with the same block written by hand on the raw tra
 Per backend, one world of 2 ranks (one thread per rank) times, interleaved, each after a
 barrier: (1) a training step (forward, backward, the replicated gradients summed, AdamW) of a
 two-layer Mixtral (``--experts`` experts, top-2, float32, transformers' default experts code)
-on ``--tokens`` tokens per rank, made expert-parallel by ``unicoll.nn.expert_parallel``; (2) the
+on ``--tokens`` tokens per rank, made expert-parallel by ``unicoll.nn.expert_parallel``, the
+replicated gradients summed after the backward pass (``all_reduce_gradients``) and, in an
+"overlap" column, while it runs (``GradientReducer``); (2) the
 same step with each MoE block's experts wrapped by hand: the counts exchanged, the rows sorted
 by expert and sent by the raw transport's uneven all-to-all (torch.distributed's
 ``all_to_all_single`` on gloo, mpi4py's ``Alltoallv`` on mpi), the local experts, the rows sent
@@ -97,6 +99,8 @@ def _worker(config: dict) -> None:
         return MixtralForCausalLM(cfg)
 
     ep = unn.expert_parallel(model())
+    overlapped = unn.expert_parallel(model())
+    reducer = unn.GradientReducer(unn.replicated_parameters(overlapped))
     hand = model()
     for block in [m for m in hand.modules() if hasattr(m, "experts")]:
         block.experts = _by_hand_experts(unn.sharded_experts(block.experts), world, alltoallv)
@@ -107,13 +111,19 @@ def _worker(config: dict) -> None:
     batch = torch.randint(0, 1024, (1, config["tokens"]), generator=generator)
     union = torch.cat([batch] * world)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in
-                  (("unicoll", ep), ("by hand", hand), ("single", single))}  # fmt: skip
+                  (("unicoll", ep), ("overlapped", overlapped), ("by hand", hand), ("single", single))}  # fmt: skip
 
     def step_ep():
         optimizers["unicoll"].zero_grad()
         (ep(batch, labels=batch).loss / world).backward()
         unn.all_reduce_gradients(unn.replicated_parameters(ep))
         optimizers["unicoll"].step()
+
+    def step_overlapped():
+        optimizers["overlapped"].zero_grad()
+        (overlapped(batch, labels=batch).loss / world).backward()
+        reducer.finish()
+        optimizers["overlapped"].step()
 
     def step_hand():
         optimizers["by hand"].zero_grad()
@@ -133,7 +143,7 @@ def _worker(config: dict) -> None:
             single(union, labels=union).loss.backward()
             optimizers["single"].step()
 
-    calls = {"unicoll": step_ep, "by hand": step_hand, "single": step_single}
+    calls = {"unicoll": step_ep, "overlapped": step_overlapped, "by hand": step_hand, "single": step_single}
     times: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(config["iters"] + 1):
         for name, fn in calls.items():
@@ -167,7 +177,8 @@ def main() -> None:
     print(f"# a training step of a 2-layer Mixtral ({args.experts} experts, top-2, hidden {args.hidden}, float32), "
           f"{args.tokens} tokens per rank, 2 ranks; median step of the slowest rank (ms); single: one process on "
           "both ranks' tokens")  # fmt: skip
-    print(f"# {'backend':<7} | {'unicoll':>8} {'by hand':>8} {'single':>8} | {'uc/hand':>7} {'uc/single':>9}")
+    print(f"# {'backend':<7} | {'unicoll':>8} {'overlap':>8} {'by hand':>8} {'single':>8} | {'uc/hand':>7} "
+          f"{'ov/hand':>7} {'uc/single':>9}")  # fmt: skip
     for backend in args.backend or ["gloo", "mpi"]:
         with tempfile.TemporaryDirectory() as tmp:
             config = dict(vars(args), backend=backend, out=os.path.join(tmp, "out.json"))
@@ -177,8 +188,10 @@ def main() -> None:
             if code != 0:
                 raise SystemExit(f"the {backend} world failed with exit code {code}")
             ms = json.loads(Path(config["out"]).read_text())
-        print(f"  {backend:<7} | {ms['unicoll']:8.1f} {ms['by hand']:8.1f} {ms['single']:8.1f} | "
-              f"{ms['unicoll'] / ms['by hand']:7.2f} {ms['unicoll'] / ms['single']:9.2f}", flush=True)  # fmt: skip
+        print(f"  {backend:<7} | {ms['unicoll']:8.1f} {ms['overlapped']:8.1f} {ms['by hand']:8.1f} "
+              f"{ms['single']:8.1f} | "
+              f"{ms['unicoll'] / ms['by hand']:7.2f} {ms['overlapped'] / ms['by hand']:7.2f} "
+              f"{ms['unicoll'] / ms['single']:9.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

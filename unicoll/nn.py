@@ -9,28 +9,35 @@ top_k_weights)`` (transformers' experts interface), dispatches the tokens to the
 ranks, runs the local experts on the rows it received (the wrapped module's own forward, each
 row with its local expert's id and weight 1), and combines the outputs, weighed by
 ``top_k_weights``. :func:`expert_parallel` does it for every MoE block of a model;
-:func:`replicated_parameters` and :func:`all_reduce_gradients` sum the gradients every rank
-holds a copy of (combine's backward already sums the experts' own over the ranks).
+:func:`replicated_parameters` names the parameters every rank holds a copy of, and
+:func:`all_reduce_gradients` (after the backward pass) or a :class:`GradientReducer` (while it
+runs) sums their gradients (combine's backward already sums the experts' own over the ranks).
 
 Imported on its own (``import unicoll.nn``): ``import unicoll`` does not load it, nor torch.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from . import moe
-from .face import all_reduce
+from .eager.agreed import all_reduce_agreed
+from .face import all_gather, all_reduce
 from .group import Group
-from .runtime import get_rank, get_world_size
+from .runtime import get_rank, get_world_size, new_group
 
 __all__ = [
     "ExpertParallel",
+    "GradientReducer",
     "all_reduce_gradients",
     "capacity",
     "expert_parallel",
@@ -183,42 +190,189 @@ def expert_parallel(model: nn.Module, group: Group | None = None, **options: Any
 def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of ``model`` that every rank holds a copy of: all but its
     :class:`ExpertParallel` experts', whose gradients combine's backward already sums over the
-    ranks. Their gradients are each rank's own until :func:`all_reduce_gradients` sums them."""
+    ranks. Their gradients are each rank's own until :func:`all_reduce_gradients` or a
+    :class:`GradientReducer` sums them."""
     experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
     return [p for p in model.parameters() if id(p) not in experts]
 
 
-def _buckets(parameters: Iterable[nn.Parameter], limit: int) -> Iterator[list[torch.Tensor]]:
-    """The gradients of ``parameters`` (None skipped) in runs of one dtype and device of at most
-    ``limit`` bytes each (a larger gradient alone)."""
-    bucket: list[torch.Tensor] = []
+class _Bucket:
+    """Parameters of one dtype and device whose gradients travel as one flat all-reduce: the
+    gradients in order, then one element per parameter, 1 where this rank has its gradient,
+    so that after the sum a parameter no rank has a gradient for is told from one whose
+    gradients sum to zero (and a rank without one still gets the others')."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.waiting = len(params)
+        """The gradients the running backward pass has yet to accumulate."""
+        self.task: Any = None
+        """The flat all-reduce in flight (a Task), None before it is issued."""
+        self.flat: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def packed(self) -> torch.Tensor:
+        """The flat buffer of this rank's gradients and their presence."""
+        first, total = self.params[0], sum(self.sizes)
+        flat = torch.zeros(total + len(self.params), dtype=first.dtype, device=first.device)
+        offset = 0
+        for index, (p, size) in enumerate(zip(self.params, self.sizes)):
+            if p.grad is not None:
+                flat[offset : offset + size] = p.grad.reshape(-1)
+                flat[total + index] = 1
+            offset += size
+        return flat
+
+    @torch.no_grad()
+    def unpack(self, flat: torch.Tensor) -> None:
+        """The summed ``flat`` back into the gradients: a parameter that no rank had a
+        gradient for keeps None."""
+        total = sum(self.sizes)
+        present = (flat[total:] > 0).tolist()
+        offset = 0
+        for p, size, some in zip(self.params, self.sizes, present):
+            summed = flat[offset : offset + size].view_as(p)
+            offset += size
+            if not some:
+                continue
+            if p.grad is None:
+                p.grad = summed.clone()
+            else:
+                p.grad.copy_(summed)
+
+
+def _buckets(parameters: Iterable[nn.Parameter], limit: int) -> list[_Bucket]:
+    """``parameters`` that require grad (each once), in runs of one dtype and device of at
+    most ``limit`` bytes each (a larger parameter alone), in their order."""
+    buckets: list[list[nn.Parameter]] = []
     size = 0
-    for p in parameters:
-        grad = p.grad
-        if grad is None:
-            continue
-        nbytes = grad.numel() * grad.element_size()
-        if bucket and (size + nbytes > limit or (grad.dtype, grad.device) != (bucket[0].dtype, bucket[0].device)):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(grad)
+    for p in dict.fromkeys(p for p in parameters if p.requires_grad):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > limit or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
         size += nbytes
-    if bucket:
-        yield bucket
+    return [_Bucket(params) for params in buckets if params]
+
+
+def _gradient_op(op: str, where: str) -> str:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"{where}: op: expected 'sum' or 'avg', got {op!r}")
+    return op
 
 
 def all_reduce_gradients(
     parameters: Iterable[nn.Parameter], group: Group | None = None, *, op: str = "sum", bucket_mib: float = 25
 ) -> None:
-    """Sum (``op``: or ``"avg"``) the gradients of ``parameters`` over ``group``, in place: in
-    flat buckets of at most ``bucket_mib`` MiB (one all-reduce each, gradients of one dtype
-    and device per bucket), parameters without a gradient skipped (every rank must skip the
-    same ones). For data and expert parallelism together, pass :func:`replicated_parameters`
-    and scale each rank's loss as docs/expert_parallel.md says."""
+    """Sum (``op``: or ``"avg"``) the gradients of ``parameters`` over ``group``, in place,
+    after the backward pass: in flat buckets of at most ``bucket_mib`` MiB (one all-reduce
+    each, parameters of one dtype and device per bucket). A parameter that no rank has a
+    gradient for keeps None; one that some ranks lack gets the others' sum (``avg``: divided
+    by all the ranks). Every rank passes the same parameters. :class:`GradientReducer` sums
+    them while the backward pass runs. For data and expert parallelism together, pass
+    :func:`replicated_parameters` and scale each rank's loss as docs/expert_parallel.md says."""
+    op = _gradient_op(op, "unicoll.nn.all_reduce_gradients")
     for bucket in _buckets(parameters, int(bucket_mib * 2**20)):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        all_reduce(flat, op, group)
-        offset = 0
-        for grad in bucket:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        flat = bucket.packed()
+        bucket.unpack(all_reduce(flat, op, group))
+
+
+class GradientReducer:
+    """Sums the gradients of ``parameters`` over ``group`` while the backward pass runs: each
+    flat bucket (as :func:`all_reduce_gradients` makes them, the parameters taken last to
+    first, the order backward reaches them) is issued as soon as backward has accumulated all
+    of its gradients and every bucket before it is issued, and :meth:`finish`, called after
+    each backward pass, issues the rest, waits and writes the sums into the gradients.
+
+    The buckets travel on a group of their own (made here with :func:`unicoll.new_group`, so
+    every rank of the world builds the reducer at the same point), issued without the per-call
+    handshake: their layout is compared across the ranks once, here (ValueError on every rank
+    where it differs), and a bucket's presence marks tell the ranks' missing gradients apart, so
+    what every rank issues agrees by construction, and issuing from a backward hook never waits
+    for a peer that is inside the model's own collectives. A second backward pass before
+    :meth:`finish` raises; for gradient accumulation, run the earlier micro-batches'
+    backward passes inside :meth:`accumulating`. :meth:`close` removes the hooks.
+
+    >>> reducer = GradientReducer(replicated_parameters(model))  # doctest: +SKIP
+    >>> loss.backward(); reducer.finish(); optimizer.step()      # doctest: +SKIP
+    """
+
+    def __init__(
+        self, parameters: Iterable[nn.Parameter], group: Group | None = None, *, op: str = "sum",
+        bucket_mib: float = 25,
+    ) -> None:  # fmt: skip
+        self._op = _gradient_op(op, "unicoll.nn.GradientReducer")
+        self._buckets = _buckets(reversed(list(parameters)), int(bucket_mib * 2**20))
+        ranks = range(get_world_size()) if group is None else group.ranks
+        self._group = new_group(list(ranks))
+        _compare_layout(self._buckets, self._group)
+        self._next = 0
+        self._paused = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+            for index, bucket in enumerate(self._buckets)
+            for p in bucket.params
+        ]
+
+    def _accumulated(self, index: int, _: nn.Parameter) -> None:
+        """Backward accumulated one of bucket ``index``'s gradients: issue the buckets now ready."""
+        if self._paused:
+            return
+        bucket = self._buckets[index]
+        if bucket.task is not None:
+            raise RuntimeError(
+                "unicoll.nn.GradientReducer: a gradient accumulated again after its bucket was issued: call finish() "
+                "after each backward pass (run earlier micro-batches inside accumulating())"
+            )
+        bucket.waiting -= 1
+        while self._next < len(self._buckets) and self._buckets[self._next].waiting == 0:
+            self._issue(self._buckets[self._next])
+            self._next += 1
+
+    def _issue(self, bucket: _Bucket) -> None:
+        bucket.flat = bucket.packed()
+        bucket.task = all_reduce_agreed(bucket.flat, self._op, self._group)
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Within: backward passes accumulate gradients without issuing any bucket (the
+        micro-batches before the last of a step)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def finish(self) -> None:
+        """Issue the buckets not yet issued, wait for every bucket and write the sums into the
+        gradients; ready for the next backward pass (also where a wait raised)."""
+        try:
+            for bucket in self._buckets[self._next :]:
+                self._issue(bucket)
+            for bucket in self._buckets:
+                bucket.unpack(bucket.task.wait())
+        finally:
+            for bucket in self._buckets:
+                bucket.task, bucket.flat, bucket.waiting = None, None, len(bucket.params)
+            self._next = 0
+
+    def close(self) -> None:
+        """Remove the backward hooks: the parameters' gradients are the ranks' own again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _compare_layout(buckets: list[_Bucket], group: Group) -> None:
+    """ValueError on every rank of ``group`` unless every rank's buckets hold as many
+    elements of the same dtypes."""
+    layout = ";".join(f"{sum(b.sizes) + len(b.params)}:{b.params[0].dtype}" for b in buckets)
+    digest = np.frombuffer(hashlib.sha256(layout.encode()).digest()[:8], dtype=np.int64)
+    everyone = all_gather(None, digest, group)
+    if len(set(everyone.tolist())) > 1:
+        raise ValueError(
+            "unicoll.nn.GradientReducer: parameters: expected the same parameters (sizes and dtypes, in order) on "
+            f"every rank of the group, got layouts that differ: {len(buckets)} buckets here ({layout[:200]})"
+        )

@@ -1,9 +1,10 @@
 """Hugging Face MoE models made expert-parallel by unicoll.nn.expert_parallel on 2 ranks, gloo
 and mpi: each rank trains on its own batch, and the logits, the gradients and every parameter
 after three AdamW steps equal the single-process model's trained on the union of the batches
-(float64, transformers' eager experts code), in the dynamic and the static mode, for Mixtral,
-Qwen2-MoE (a shared expert) and DeepSeek-V3 (a dense first layer, a shared expert, a
-group-limited router); and a whole Mixtral compiled with ``fullgraph=True`` in the static mode,
+(float64, transformers' eager experts code), in the dynamic mode (the replicated gradients
+summed while backward runs, by unicoll.nn.GradientReducer) and the static mode (summed after
+it), for Mixtral, Qwen2-MoE (a shared expert) and DeepSeek-V3 (a dense first layer, a shared
+expert, a group-limited router); and a whole Mixtral compiled with ``fullgraph=True`` in the static mode,
 bit-equal to eager with one compile over three batches. Skipped where transformers is not
 installed."""
 
@@ -40,6 +41,9 @@ def _train(rank: int, name: str, static: bool) -> dict:
     unn.expert_parallel(model, static=static, capacity_factor=4.0)  # no slot dropped
     local = next(m for m in model.modules() if isinstance(m, unn.ExpertParallel)).experts_per_rank
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, single)]
+    # the dynamic mode sums the replicated gradients while backward runs, between the MoE blocks'
+    # own backward collectives; the static mode after it
+    reducer = None if static else unn.GradientReducer(unn.replicated_parameters(model), bucket_mib=0.01)
     generator = torch.Generator().manual_seed(1)
     worst = {"logits": 0.0, "grads": 0.0, "params": 0.0}
     references = dict(single.named_parameters())
@@ -49,7 +53,10 @@ def _train(rank: int, name: str, static: bool) -> dict:
             optimizer.zero_grad()
         out = model(batches[rank], labels=batches[rank])
         (out.loss / world).backward()  # every rank's tokens weigh alike: the mean over the union
-        unn.all_reduce_gradients(unn.replicated_parameters(model))
+        if reducer is None:
+            unn.all_reduce_gradients(unn.replicated_parameters(model))
+        else:
+            reducer.finish()
         whole = single(torch.cat(batches), labels=torch.cat(batches))
         whole.loss.backward()
         mine = slice(2 * rank, 2 * rank + 2)

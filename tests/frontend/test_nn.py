@@ -53,9 +53,80 @@ def buckets(rank: int) -> dict:
               ((10, torch.float32), (30, torch.float32), (4, torch.float64), (3, torch.float32))]  # fmt: skip
     for i, p in enumerate(params[:3] + params[3:]):
         p.grad = torch.full_like(p, float(rank + 1 + i))
-    params.insert(1, nn.Parameter(torch.zeros(2)))  # no gradient: skipped on every rank
+    params.insert(1, nn.Parameter(torch.zeros(2)))  # no gradient on any rank: keeps None
+    params.append(nn.Parameter(torch.zeros(2)))
+    if rank == 1:  # a gradient on one rank only: every rank gets it
+        params[-1].grad = torch.full((2,), 4.0)
     unn.all_reduce_gradients(params, bucket_mib=100 / 2**20)
     return {"grads": [None if p.grad is None else p.grad.unique().tolist() for p in params]}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def reducer(rank: int) -> dict:
+    """GradientReducer against all_reduce_gradients on a copy of the model, sum and avg, three
+    steps each (buckets of about 300 bytes: five), a parameter with a gradient on rank 0 only
+    and one with none; how many buckets were in flight when backward returned; a second
+    backward before finish(); two micro-batches through accumulating(); parameters that
+    differ between the ranks."""
+    import unicoll.nn as unn
+
+    got: dict = {"worst": [], "in flight": [], "errors": []}
+    for op in ("sum", "avg"):
+        model, twin = _mlp(), _mlp()
+        only_here, never = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+        # backward reaches the model's parameters first: only_here and never close the last bucket
+        params = [only_here, never, *model.parameters()]
+        twins = [nn.Parameter(torch.ones(3)), never, *twin.parameters()]
+        overlapped = unn.GradientReducer(params, op=op, bucket_mib=300 / 2**20)
+        for step in range(3):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().sum().backward()
+            got["in flight"].append(sum(b.task is not None for b in overlapped._buckets))
+            got["buckets"] = len(overlapped._buckets)
+            if rank == 0:
+                only_here.sum().backward()
+            overlapped.finish()
+            twin(x).square().sum().backward()
+            if rank == 0:
+                twins[0].sum().backward()
+            unn.all_reduce_gradients(twins, op=op)
+            pairs = [(only_here, twins[0]), *zip(params[2:], twins[2:])]
+            got["worst"].append(max((a.grad - b.grad).abs().max().item() for a, b in pairs))
+            got["never"] = never.grad
+            for p in params + twins:
+                p.grad = None
+        overlapped.close()
+    model = _mlp()
+    overlapped = unn.GradientReducer(model.parameters())
+    x = torch.ones(2, 8)
+    model(x).sum().backward()
+    try:
+        model(x).sum().backward()
+    except RuntimeError as error:
+        got["errors"].append(str(error))
+    overlapped.finish()
+    for p in model.parameters():
+        p.grad = None
+    with overlapped.accumulating():
+        model(x).sum().backward()
+    model(2 * x).sum().backward()
+    overlapped.finish()
+    twin = _mlp()
+    twin(x).sum().backward()
+    twin(2 * x).sum().backward()
+    unn.all_reduce_gradients(twin.parameters())
+    got["accumulated"] = max(
+        (a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), twin.parameters())
+    )
+    try:
+        unn.GradientReducer(_mlp().parameters() if rank == 0 else nn.Linear(8, 2).parameters())
+    except ValueError as error:
+        got["errors"].append(str(error))
+    return got
 
 
 def expert_ids(rank: int) -> list:
@@ -107,7 +178,8 @@ def capacities(rank: int) -> list[int]:
 
 
 NN = share("gloo", 2, [Case("nn: sharding", sharding), Case("nn: buckets", buckets), Case("nn: ids", expert_ids),
-                       Case("nn: capacity", capacities), Case("nn: a list", a_list_of_experts)])  # fmt: skip
+                       Case("nn: capacity", capacities), Case("nn: a list", a_list_of_experts),
+                       Case("nn: reducer", reducer)])  # fmt: skip
 
 
 def test_a_list_of_experts_runs_expert_parallel_like_the_dense_experts() -> None:
@@ -134,7 +206,21 @@ def test_experts_are_sharded_by_rank_and_refused_where_they_cannot_be() -> None:
 
 def test_replicated_gradients_are_summed_in_buckets_skipping_those_without_one() -> None:
     reports = SESSION.results(NN, "nn: buckets")
-    assert reports == [{"grads": [[3.0], None, [5.0], [7.0], [9.0]]}] * 2  # (rank 1 + i) + (rank 2 + i)
+    assert reports == [{"grads": [[3.0], None, [5.0], [7.0], [9.0], [4.0]]}] * 2  # (rank 1 + i) + (rank 2 + i)
+
+
+def test_the_reducer_sums_while_backward_runs() -> None:
+    for report in SESSION.results(NN, "nn: reducer"):
+        assert report["worst"] == [0.0] * 6  # what all_reduce_gradients sums after backward, bit for bit
+        assert report["never"] is None
+        # every bucket issued inside backward but the last, whose only_here and never come later or not at all
+        assert report["buckets"] == 6 and report["in flight"] == [5] * 6
+        assert report["accumulated"] == 0.0
+        assert report["errors"][0].startswith("unicoll.nn.GradientReducer: a gradient accumulated again after its")
+        assert report["errors"][1].startswith(
+            "unicoll.nn.GradientReducer: parameters: expected the same parameters (sizes and dtypes, in order) on "
+            "every rank of the group, got layouts that differ"
+        )
 
 
 def test_the_handle_gives_each_row_s_local_expert() -> None:
