@@ -105,6 +105,24 @@ def capacity(
     return math.ceil(factor * largest * topk / (experts_per_rank * get_world_size(group)))
 
 
+_ROUNDINGS = {"eager": "in order", "batched_mm": "summed", "grouped_mm": "summed"}
+"""transformers' experts implementations and how each sums a token's weighted outputs: each
+product rounded to the rows' dtype and added in it, expert by expert (``"in order"``), or the
+products summed by ``sum(dim=1)`` and rounded once (``"summed"``)."""
+
+
+def _model_rounding(experts: nn.Module) -> str:
+    """How the model's own experts code sums (:data:`_ROUNDINGS`), from its config."""
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if implementation not in _ROUNDINGS:
+        raise ValueError(
+            "unicoll.nn.ExpertParallel: rounding: expected 'model' only for transformers' experts with "
+            f"config._experts_implementation one of {sorted(_ROUNDINGS)}, got {type(experts).__name__} with "
+            f"{implementation!r}"
+        )
+    return _ROUNDINGS[implementation]
+
+
 class ExpertParallel(nn.Module):
     """An experts module over a group: called as transformers' experts are, ``(hidden (T, H),
     top_k_index (T, k) global expert ids, top_k_weights (T, k))``, it returns each token's
@@ -115,6 +133,15 @@ class ExpertParallel(nn.Module):
     rows per (rank, expert) block, or, where it is None, ``ceil(capacity_factor * T * k / experts)``
     (T: this call's tokens; every rank must pass as many). ``max_tokens_per_rank``: passed on
     to the static dispatch.
+
+    ``rounding``: ``"combine"`` weighs and sums in :func:`unicoll.moe.combine` (float32 at
+    least, rounded once: docs/semantics.md); ``"model"`` computes it as transformers' experts
+    code of ``config._experts_implementation`` does, bit for bit: each slot's output comes back
+    on its own (dispatched and combined as a token of one slot, so each token's row travels
+    once per slot) and the source weighs it in the dtype torch promotes the rows and weights to,
+    then, for ``"eager"``, rounds each product to the rows' dtype and adds them in it in
+    ascending expert order, or, for ``"batched_mm"`` and ``"grouped_mm"``, sums the products
+    with ``sum(dim=1)`` and rounds once.
     """
 
     def __init__(
@@ -126,6 +153,7 @@ class ExpertParallel(nn.Module):
         capacity: int | None = None,
         capacity_factor: float = 1.25,
         max_tokens_per_rank: int | None = None,
+        rounding: str = "combine",
     ) -> None:
         super().__init__()
         self.experts = experts
@@ -133,29 +161,70 @@ class ExpertParallel(nn.Module):
         self.static, self.capacity, self.capacity_factor = static, capacity, capacity_factor
         self.max_tokens_per_rank = max_tokens_per_rank
         self.experts_per_rank = _expert_count(experts)
+        if rounding not in ("combine", "model"):
+            raise ValueError(f"unicoll.nn.ExpertParallel: rounding: expected 'combine' or 'model', got {rounding!r}")
+        self.summing = None if rounding == "combine" else _model_rounding(experts)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Dispatch, the local experts, combine (see the class)."""
+        if self.summing is not None:
+            return self._as_the_model(hidden, top_k_index, top_k_weights)
         if self.static:
-            return self._static(hidden, top_k_index, top_k_weights)
+            capacity = self._capacity(*top_k_index.shape)
+            return self._static(hidden, top_k_index, top_k_weights, capacity, self.max_tokens_per_rank)
+        return self._dynamic(hidden, top_k_index, top_k_weights)
+
+    def _capacity(self, tokens: int, k: int) -> int:
+        """The static mode's rows per (rank, expert) block for ``tokens`` tokens of ``k`` slots."""
+        if self.capacity is not None:
+            return self.capacity
+        return math.ceil(self.capacity_factor * tokens * k / (self.experts_per_rank * get_world_size(self.group)))
+
+    def _dynamic(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None
+    ) -> torch.Tensor:
         rows, rows_per_expert, handle = moe.dispatch(
             hidden, top_k_index, top_k_weights, experts_per_rank=self.experts_per_rank, group=self.group
         )
         return moe.combine(self._local(rows, handle.local_expert_ids(), rows_per_expert), handle)
 
-    def _static(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        experts, world = self.experts_per_rank, get_world_size(self.group)
-        capacity = self.capacity
-        if capacity is None:
-            capacity = math.ceil(self.capacity_factor * hidden.shape[0] * top_k_index.shape[1] / (experts * world))
+    def _static(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None, capacity: int,
+        bound: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        experts = self.experts_per_rank
         rows, _, handle = moe.dispatch_static(
             hidden, top_k_index, top_k_weights, experts_per_rank=experts, capacity=capacity, group=self.group,
-            max_tokens_per_rank=self.max_tokens_per_rank,
+            max_tokens_per_rank=bound,
         )  # fmt: skip
         flat = rows.reshape(-1, rows.shape[-1])
         ids = torch.arange(experts, device=rows.device).repeat_interleave(rows.shape[1])
         y = self._local(flat, ids, [rows.shape[1]] * experts)
         return moe.combine_static(y.reshape(experts, rows.shape[1], -1), handle)
+
+    def _as_the_model(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``rounding="model"``: every slot's output back on its own, weighed and summed here
+        as the model's experts code does (see the class)."""
+        tokens, k = top_k_index.shape
+        if self.summing == "in order":  # the model adds expert by expert, lowest id first
+            top_k_index, order = torch.sort(top_k_index, dim=1, stable=True)
+            top_k_weights = top_k_weights.gather(1, order)
+        slots = top_k_index.reshape(-1, 1)
+        alone = hidden.repeat_interleave(k, dim=0)  # row t * k + j: token t for its slot j
+        if self.static:  # the weighted step's capacity (as many rows per block); T * k tokens: no bound
+            per_slot = self._static(alone, slots, None, self._capacity(tokens, k), None)
+        else:
+            per_slot = self._dynamic(alone, slots, None)
+        products = per_slot.reshape(tokens, k, -1) * top_k_weights.unsqueeze(-1)
+        if self.summing == "summed":
+            return products.sum(dim=1).to(hidden.dtype)
+        out = torch.zeros_like(hidden)
+        kept = (top_k_index >= 0).unsqueeze(-1)
+        for j in range(k):
+            out = torch.where(kept[:, j], out + products[:, j].to(hidden.dtype), out)
+        return out
 
     def _local(self, rows: torch.Tensor, ids: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         """Each row's output of its local expert ``ids``, by the wrapped module's own code: a

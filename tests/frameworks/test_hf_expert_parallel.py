@@ -4,7 +4,8 @@ after three AdamW steps equal the single-process model's trained on the union of
 (float64, transformers' eager experts code), in the dynamic mode (the replicated gradients
 summed while backward runs, by unicoll.nn.GradientReducer) and the static mode (summed after
 it), for Mixtral, Qwen2-MoE (a shared expert) and DeepSeek-V3 (a dense first layer, a shared
-expert, a group-limited router); and a whole Mixtral compiled with ``fullgraph=True`` in the static mode,
+expert, a group-limited router); in bfloat16, ExpertParallel's rounding="model" bit-equal to the model's
+own experts code, eager and batched_mm; and a whole Mixtral compiled with ``fullgraph=True`` in the static mode,
 bit-equal to eager with one compile over three batches. Skipped where transformers is not
 installed."""
 
@@ -101,13 +102,43 @@ def _compiled(rank: int) -> tuple[float, int]:
     return worst, counter.frame_count
 
 
+ROUNDED = [("qwen2_moe", "eager", False), ("qwen2_moe", "batched_mm", True), ("mixtral", "eager", True)]
+"""(model, transformers' experts implementation, static): Qwen2-MoE's weights are bfloat16, so
+each product rounds; Mixtral's are float32, so only the eager code's order of additions tells."""
+
+
+def _rounded(rank: int, name: str, implementation: str, static: bool) -> dict[str, float]:
+    """The share of a bfloat16 top-4 model's logits that differ from the single process's on
+    this rank's batch, with ExpertParallel's rounding "combine" and "model"."""
+    import unicoll.nn as unn
+
+    differ = {}
+    for rounding in ("combine", "model"):
+        model = tiny(name, experts=8, topk=4).to(torch.bfloat16)
+        model.config._experts_implementation = implementation
+        single = copy.deepcopy(model)
+        unn.expert_parallel(model, static=static, capacity_factor=8.0, rounding=rounding)  # no slot dropped
+        batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            differ[rounding] = (model(batch).logits != single(batch).logits).float().mean().item()
+    return differ
+
+
 def _world(rank: int) -> dict:
-    return {"compiled": _compiled(rank), **{case: _train(rank, *case) for case in CASES}}
+    return {"compiled": _compiled(rank), **{case: _train(rank, *case) for case in CASES},
+            **{case: _rounded(rank, *case) for case in ROUNDED}}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def reports(request) -> list[dict]:
     return uc.testing.spawn(_world, 2, backend=request.param, timeout=240)
+
+
+@pytest.mark.parametrize("case", ROUNDED)
+def test_the_model_s_rounding_is_bit_equal_in_bfloat16(reports, case) -> None:
+    for report in reports:
+        assert report[case]["model"] == 0.0
+        assert report[case]["combine"] > 0.01  # combine's one rounding is not the model's here
 
 
 @pytest.mark.parametrize(("name", "static"), CASES)

@@ -229,3 +229,16 @@ def test_the_handle_gives_each_row_s_local_expert() -> None:
     # from rank 0 (3, 4, 5) and rank 1 (5)
     assert reports[0] == [[2, 1, 1], [0, 0, 1, 2], True, [0, 0, 1, 2]]
     assert reports[1] == [[1, 1, 2], [0, 1, 2, 2], True, [0, 1, 2, 2]]
+
+
+def test_the_model_s_rounding_needs_transformers_experts() -> None:
+    import unicoll.nn as unn
+
+    with pytest.raises(ValueError) as caught:
+        unn.ExpertParallel(nn.ModuleList([nn.Linear(2, 2)]), rounding="model")
+    assert str(caught.value) == (
+        "unicoll.nn.ExpertParallel: rounding: expected 'model' only for transformers' experts with "
+        "config._experts_implementation one of ['batched_mm', 'eager', 'grouped_mm'], got ModuleList with None"
+    )
+    with pytest.raises(ValueError, match="rounding: expected 'combine' or 'model', got 'exact'"):
+        unn.ExpertParallel(nn.ModuleList([nn.Linear(2, 2)]), rounding="exact")
