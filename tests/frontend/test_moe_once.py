@@ -100,17 +100,24 @@ def test_the_examples_in_the_docstrings() -> None:
 def test_a_mix_of_compiled_and_other_forms_is_refused() -> None:
     """What every rank heard: a compiled once step beside eager ranks (auto, off) is refused,
     naming both sides; compiled once everywhere is no eager agreement; no compiled rank, no error."""
-    from unicoll.eager.once_choice import ALWAYS, AUTO, COMPILED, OFF, agreed_on, refuse_mixed
+    from unicoll.eager.once_choice import ALWAYS, AUTO, COMPILED, COMPILED_PLAIN, OFF, agreed_on, refuse_mixed
 
     def heard(*modes: int) -> np.ndarray:
         told = np.zeros((len(modes), 5), dtype=np.int64)
         told[:, 2] = modes
         return told
 
-    with pytest.raises(uc.CrossRankMismatchError, match=r"ranks \[0\] run a step compiled .* ranks \[1, 2\] do not"):
+    with pytest.raises(uc.CrossRankMismatchError) as refused:
         refuse_mixed("moe.dispatch", heard(COMPILED, AUTO, OFF))
-    refuse_mixed("moe.dispatch", heard(COMPILED, COMPILED))
-    assert not agreed_on(heard(COMPILED, COMPILED))
+    assert str(refused.value) == (
+        "moe.dispatch: ranks disagree: ranks [0] run it compiled to send each token once per rank; ranks [1, 2] run it "
+        "eager; compile the step on every rank, or on none, with the same UNICOLL_MOE_ONCE"
+    )
+    with pytest.raises(uc.CrossRankMismatchError, match=r"ranks \[1\] run it compiled to send one row per slot"):
+        refuse_mixed("moe.dispatch", heard(AUTO, COMPILED_PLAIN))
+    for same in (COMPILED, COMPILED_PLAIN):
+        refuse_mixed("moe.dispatch", heard(same, same))
+        assert not agreed_on(heard(same, same))
     refuse_mixed("moe.dispatch", heard(ALWAYS, AUTO))
     assert agreed_on(heard(ALWAYS, AUTO)) and not agreed_on(heard(ALWAYS, OFF))
 
@@ -735,6 +742,40 @@ def compiled_before_anything_eager(rank: int) -> tuple[int, list[str]]:
     return counter.frame_count, [str(warning.message)[:60] for warning in caught]
 
 
+def compiled_here_eager_there(rank: int) -> str:
+    """Rank 0 runs the step compiled (one row per slot), rank 1 eager: refused on both, by the
+    layout's count exchange, before a row moves."""
+    step = torch.compile(_moe_step, fullgraph=True, backend="aot_eager") if rank == 0 else _moe_step
+    with pytest.raises(uc.CrossRankMismatchError) as refused:
+        step(torch.ones(3, 4), torch.tensor([[0, 1], [2, 3], [1, 2]]), None, 2, None)
+    return str(refused.value)
+
+
+def _skipping_step(x, ids, w):
+    """A step whose experts, as transformers' eager experts code, make their output without the
+    rows where none came (zeros, cut off from them), and else from them."""
+    rows, _, handle = uc.moe.dispatch(x, ids, w, experts_per_rank=2)
+    y = rows * 3 if rows.shape[0] else torch.zeros_like(rows)
+    return uc.moe.combine(y, handle)
+
+
+def compiled_with_no_rows_here(rank: int) -> list[float]:
+    """Every slot goes to rank 0's experts, so rank 1's receive no rows: the compiled step (the
+    dynamic mode, graphs that differ between the ranks) against eager, result and gradients of
+    x and the weights. Before combine joined its rows to the dispatched ones in compiled code,
+    rank 1 skipped dispatch's backward collective and rank 0 waited for it."""
+    compiled = torch.compile(_skipping_step, backend="aot_eager")
+    ids = torch.tensor([[0, 1]] * 4)
+    results = []
+    for step in (compiled, _skipping_step):
+        x = torch.arange(8.0, dtype=torch.float64).reshape(4, 2).add(rank).requires_grad_()
+        w = torch.full((4, 2), 0.5, dtype=torch.float64, requires_grad=True)
+        out = step(x, ids, w)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, w.grad))
+    return [(a - b).abs().max().item() for a, b in zip(*results)]
+
+
 def compiled_world(rank: int) -> dict:
     """The compiled cases, in a world of their own: nothing a compile leaves behind (Dynamo's
     caches, its references to the session's group: docs/compile.md) reaches the later cases of
@@ -743,6 +784,8 @@ def compiled_world(rank: int) -> dict:
         "first": compiled_before_anything_eager(rank),  # first: nothing eager has run in this process
         "compiled": compiled_against_eager(rank),
         "one rank": compiled_on_one_rank_only(rank),
+        "compiled here": compiled_here_eager_there(rank),
+        "no rows": compiled_with_no_rows_here(rank),
         "static": compiled_static_against_eager(rank),
     }
 
@@ -769,8 +812,23 @@ def test_a_compiled_static_step_given_a_bound_sends_each_token_once_with_eager_s
 
 def test_a_step_compiled_to_send_once_on_some_ranks_only_is_refused_on_every_rank(compiled_reports) -> None:
     messages = [report["one rank"] for report in compiled_reports]
-    expected = "moe.dispatch: ranks disagree: ranks [0] run a step compiled to send each token once per rank"
-    assert all(m.startswith(expected) and "ranks [1] do not" in m for m in messages), messages
+    expected = (
+        "moe.dispatch: ranks disagree: ranks [0] run it compiled to send each token once per rank; ranks [1] run it "
+        "compiled to send one row per slot"
+    )
+    assert all(m.startswith(expected) for m in messages), messages
+
+
+def test_a_step_compiled_on_one_rank_and_eager_on_the_other_is_refused_on_every_rank(compiled_reports) -> None:
+    expected = (
+        "moe.dispatch: ranks disagree: ranks [0] run it compiled to send one row per slot; ranks [1] run it eager"
+    )
+    assert all(report["compiled here"].startswith(expected) for report in compiled_reports)
+
+
+def test_a_compiled_rank_whose_experts_get_no_rows_runs_every_backward_collective(compiled_reports) -> None:
+    for report in compiled_reports:
+        assert report["no rows"] == [0.0, 0.0, 0.0]
 
 
 GROUP = share("gloo", 3, [Case("once: in a group", in_a_group)])

@@ -351,11 +351,21 @@ class TracedHandle(NamedTuple):
     """The rows each local expert received (unbacked sizes while tracing)."""
     once: TracedOnce | None = None
     """How each token went once per rank, or None where one row per slot went."""
+    link: torch.Tensor | None = None
+    """The rows dispatch returned, which combine joins its rows to (:func:`moe_combine`)."""
 
     @property
     def weighted(self) -> bool:
         """Whether dispatch was given ``topk_weights``."""
         return self.weights is not None
+
+    def local_expert_ids(self) -> torch.Tensor:
+        """As :meth:`unicoll.moe.Handle.local_expert_ids`, traced: each row dispatch returned,
+        its local expert (int64, on x's device)."""
+        experts = len(self.rows_per_expert)
+        per_expert = self.global_count.reshape(-1, experts).sum(0)
+        ids = torch.repeat_interleave(torch.arange(experts), per_expert, output_size=sum(self.rows_per_expert))
+        return ids.to(self.send_tokens.device)
 
 
 def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_op: Any) -> Any:
@@ -406,11 +416,12 @@ def moe_dispatch(
     handle = TracedHandle(local_count, global_count, send_tokens, slot_rows, topk_weights, number, tokens, topk,
                           rows_per_expert, traced_once)  # fmt: skip
     if traced_once is not None:
-        return _once_rows(x, handle), rows_per_expert, handle
-    received = torch.ops.unicoll.global_scatter(
-        x.index_select(0, send_tokens), local_count, global_count, number, True, sum(rows_per_expert)
-    )
-    return received, rows_per_expert, handle
+        received = _once_rows(x, handle)
+    else:
+        received = torch.ops.unicoll.global_scatter(
+            x.index_select(0, send_tokens), local_count, global_count, number, True, sum(rows_per_expert)
+        )
+    return received, rows_per_expert, handle._replace(link=received)
 
 
 def _sends_once(x: torch.Tensor, topk_idx: torch.Tensor, number: int) -> bool:
@@ -463,6 +474,8 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     sent = handle.send_tokens.shape[0]
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")
+    if handle.link is not None and handle.link.requires_grad:
+        y = _joined(y, handle.link)
     if handle.once is not None:
         return _once_combine(y, handle)
     back = torch.ops.unicoll.global_gather(y, handle.local_count, handle.global_count, handle.group, True, sent)
@@ -472,6 +485,14 @@ def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
         kept = handle.slot_rows.reshape(handle.tokens, handle.topk) < sent
         weights = torch.where(kept, weights, torch.zeros_like(weights))
     return sum_at_once(back, handle.slot_rows, handle.tokens, handle.topk, weights, None)
+
+
+def _joined(y: torch.Tensor, link: torch.Tensor) -> torch.Tensor:
+    """``y`` minus the sum of no rows of ``link``: the same values (``-0.0`` and NaN included),
+    and a gradient path to ``link`` that the traced backward keeps, so every rank's backward
+    runs dispatch's backward collective whatever the experts made of the rows (eager joins a
+    node instead: :func:`unicoll.eager.moe.joined_to_dispatch`)."""
+    return y - link[:0].sum().to(y.dtype)
 
 
 def _once_combine(y: torch.Tensor, handle: TracedHandle) -> torch.Tensor:

@@ -44,7 +44,7 @@ from ..workspace import FROM_BYTES
 from . import device_once, moe_once
 from .device_once import DeviceOnce, Pairs
 from .moe_once import OnceLayout
-from .once_choice import COMPILED, OFF, OFFER_INTS, offer, once_mode, refuse_mixed
+from .once_choice import COMPILED, COMPILED_PLAIN, OFF, OFFER_INTS, offer, once_mode, refuse_mixed
 from .ops import _functional, _functional_linked, _run, global_gather_backward, global_scatter_backward, guarded
 
 
@@ -210,8 +210,12 @@ def host_ids(topk_idx: Any) -> np.ndarray:
 
 EAGER_ONCE, PLAIN_ONLY, COMPILED_ONCE = "eager once", "plain only", "compiled once"
 """What a dispatch's routing offers its peers (:func:`_routed`): an eager dispatch may send each
-token once per rank; a caller who moves the rows itself sends one row per slot; a compiled
-step's graph sends each token once per rank."""
+token once per rank; a compiled step's graph sends one row per slot by a transfer of its own
+after the layout, or each token once per rank."""
+
+_COMPILED_MODES = {PLAIN_ONLY: COMPILED_PLAIN, COMPILED_ONCE: COMPILED}
+"""The mode a compiled step's layout tells its peers, by form: an eager dispatch on another
+rank, or a step compiled to the other form, is refused (:func:`~unicoll.eager.once_choice.refuse_mixed`)."""
 
 
 def _routed(
@@ -222,19 +226,19 @@ def _routed(
     ``native``: x as the backend moves it); and how to exchange its counts, with what ``form``
     offers (``weights``: the dispatch's native weights, or None)."""
     if call.backend.host_memory:
-        return _routed_on_host(call, native if form == EAGER_ONCE else None, weights, form == COMPILED_ONCE)
+        return _routed_on_host(call, native if form == EAGER_ONCE else None, weights, _COMPILED_MODES.get(form))
     return _routed_on_device(call, native, topk_idx, weights, form)
 
 
 def _routed_on_host(
-    call: Call, native: Any, weights: Any, compiled: bool
+    call: Call, native: Any, weights: Any, compiled: int | None
 ) -> Callable[[], tuple[Routing, MoePlan, OnceLayout | None]]:
     """The routing of a host backend's dispatch, made now, and how to exchange its counts:
     which returns the routing, the plan of the rows' transfer and, where the ranks agree on it
     (:mod:`unicoll.eager.once_choice`, whose offer travels beside the counts), the layout that
     sends each token once per rank. ``native``: x as the backend moves it, or None for a caller
     who moves the rows itself; ``weights``: native, or None; ``compiled``: a compiled step's
-    layout whose graph sends each token once per rank."""
+    mode (:data:`_COMPILED_MODES`), None for an eager dispatch."""
     world, experts = call.W, call.experts_per_rank
     routing = route(host_ids(call.topk_idx), world * experts, call.capacity)
     moved = bool({"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe)
@@ -275,7 +279,7 @@ def _routed_on_device(
             rank, size = call.group.rank, row_bytes(native)
             pairs = device_once.pairs(torch, ids, found.slot_rows, found.local_count, rank, call.W,
                                       call.experts_per_rank, size, code, mode)  # fmt: skip
-    mode = COMPILED if form == COMPILED_ONCE else OFF
+    mode = _COMPILED_MODES.get(form, OFF)
     return functools.partial(_counts_read, call, xp, found, ids.shape, pairs, mode, row_bytes(native))
 
 

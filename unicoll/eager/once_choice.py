@@ -50,9 +50,10 @@ tells its peers the plain form and no savings, which every rank hears alike."""
 OFFER_INTS = 5
 """The ints a rank tells each peer of the once form beside its counts (see above)."""
 
-OFF, AUTO, ALWAYS, COMPILED = 0, 1, 2, 3
-"""The modes a rank tells its peers: :func:`once_mode`'s, or ``COMPILED`` from a compiled step
-whose graph sends each token once per rank (:func:`refuse_mixed`)."""
+OFF, AUTO, ALWAYS, COMPILED, COMPILED_PLAIN = 0, 1, 2, 3, 4
+"""The modes a rank tells its peers: :func:`once_mode`'s, or, from a compiled step, ``COMPILED``
+where its graph sends each token once per rank and ``COMPILED_PLAIN`` where it sends one row
+per slot by a transfer of its own after the layout (:func:`refuse_mixed`)."""
 
 
 def once_mode(op: str, world: int, topk: int, native: Any, moved_by_backend: bool, by_default: bool = True) -> int:
@@ -105,22 +106,26 @@ def agreed_on(heard: np.ndarray) -> bool:
     :data:`ONCE_FROM_SHARE`."""
     modes, saved, slots = heard[:, 2], int(heard[:, 3].sum()), int(heard[:, 4].sum())
     enough = saved >= ONCE_FROM_BYTES and saved >= ONCE_FROM_SHARE * slots
-    return bool(modes.min() != OFF and modes.max() != COMPILED and (modes.max() == ALWAYS or enough))
+    return bool(modes.min() != OFF and modes.max() <= ALWAYS and (modes.max() == ALWAYS or enough))
 
 
 def refuse_mixed(op: str, heard: np.ndarray) -> None:
     """The same :class:`~unicoll.errors.CrossRankMismatchError` on every rank where some ranks
-    run a compiled step whose graph sends each token once per rank (mode ``COMPILED`` in
-    ``heard``, what every rank told) and others do not: a graph cannot take the other form, so
-    their next transfers would not match. Raised before a row moves."""
-    compiled = heard[:, 2] == COMPILED
-    if compiled.any() and not compiled.all():
-        once, other = np.flatnonzero(compiled).tolist(), np.flatnonzero(~compiled).tolist()
-        raise CrossRankMismatchError(
-            f"{op}: ranks disagree: ranks {once} run a step compiled to send each token once per rank "
-            f"({ONCE_ENV_VAR}=1 when it was compiled), ranks {other} do not; compile the step on every rank "
-            f"with the same {ONCE_ENV_VAR}"
-        )
+    run a compiled step (mode ``COMPILED`` or ``COMPILED_PLAIN`` in ``heard``, what every rank
+    told) and others run another form (eager, or the other compiled one): a graph cannot take
+    another form, so their next transfers would not match. Raised before a row moves."""
+    modes = heard[:, 2]
+    compiled = (modes == COMPILED) | (modes == COMPILED_PLAIN)
+    if not compiled.any() or (modes == modes[0]).all():
+        return
+    kinds = {COMPILED: "compiled to send each token once per rank", COMPILED_PLAIN: "compiled to send one row per slot"}
+    runs = {}
+    for rank, mode in enumerate(modes.tolist()):
+        runs.setdefault(kinds.get(mode, "eager"), []).append(rank)
+    told = "; ".join(f"ranks {ranks} run it {kind}" for kind, ranks in runs.items())
+    raise CrossRankMismatchError(
+        f"{op}: ranks disagree: {told}; compile the step on every rank, or on none, with the same {ONCE_ENV_VAR}"
+    )
 
 
 def _side(routing: Routing, rank: int, world: int, code: int, size: int, may_send_once: bool) -> Outgoing:
@@ -137,20 +142,22 @@ def offer(
     native: Any,
     weights: Any,
     moved_by_backend: bool,
-    compiled: bool = False,
+    compiled: int | None = None,
     by_default: bool = True,
 ) -> Offer:
     """What rank ``rank`` of ``world`` offers for the dispatch ``op`` of ``routing`` (host),
     whose rows are ``native``'s (None: a caller who moves the rows itself) weighed by native
     ``weights`` (or None); ``moved_by_backend``: the backend moves the MoE rows itself;
-    ``compiled``: a compiled step's layout, whose graph sends each token once per rank (mode
-    ``COMPILED``); ``by_default``: whether the form is weighed where the variable is unset
+    ``compiled``: a compiled step's mode (``COMPILED`` or ``COMPILED_PLAIN``), or None for an
+    eager dispatch; ``by_default``: whether the form is weighed where the variable is unset
     (:func:`once_mode`). A rank that would send the others fewer than
     :data:`ONCE_WEIGHED_FROM_BYTES` by default tells them the plain form without making its
     side."""
     code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
     usable = native if code >= 0 else None  # weights the metadata cannot carry: as without rows
-    mode = COMPILED if compiled else once_mode(op, world, routing.topk, usable, moved_by_backend, by_default)
+    mode = compiled
+    if mode is None:
+        mode = once_mode(op, world, routing.topk, usable, moved_by_backend, by_default)
     code, size = max(code, 0), 0 if native is None else row_bytes(native)
     sender, saved, slots = None, 0, 0
     if mode in (AUTO, ALWAYS):
