@@ -3,11 +3,12 @@ and mpi: each rank trains on its own batch, and the logits, the gradients and ev
 after three AdamW steps equal the single-process model's trained on the union of the batches
 (float64, transformers' eager experts code), in the dynamic mode (the replicated gradients
 summed while backward runs, by unicoll.nn.GradientReducer) and the static mode (summed after
-it), for Mixtral, Qwen2-MoE (a shared expert) and DeepSeek-V3 (a dense first layer, a shared
-expert, a group-limited router); in bfloat16, ExpertParallel's rounding="model" bit-equal to the model's
-own experts code, eager and batched_mm; and a whole Mixtral compiled with ``fullgraph=True`` in the static mode,
-bit-equal to eager with one compile over three batches. Skipped where transformers is not
-installed."""
+it), for Mixtral, Qwen2-MoE (a shared expert), DeepSeek-V3 (a dense first layer, a shared
+expert, a group-limited router), Qwen3-MoE and OLMoE. In bfloat16, ExpertParallel's
+rounding="model" is bit-equal to the model's own experts code (eager and batched_mm). The
+dynamic mode compiled, with a rank whose experts get no rows, equals eager; a whole Mixtral
+compiled with ``fullgraph=True`` in the static mode is bit-equal to eager with one compile
+over three batches. Skipped where transformers is not installed."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-MODELS = ("mixtral", "qwen2_moe", "deepseek_v3")
-"""Mixtral (experts only), Qwen2-MoE (a sigmoid-gated shared expert beside them) and
-DeepSeek-V3 (a dense first layer, a shared expert, a group-limited router)."""
+MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe")
+"""Mixtral (experts only), Qwen2-MoE (a sigmoid-gated shared expert beside them), DeepSeek-V3
+(a dense first layer, a shared expert, a group-limited router), Qwen3-MoE and OLMoE."""
 
 VOCAB = 64
 
@@ -30,6 +30,15 @@ def tiny(name: str, experts: int = 4, topk: int = 2) -> torch.nn.Module:
                                   q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                   v_head_dim=8, **{**common, "num_key_value_heads": 4})  # fmt: skip
         model = DeepseekV3ForCausalLM(config)
+    elif name == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=experts,
+                                                   **common))  # fmt: skip
+    elif name == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+
+        model = OlmoeForCausalLM(OlmoeConfig(intermediate_size=48, num_experts=experts, **common))
     else:
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
