@@ -1,8 +1,9 @@
 """The conformance matrix, shared by the CPU and GPU test modules.
 
 Cases are generated from the operator specs (``unicoll.spec.OPS``) and a backend's capability
-table: every operator it provides x every array library and dtype it moves x sync/async x the
-world group and a sub-group, each with a layout variant of the operator. all_reduce runs every
+table: every operator it provides x every array library and dtype it moves x each layout
+variant of the operator, in two of the four settings of sync/async x the world group or a
+sub-group (the dtypes and world sizes take the halves in turn: :data:`SETTINGS`). all_reduce runs every
 reduction the table lists for the dtype; each reduce_scatter case draws one of them. Every case draws
 random whole-world inputs from its own seed (zero counts, empty ranks, several trailing
 shapes), runs on each rank of a spawned world, and is compared with ``unicoll.reference``.
@@ -170,9 +171,8 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         if not (library == "jax" and variant in FILLS_OUTPUTS.get(op, ()))
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
         if library not in JOINED or _in_turn(variant, _runnable(caps, op, library, dtype), dtype, world_size)
-        for sync in ((True,) if library in JOINED else (True, False))
+        for sync, subgroup in ([(True, False)] if library in JOINED else _settings(dtype, world_size))
         for stream in (streams if sync and library not in JOINED else (None,))
-        for subgroup in ((False,) if library in JOINED else (False, True))
         if (reduction := _reduction(caps, op, variant, dtype, (library, sync, stream, subgroup))) != ""
     ]
     topk = [
@@ -185,6 +185,20 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         if library not in JOINED or _in_turn(f"E{experts}-k{k}", JOINED_MOE_VARIANTS, dtype, world_size)
     ]
     return operators + topk
+
+
+SETTINGS = (((True, False), (False, True)), ((False, False), (True, True)))
+"""The (synchronous, on a sub-group) settings of a numpy, torch or cupy case, in two halves:
+each case runs one half (:func:`_settings`). The two halves together are the four settings,
+and the dtypes and world sizes take them in turn, so every operator, variant and library runs
+every setting on every world size (by some dtypes) and every dtype runs every setting (on
+some world sizes): whether a call is synchronous and which group it runs on does not depend on
+the dtype, and the full product cost the matrix twice the time."""
+
+
+def _settings(dtype: str, world_size: int) -> tuple[tuple[bool, bool], ...]:
+    """The half of :data:`SETTINGS` a case of ``dtype`` runs on ``world_size`` ranks."""
+    return SETTINGS[(zlib.crc32(dtype.encode()) + world_size) % 2]
 
 
 JOINED_MOE_VARIANTS = tuple(f"E{e}-k{k}" for e, k, sync, subgroup in MOE_VARIANTS if sync and not subgroup)
@@ -202,8 +216,8 @@ def _runnable(caps: Capabilities, op: str, library: str, dtype: str) -> tuple[st
 def _in_turn(variant: str, variants: tuple[str, ...], dtype: str, world_size: int) -> bool:
     """Whether ``variant`` is the one of ``variants`` a joined library runs for ``dtype`` in a
     world of ``world_size``: the dtypes start at different variants and the world size moves
-    each on by one, so every variant runs (on 1 to 4 ranks, an operator of more than 4
-    variants runs each with some dtype)."""
+    each on by one, so every variant runs with some dtype over the worlds that run the library
+    (tests/system/test_conformance.py checks nothing is left out)."""
     start = zlib.crc32(dtype.encode())
     return variants[(start + world_size) % len(variants)] == variant
 
