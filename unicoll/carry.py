@@ -233,7 +233,7 @@ class _Run:
         """The call's result as the caller gets it, ``outputs`` (:meth:`__call__`'s, linked)
         in the differentiable tensors' places; for a Task, a Task whose ``wait()`` does that."""
         if isinstance(self.returned, Task):
-            return self.returned.then(self._waited)
+            return self.returned._then(self._waited)
         return self._back(self.returned, dict(zip(map(id, self.tensors), outputs)))
 
     def _waited(self, returned: Any) -> Any:

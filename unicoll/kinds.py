@@ -171,7 +171,7 @@ def _read_overflow(op: str, param: str, value: Any, caps: Capabilities, backend:
 
 
 def _read_handle(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:
-    return value  # checked before the call is read (unicoll.moe._handle_group): its group is the call's
+    return value  # a handle is checked against the call by the operator's rules (unicoll.spec): its group is the call's
 
 
 def _read_reduce_op(op: str, param: str, value: Any, caps: Capabilities, backend: str) -> Any:

@@ -7,9 +7,9 @@ produce, and the conformance tests compare each backend against them.
 
 Notation follows docs/semantics.md ("Notation"): ``W`` ranks, ``E`` experts per
 rank, rows are dimension 0 (trailing dimensions are carried along unchanged),
-count arrays have length ``W*E`` and are indexed by ``i = card*E + expert``.
+count arrays have length ``W*E`` and are indexed by ``i = rank*E + expert``.
 
-Example (the worked example of the design notes, W=2, E=2)::
+Example (docs/semantics.md's worked example, W=2, E=2)::
 
     >>> import numpy as np
     >>> from unicoll import reference

@@ -91,9 +91,9 @@ class Task:
             self._works, self._finish = (), None  # a torch work keeps its process group alive
         return self._result
 
-    def then(self, convert: Callable[[Any], Any]) -> Task:
-        """This task, whose ``wait()`` returns ``convert(result)`` (once); used where a result is
-        handed back as another library's array."""
+    def _then(self, convert: Callable[[Any], Any]) -> Task:
+        """This task, whose ``wait()`` returns ``convert(result)`` (once): for unicoll's own
+        floors, where a result is handed back as another library's array or in another shape."""
         if self._result is not _PENDING:
             self._result = convert(self._result)
         elif self._finish is not None:

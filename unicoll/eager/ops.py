@@ -656,7 +656,7 @@ def _as_scalar(result: Any, scalar: Any, in_place: bool) -> Any:
     array itself in place (its copy's one element in the functional form), or a Task whose
     ``wait()`` returns that."""
     if isinstance(result, Task):
-        return result.then(lambda row: scalar if in_place else row.reshape(()))
+        return result._then(lambda row: scalar if in_place else row.reshape(()))
     return scalar if in_place else result.reshape(())
 
 

@@ -33,9 +33,9 @@ class ArrayLibrary:
     array_type: str
     """Its array type as its users write it, for messages: ``"paddle.Tensor"``."""
     module: str
+    """The top-level module whose import makes its arrays recognizable."""
     package: str
     """The distribution that installs it (``"paddlepaddle"``), which ``unicoll info`` looks for."""
-    """The top-level module whose import makes its arrays recognizable."""
     is_array: Callable[[type], bool]
     """Whether a type is this library's array type (called once its module is imported)."""
     dtype: Callable[[Any], str]
