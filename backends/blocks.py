@@ -58,7 +58,7 @@ def send_rows(xp: Any, x: Any, layout: StaticLayout) -> Any:
     """The send buffer: row r is x's row :meth:`~StaticLayout.row_index` ``[r]`` where
     ``filled[r]``, else zeros (whatever x holds: inf and nan stay out of the padding)."""
     rows = xp.take(_one_row_at_least(xp, x), layout.row_index(x.shape[0]), axis=0)
-    return xp.where(_column(xp, layout.filled, x.ndim), rows, xp.zeros_like(rows))
+    return xp.where(_kept_column(xp, layout.filled, x.ndim), rows, xp.zeros_like(rows))
 
 
 def expert_major(xp: Any, received: Any, world: int, experts_per_rank: int) -> Any:
@@ -155,6 +155,6 @@ def _one_row_at_least(xp: Any, x: Any) -> Any:
     return x if x.shape[0] else with_zero_row(xp, x)
 
 
-def _column(xp: Any, mask: Any, ndim: int) -> Any:
+def _kept_column(xp: Any, mask: Any, ndim: int) -> Any:
     """A 1-D mask shaped to broadcast over rows of ``ndim - 1`` trailing dimensions."""
     return xp.reshape(mask, (mask.shape[0], *([1] * (ndim - 1))))

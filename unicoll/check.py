@@ -217,7 +217,7 @@ def _gather_mismatch(r: int, c: int, e: int, expects: int, sends: int) -> str:
     return f"rank {c} expects {sends} row(s) back from rank {r} for expert {e}, but rank {r} returns {expects}"
 
 
-def _moe(
+def _moe_counts_compared(
     op: str,
     call: Call,
     mismatch: Callable[[int, int, int, int, int], str],
@@ -254,11 +254,11 @@ def _moe(
 
 
 def _global_scatter(op: str, call: Call) -> None:
-    _moe(op, call, _scatter_mismatch)
+    _moe_counts_compared(op, call, _scatter_mismatch)
 
 
 def _global_gather(op: str, call: Call) -> None:
-    _moe(op, call, _gather_mismatch)
+    _moe_counts_compared(op, call, _gather_mismatch)
 
 
 def _pairs(op: str, records: Records) -> None:
@@ -354,12 +354,12 @@ def _moe_dispatch(op: str, call: Call) -> None:
 
 def _moe_redispatch(op: str, call: Call) -> None:
     """Every rank redispatches with the handle of the same dispatch, whose counts pair up."""
-    _moe(op, call, _scatter_mismatch, call.x, call.handle)
+    _moe_counts_compared(op, call, _scatter_mismatch, call.x, call.handle)
 
 
 def _moe_combine(op: str, call: Call) -> None:
     """Every rank combines with the handle of the same dispatch, whose counts pair up."""
-    _moe(op, call, _gather_mismatch, call.y, call.handle)
+    _moe_counts_compared(op, call, _gather_mismatch, call.y, call.handle)
 
 
 def _moe_dispatch_static(op: str, call: Call, topk_idx: object) -> None:

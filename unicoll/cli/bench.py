@@ -492,7 +492,7 @@ def _expert_major_order(global_count: np.ndarray, world: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-def _moe(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
+def _moe_case(op: str, w: _World, nbytes: int, reorder: bool) -> _Case:
     """global_scatter or global_gather. The raw baseline is one all-to-all on per-rank sums
     into a new array, plus an index_select into (or out of) expert-major order; its split
     sizes and index are computed once, outside the timing, as the counts stay fixed. ``reorder=False``
@@ -629,8 +629,8 @@ def _moe_topk(w: _World, nbytes: int, reorder: bool) -> _Case:
 _CASES: dict[str, Callable[[_World, int, bool], _Case]] = {  # (world, nbytes, reorder) -> case
     "alltoall_single": _alltoall_single,
     "all_gather": _all_gather,
-    "global_scatter": partial(_moe, "global_scatter"),
-    "global_gather": partial(_moe, "global_gather"),
+    "global_scatter": partial(_moe_case, "global_scatter"),
+    "global_gather": partial(_moe_case, "global_gather"),
     "all_reduce": _all_reduce,
     "reduce_scatter": _reduce_scatter,
     "broadcast": _broadcast,

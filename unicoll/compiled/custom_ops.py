@@ -688,7 +688,7 @@ CUSTOM_OPS = (
 forward and, for a data operator, backward; unicoll.moe's layout and checks. tests/compile holds
 this list against the table and the specs."""
 
-for _op in CUSTOM_OPS:
+for _name in CUSTOM_OPS:
     # a collective runs on every rank even where its result goes unused, and a check raises:
     # never dead code to the compiler (AOT autograd would drop it; the other ranks would wait)
-    torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, _op).default)
+    torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, _name).default)

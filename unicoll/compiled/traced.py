@@ -140,7 +140,7 @@ def exchange_counts(local_count: Any, group: Group | None = None) -> Any:
     return torch.ops.unicoll.exchange_counts(local_count, number)
 
 
-def _moe(
+def _traced_scatter_or_gather(
     op: Callable[..., Any],
     traced_op: Callable[..., Any],
     output_counts: str,
@@ -170,7 +170,7 @@ def global_scatter(
     """:func:`unicoll.global_scatter` as traced: one op, whose output rows are a dynamic size
     (``sum(global_count)`` for counts in a list)."""
     args = (x, local_count, global_count, group, sync_op, use_calc_stream)
-    return _moe(locked.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
+    return _traced_scatter_or_gather(locked.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
 
 
 def global_gather(
@@ -184,7 +184,7 @@ def global_gather(
     """:func:`unicoll.global_gather` as traced: one op, whose output rows are a dynamic size
     (``sum(local_count)`` for counts in a list)."""
     args = (x, local_count, global_count, group, sync_op, use_calc_stream)
-    return _moe(locked.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
+    return _traced_scatter_or_gather(locked.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
 
 
 def alltoall_single(
@@ -521,7 +521,7 @@ def _once_combine(y: torch.Tensor, handle: TracedHandle) -> torch.Tensor:
 # -- the static-shape MoE operators: the layout traced on the array API, even all-to-alls ------
 
 
-def _even(number: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _even_exchange(number: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The exchange of a static step on group ``number``: ``unicoll::alltoall_single`` of an
     array's rows in W equal blocks, whose output has the array's shape."""
 
@@ -570,10 +570,10 @@ def moe_dispatch_static(
     grp = runtime.resolve_group(group_of(number), "moe.dispatch_static")
     if once_blocks.chosen(bound, world, experts_per_rank, capacity, x, topk_idx.shape[1]):
         layout = static_layout(xpt, topk_idx, world * experts_per_rank, capacity)
-        arrived, once = once_blocks.dispatch_blocks(x, layout, world, bound, _even(number))
+        arrived, once = once_blocks.dispatch_blocks(x, layout, world, bound, _even_exchange(number))
         handle = StaticHandle.of_blocks(grp, experts_per_rank, capacity, topk_weights, x, layout, arrived, once=once)
         return arrived.rows, arrived.counts, handle
-    layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even(number))
+    layout, arrived = dispatch_blocks(xpt, x, topk_idx, world, experts_per_rank, capacity, _even_exchange(number))
     handle = StaticHandle.of_blocks(grp, experts_per_rank, capacity, topk_weights, x, layout, arrived)
     return arrived.rows, arrived.counts, handle
 
@@ -603,8 +603,8 @@ def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     _check_blocks(x, handle, "moe.redispatch_static", number)
     if isinstance(handle.once, once_blocks.BlocksOnce):
         blocks = handle.experts_per_rank, handle.world * handle.capacity
-        return once_blocks.redispatch_blocks(x, handle.once, blocks, _even(number))
-    return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even(number))
+        return once_blocks.redispatch_blocks(x, handle.once, blocks, _even_exchange(number))
+    return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even_exchange(number))
 
 
 def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
@@ -616,5 +616,7 @@ def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
         return _untraced(locked.moe_combine_static, y, handle, sync_op=sync_op)
     _check_blocks(y, handle, "moe.combine_static", number)
     if isinstance(handle.once, once_blocks.BlocksOnce):
-        return once_blocks.combine_blocks(y, handle.once, handle.weights, _even(number))
-    return combine_blocks(xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even(number))
+        return once_blocks.combine_blocks(y, handle.once, handle.weights, _even_exchange(number))
+    return combine_blocks(
+        xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even_exchange(number)
+    )

@@ -569,7 +569,7 @@ def sum_slots(backend: Backend, back: Any, slot_rows: np.ndarray, k: int, weight
                 backend.take_rows(back, slot, out)
                 continue
             backend.take_rows(back, slot, rows)
-            column = None if weights is None else _column(weights, kept, j, back.ndim)
+            column = None if weights is None else _slot_weights(weights, kept, j, back.ndim)
             _accumulate(library, out, rows, column, first=j == 0)
     finally:
         backend.give_back(rows_lent)
@@ -600,7 +600,7 @@ def _scratch_as(backend: Backend, like: Any, rows: int, dtype: Any) -> tuple[Any
     return backend.scratch_rows(xp.empty((0, *like.shape[1:]), dtype=dtype, device=device(like)), rows)
 
 
-def _column(weights: Any, kept: Any, j: int, ndim: int) -> Any:
+def _slot_weights(weights: Any, kept: Any, j: int, ndim: int) -> Any:
     """Slot j's weights as a column that broadcasts over a row of ``ndim - 1`` dimensions, zero
     where the slot is dropped (whatever the weight: inf, nan)."""
     column = weights[:, j]

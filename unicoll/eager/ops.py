@@ -259,7 +259,7 @@ def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[A
     return lambda _: attach_in_place(x, guarded)
 
 
-def _moe(spec: OpSpec, arguments: dict[str, Any]) -> Any:
+def _scatter_or_gather(spec: OpSpec, arguments: dict[str, Any]) -> Any:
     """global_scatter or global_gather (``spec``), whose backward is the other one."""
     call = prepare(spec, arguments)
     backend, x, plan, grp = call.backend, arguments["x"], call.plan, call.group
@@ -315,7 +315,7 @@ def global_scatter(
     """
     arguments = dict(x=x, local_count=local_count, global_count=global_count, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _moe(GLOBAL_SCATTER, arguments)
+    return _scatter_or_gather(GLOBAL_SCATTER, arguments)
 
 
 def global_gather(
@@ -333,7 +333,7 @@ def global_gather(
     """
     arguments = dict(x=x, local_count=local_count, global_count=global_count, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _moe(GLOBAL_GATHER, arguments)
+    return _scatter_or_gather(GLOBAL_GATHER, arguments)
 
 
 def alltoall_single(
