@@ -16,8 +16,7 @@ import pytest
 
 from helpers.several import SESSION, Case, share
 from unicoll import cli
-from unicoll.backends import layout
-from unicoll.cli import bench, bench_report
+from unicoll.cli import bench, bench_cases, bench_config, bench_report
 
 SIZES = [1024, 2048, 4096]
 
@@ -40,8 +39,10 @@ def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
 def test_json_holds_every_figure(tiny_sweep: tuple[str, dict]) -> None:
     _, result = tiny_sweep
     assert result["backend"] == "gloo" and result["world_size"] == 2
-    assert result["config"]["ops"] == list(bench.OPS)
-    assert [(row["op"], row["size_bytes"]) for row in result["rows"]] == [(op, s) for op in bench.OPS for s in SIZES]
+    assert result["config"]["ops"] == list(bench_config.OPS)
+    assert [(row["op"], row["size_bytes"]) for row in result["rows"]] == [
+        (op, s) for op in bench_config.OPS for s in SIZES
+    ]
     for row in result["rows"]:
         assert row["correct"] is True
         assert row["dtype"] == "float32" and row["count"] * 4 == row["size_bytes"]
@@ -51,14 +52,14 @@ def test_json_holds_every_figure(tiny_sweep: tuple[str, dict]) -> None:
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * share)
         assert row["ratio"] == pytest.approx(row["time_us"] / row["raw_time_us"])
     frontend = result["frontend"]["ops"]
-    assert set(frontend) == set(bench.OPS)
+    assert set(frontend) == set(bench_config.OPS)
     for op, figures in frontend.items():
         assert figures["frontend_us"] > 0
         if op in ("global_scatter", "global_gather"):
             assert figures["frontend_fresh_counts_us"] > 0
         assert figures["difference_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
     overhead = result["overhead"]
-    assert overhead["ranks"] == 2 and set(overhead["ops"]) == set(bench.OPS)
+    assert overhead["ranks"] == 2 and set(overhead["ops"]) == set(bench_config.OPS)
     for figures in overhead["ops"].values():
         assert figures["unicoll_us"] > 0 and figures["raw_us"] > 0
         assert figures["difference_us"] == pytest.approx(figures["unicoll_us"] - figures["raw_us"])
@@ -76,8 +77,10 @@ def test_table_is_printed_like_nccl_tests(tiny_sweep: tuple[str, dict]) -> None:
     assert len(data) == len(result["rows"])
     assert all(fields[7] == "yes" for fields in data)
     assert "front end" in stdout
-    rows = [line.split() for line in lines if line.split() and line.split()[0] in bench.OPS]
-    assert [fields[0] for fields in rows[-len(bench.OPS) :]] == list(bench.OPS)  # the N-rank overhead, last
+    rows = [line.split() for line in lines if line.split() and line.split()[0] in bench_config.OPS]
+    assert [fields[0] for fields in rows[-len(bench_config.OPS) :]] == list(
+        bench_config.OPS
+    )  # the N-rank overhead, last
     assert "2 ranks" in next(line for line in lines if line.startswith("# 2 ranks"))
     assert "raw/raw" in stdout
 
@@ -121,14 +124,6 @@ def test_unwritable_json_fails_before_starting_ranks(tmp_path: Path, capsys: pyt
     assert bench._unwritable(fresh) is None and not fresh.exists()
 
 
-def test_hand_written_reorder_matches_unicoll_layout() -> None:
-    rng = np.random.default_rng(0)
-    for world, experts in [(1, 3), (2, 1), (2, 2), (3, 4)]:
-        counts = rng.integers(0, 4, world * experts)
-        expected = layout.rank_major_to_expert_major(counts.reshape(world, experts))
-        np.testing.assert_array_equal(bench._expert_major_order(counts, world), expected)
-
-
 @pytest.mark.usefixtures("clean_env")
 def test_transport_stubbed_moves_nothing_and_restores_the_backend() -> None:
     """Inside the hook a call runs unicoll's work but leaves its output as it was; after it,
@@ -169,6 +164,6 @@ def test_every_benched_operator_is_a_specified_one() -> None:
     specs' operators it leaves out are the ones composed of another's transfer."""
     from unicoll.spec import OPS as SPEC_OPS
 
-    assert set(bench.OPS) == set(bench._CASES)
-    assert set(bench.OPS) - {"moe_topk"} <= set(SPEC_OPS)
-    assert set(SPEC_OPS) - set(bench.OPS) == {op for op, spec in SPEC_OPS.items() if spec.checked_as is not None}
+    assert set(bench_config.OPS) == set(bench_cases.CASES)
+    assert set(bench_config.OPS) - {"moe_topk"} <= set(SPEC_OPS)
+    assert set(SPEC_OPS) - set(bench_config.OPS) == {op for op, spec in SPEC_OPS.items() if spec.checked_as is not None}
