@@ -64,17 +64,23 @@ class Capabilities:
     ``"max"``, ``"min"``, ``"prod"``) to the dtypes the backend reduces with it; a reduction or
     a dtype missing from it is refused before anything is sent.
 
+    ``ops`` names the data operators the backend runs; None: every one this base class composes
+    from the primitives (a backend that implements them all, as the built-in ones do).
     ``moe`` names the MoE entry points (:data:`MOE_ENTRY_POINTS`) the backend moves itself,
     overriding :meth:`Backend.moe_dispatch` or :meth:`Backend.moe_combine` (a transport that
     moves tokens on its own); the others are composed from its primitives.
     """
 
-    ops: frozenset[str]
+    ops: frozenset[str] | None
     dtypes: frozenset[str]
     devices: frozenset[str]
     libraries: frozenset[str]
     reductions: dict[str, frozenset[str]] = field(default_factory=dict, hash=False)
     moe: frozenset[str] = frozenset()
+
+    def provides(self, op: str) -> bool:
+        """Whether the backend runs the data operator ``op`` (see :attr:`ops`)."""
+        return self.ops is None or op in self.ops
 
 
 MOE_ENTRY_POINTS = ("moe_dispatch", "moe_combine", "moe_dispatch_static", "moe_combine_static")

@@ -136,7 +136,7 @@ def _read_call(spec: OpSpec, arguments: dict[str, Any], state: Any, group: Any) 
     """Every parameter read by its kind's reader (the group is resolved already), then every
     rule of ``spec`` checked."""
     backend = state.backend
-    if spec.in_capabilities and spec.name not in backend.capabilities.ops:
+    if spec.in_capabilities and not backend.capabilities.provides(spec.name):
         raise NotImplementedError(f"{spec.name}: backend {backend.name!r} does not provide this operator")
     caps, op, name = backend.capabilities, spec.name, backend.name
     call = Call(W=group.world_size, group=group, backend=backend, timeout=state.timeout, compare=state.compare,

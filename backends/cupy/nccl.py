@@ -17,10 +17,9 @@ from unicoll.arrays import DTYPES
 from unicoll.backends.base import Backend, Capabilities, devices_short, reductions
 from unicoll.backends.cupy import packages
 from unicoll.libraries import carried_by
-from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
-    ops=frozenset(OPS),
+    ops=None,  # every operator the base class composes
     dtypes=frozenset(DTYPES) - {"bfloat16"},
     devices=frozenset({"cuda"}),
     libraries=carried_by(frozenset({"cupy", "torch"})),

@@ -34,10 +34,9 @@ from unicoll.backends.layout import MoePlan, Routing
 from unicoll.backends.torch.errors import torch_boundary
 from unicoll.errors import TransportError, init_error
 from unicoll.group import Group
-from unicoll.spec import OPS
 
 CAPABILITIES = Capabilities(
-    ops=frozenset(OPS),
+    ops=None,  # every operator the base class composes
     dtypes=frozenset(DTYPES),
     devices=frozenset({"cpu"}),
     libraries=frozenset({"numpy", "torch"}),

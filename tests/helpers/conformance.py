@@ -165,7 +165,7 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
     operators = [
         Case(op, variant, library, dtype, sync, subgroup, world_size, stream, reduction)
         for op in OPS
-        if op in caps.ops
+        if caps.provides(op)
         for variant in VARIANTS[op]
         for library in sorted(caps.libraries)
         if not (library == "jax" and variant in FILLS_OUTPUTS.get(op, ()))
