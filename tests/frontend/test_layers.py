@@ -36,7 +36,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "unicoll.backends.cupy.transport"),
     ),
     ("descriptions", ("unicoll.device_routing", "unicoll.routing", "unicoll.static_layout", "unicoll.once_blocks",
-                      "unicoll.kinds", "unicoll.spec", "unicoll.check")),
+                      "unicoll.kinds", "unicoll.spec", "unicoll.spec.*", "unicoll.check")),
     (
         "backend factories",
         ("unicoll.backends.torch.gloo", "unicoll.backends.torch.nccl", "unicoll.backends.mpi.mpi",

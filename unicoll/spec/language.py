@@ -1,0 +1,167 @@
+"""The language the operator specs are written in (:mod:`unicoll.spec`): a parameter
+(:class:`Param`, its kind from :mod:`unicoll.kinds`), a rule (:class:`Rule`), an entry point
+(:class:`OpSpec`), and :class:`Call`, a call prepared from its spec."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..kinds import GROUP, Kind
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..group import Group
+    from ..routing import Handle
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """The prepared arguments of one call, as :func:`unicoll.validate.prepare` returns them.
+
+    Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
+    ``timeout``, whether the ranks ``compare`` their calls before moving data (the handshake or
+    check mode) and whether ``check`` mode is on; the other fields are the parameters of the
+    entry points (counts as host int64 arrays), None where the entry point has no such parameter,
+    and ``plan``: what the spec's :attr:`OpSpec.plan` derived from them.
+    """
+
+    W: int
+    group: Group
+    backend: Backend
+    timeout: float
+    compare: bool
+    check: bool
+    x: Any = None
+    local_count: np.ndarray | None = None
+    global_count: np.ndarray | None = None
+    out_tensor: Any = None
+    in_tensor: Any = None
+    out_split_sizes: np.ndarray | None = None
+    in_split_sizes: np.ndarray | None = None
+    tensor_or_tensor_list: Any = None
+    out_tensor_or_tensor_list: Any = None
+    in_tensor_or_tensor_list: Any = None
+    tensor: Any = None
+    out: Any = None
+    op: str | None = None
+    split_sizes: np.ndarray | None = None
+    src: int | None = None
+    sync_op: bool | None = None
+    use_calc_stream: bool | None = None
+    topk_idx: Any = None
+    topk_weights: Any = None
+    experts_per_rank: int | None = None
+    capacity: int | None = None
+    max_tokens_per_rank: int | None = None
+    y: Any = None
+    handle: Handle | None = None
+    overflow: str | None = None
+    plan: Any = None
+
+    def copy(self) -> Call:
+        """A shallow copy: the same values in a new call (the calls the ranks compare, and each
+        call the memory of accepted calls serves then, are copies)."""
+        return Call(*_CALL_FIELDS(self))
+
+
+_CALL_FIELDS = operator.attrgetter(*Call.__slots__)
+"""Every field of a :class:`Call`, in the order its constructor takes them."""
+
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: its ``kind`` says how the front end reads, remembers and documents it."""
+
+    name: str
+    kind: Kind
+    annotation: str
+    doc: str
+    default: Any = REQUIRED
+    keyword_only: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a parameter must satisfy once every parameter has been read."""
+
+    param: str
+    expected: str
+    check: Callable[[Call], str | None]
+    error: type[Exception] = ValueError
+
+
+@dataclass(frozen=True, eq=False)
+class OpSpec:
+    """An entry point: what it does, its parameters and rules, how its gradient flows.
+
+    ``in_capabilities``: whether backends list it in their capability table
+    (:attr:`unicoll.backends.base.Capabilities.ops`); the data operators are, while
+    ``exchange_counts`` runs on every backend's integer exchange. ``plan``: what the operator
+    derives from a call that passed the rules, computed once and remembered with the call
+    (:attr:`Call.plan`): a tuple of lists of ints (split sizes, say), an object that says
+    what it holds in ``nbytes`` (the MoE operators' :class:`~unicoll.backends.layout.MoePlan`)
+    or None, which nothing may change. ``checked_as``: the entry point whose cross-rank
+    comparison check mode runs for this one's calls (None: its own, in
+    :data:`unicoll.check.CHECKS`), for an operator that moves what another one moves.
+    ``backward``: its gradient in words, for an operator without a backward function of its own
+    (``<name>_backward`` in :mod:`unicoll.eager.ops`, whose docstring says it otherwise).
+    ``reads_host``: whether a call reads array values on the host (a synchronization with a GPU);
+    ``static_shapes``: whether every output shape follows from the arguments' shapes (what
+    torch.compile needs to trace a call without dynamic shapes); the MoE modes' table on the API
+    page is made from these two (:data:`MOE_MODES`). Specs compare by identity, as check mode
+    keys its comparisons by them.
+    """
+
+    name: str
+    summary: str
+    params: tuple[Param, ...]
+    rules: tuple[Rule, ...]
+    backward: str = ""
+    in_capabilities: bool = True
+    plan: Callable[[Call], Any] | None = None
+    checked_as: OpSpec | None = None
+    reads_host: bool = False
+    static_shapes: bool = True
+
+    kinds: dict[str, Kind] = field(init=False, repr=False)
+    """Each parameter's kind by its name."""
+    signed: tuple[tuple[str, Callable[[Any], Any]], ...] = field(init=False, repr=False)
+    """``(name, signature function)`` of each parameter that goes into the key of an accepted
+    call (every one but the group)."""
+    readers: tuple[tuple[str, Callable[..., Any]], ...] = field(init=False, repr=False)
+    """``(name, reader)`` of each parameter that has a reader (every one but the group)."""
+    passed_through: tuple[str, ...] = field(init=False, repr=False)
+    """Names of the parameters whose value the call carries as given."""
+    counted: tuple[str, ...] = field(init=False, repr=False)
+    """Names of the parameters whose read value is a counts array."""
+
+    def __post_init__(self) -> None:
+        """The tables every call reads, derived from the parameters once, here (not on first
+        use: torch.compile traces the validation of the static MoE operators, and cannot enter
+        the lock a lazily computed attribute takes)."""
+        derived = {
+            "kinds": {p.name: p.kind for p in self.params},
+            "signed": tuple((p.name, p.kind.sign) for p in self.params if p.kind.sign is not None),
+            "readers": tuple((p.name, p.kind.read) for p in self.params if p.kind.read is not None),
+            "passed_through": tuple(p.name for p in self.params if p.kind.passed_through),
+            "counted": tuple(p.name for p in self.params if p.kind.holds_counts),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+
+def rows_of(a: Any) -> int:
+    """The rows of an array: its dimension 0."""
+    return int(a.shape[0])
+
+
+GROUP_PARAM = Param("group", GROUP, "Group | None", "The ranks taking part; None is the whole world.", None)
+"""The ``group`` parameter every operator takes."""
