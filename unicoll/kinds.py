@@ -63,6 +63,10 @@ class Kind:
     in_place: bool = False
     """Whether the value is an input the operator changes in place (for an immutable library's
     array, the operator hands back a new one instead)."""
+    schema: str | None = None
+    """The type a traced call's custom op takes a value of this kind as (``torch.library``
+    schema syntax; the group as its number); None for a kind no custom op takes: an output
+    filled in place (a traced call returns new tensors), or one of unicoll.moe's."""
 
 
 # -- readers -----------------------------------------------------------------------------------
@@ -287,6 +291,7 @@ ARRAY = Kind(
     read=_read_array,
     sign=_sign_array,
     passed_through=True,
+    schema="Tensor",
 )
 """An input array."""
 
@@ -306,6 +311,7 @@ IN_PLACE = Kind(
     passed_through=True,
     fills=True,
     in_place=True,
+    schema="Tensor",
 )
 """An array the operator changes in place."""
 
@@ -324,6 +330,7 @@ COUNTS = Kind(
     read=_read_counts,
     sign=_sign_counts,
     holds_counts=True,
+    schema="Tensor",
 )
 """Counts or split sizes: an int array of any library or a sequence of ints."""
 
@@ -332,6 +339,7 @@ OPTIONAL_COUNTS = Kind(
     read=_read_optional_counts,
     sign=_sign_counts,
     holds_counts=True,
+    schema="Tensor?",
 )
 """Counts, or None."""
 
@@ -339,6 +347,7 @@ GROUP = Kind(
     doc="TypeError unless a Group or None; ValueError if this rank is not a member or it predates init().",
     read=None,
     sign=None,
+    schema="int",
 )
 """A :class:`~unicoll.Group` or None (the world)."""
 
@@ -346,13 +355,14 @@ REDUCE_OP = Kind(
     doc=f"TypeError unless a str; ValueError unless one of {', '.join(REDUCE_OPS)}.",
     read=_read_reduce_op,
     sign=_sign_value,
+    schema="str",
 )
 """The name of a reduction."""
 
-RANK = Kind(doc="TypeError unless an int (not a bool).", read=_read_rank, sign=_sign_value)
+RANK = Kind(doc="TypeError unless an int (not a bool).", read=_read_rank, sign=_sign_value, schema="int")
 """A position in the group."""
 
-FLAG = Kind(doc="TypeError unless True or False.", read=_read_flag, sign=_sign_flag)
+FLAG = Kind(doc="TypeError unless True or False.", read=_read_flag, sign=_sign_flag, schema="bool")
 """True or False."""
 
 OPTIONAL_ARRAY = Kind(

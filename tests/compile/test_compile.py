@@ -318,32 +318,30 @@ def test_ops_register_for_cpu_and_cuda() -> None:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)
 
 
-#: The schema type of each kind of parameter a custom op takes from its spec; the outputs filled
-#: in place and sync_op are not in a schema (the traced calls return new tensors, synchronously).
-SCHEMA_TYPES = {"ARRAY": "Tensor", "IN_PLACE": "Tensor", "COUNTS": "Tensor", "OPTIONAL_COUNTS": "Optional[Tensor]",
-                "GROUP": "int", "FLAG": "bool", "REDUCE_OP": "str", "RANK": "int"}  # fmt: skip
-NOT_IN_SCHEMAS = {"OPTIONAL_OUTPUT", "GATHER_OUTPUT"}
 SCHEMA_EXTRAS = {"rows": "Optional[int]", "state": "str"}  # rows promised to the fake; autograd's view of the tensor
+
+
+def _parsed(schema_type: str) -> str:
+    """A schema type as torch prints a parsed argument's (``Tensor?`` is ``Optional[Tensor]``)."""
+    return str(torch._C.parse_schema(f"f({schema_type} a) -> ()").arguments[0].type)
 
 
 def test_custom_op_schemas_are_the_specs_parameters() -> None:
     """Each traced operator's custom op takes its spec's parameters, in order and of the types
-    their kinds say, but the outputs filled in place and sync_op; then only the rows promised
-    to the fake implementation and the tensor's autograd state."""
-    from unicoll import kinds
+    their kinds say (:attr:`unicoll.kinds.Kind.schema`), but the outputs filled in place (kinds
+    without a schema type) and sync_op; then only the rows promised to the fake implementation
+    and the tensor's autograd state. Every kind a traced data operator takes has a type or is
+    an output filled in place."""
     from unicoll.compiled import custom_ops  # noqa: F401  (registers the ops)
     from unicoll.face import TRACED_FORMS
     from unicoll.spec import SPECS
 
-    kind_names = {id(value): name for name, value in vars(kinds).items() if isinstance(value, kinds.Kind)}
     for name, form in TRACED_FORMS.items():
         if form is None or name.startswith("moe."):
             continue
-        expected = [
-            (p.name, SCHEMA_TYPES[kind_names[id(p.kind)]])
-            for p in SPECS[name].params
-            if kind_names[id(p.kind)] not in NOT_IN_SCHEMAS and p.name != "sync_op"
-        ]
+        params = SPECS[name].params
+        assert all(p.kind.schema is not None or p.kind.fills for p in params), name
+        expected = [(p.name, _parsed(p.kind.schema)) for p in params if p.kind.schema and p.name != "sync_op"]
         schema = getattr(torch.ops.unicoll, name).default._schema
         got = [(a.name, str(a.type)) for a in schema.arguments]
         assert got[: len(expected)] == expected, (name, got, expected)

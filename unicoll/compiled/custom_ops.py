@@ -29,6 +29,7 @@ from ..counts import even_split
 from ..eager import device_once, moe, ops, static_moe
 from ..eager.once_choice import COMPILED
 from ..group import Group, group_numbered
+from ..spec import SPECS
 from . import locked
 
 WORLD = -1
@@ -105,6 +106,19 @@ def _run_backward(op: str, group: int, grad: torch.Tensor, backward: Callable[..
     return ops.guarded(op, state.backend, grp, state.timeout, forward, bound)(grad.contiguous())
 
 
+def _traced_schema(op: str, extras: tuple[str, ...] = (), returns: str = "Tensor") -> str:
+    """The schema of the custom op of the operator ``op``: its spec's parameters, in order, each
+    as its kind's schema type (:attr:`unicoll.kinds.Kind.schema`), but the outputs filled in
+    place and ``sync_op`` (a traced call returns new tensors, synchronously); then ``extras``
+    (what the op's fake implementation or its refusals need beside them)."""
+    params = [f"{p.kind.schema} {p.name}" for p in SPECS[op].params if p.kind.schema and p.name != "sync_op"]
+    return f"({', '.join([*params, *extras])}) -> {returns}"
+
+
+_ROWS = "SymInt? rows"
+"""The rows promised to the fake implementation, where the counts say them (a list of ints)."""
+
+
 def _op(name: str, schema: str) -> Callable[[Callable[..., Any]], Any]:
     """The decorator that makes a function the custom op ``unicoll::<name>`` of ``schema``, as
     every op here is: it changes none of its arguments, runs on CPU and CUDA tensors, and
@@ -117,7 +131,7 @@ def _op(name: str, schema: str) -> Callable[[Callable[..., Any]], Any]:
 # -- the custom ops --------------------------------------------------------------------------
 
 
-@_op("exchange_counts", "(Tensor local_count, int group) -> Tensor")
+@_op("exchange_counts", _traced_schema("exchange_counts"))
 def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
     """The eager exchange_counts."""
     return locked.exchange_counts(local_count, group_of(group))
@@ -129,12 +143,7 @@ def _exchange_counts_fake(local_count: torch.Tensor, group: int) -> torch.Tensor
     return torch.empty_like(local_count)
 
 
-_MOE_SCHEMA = (
-    "(Tensor x, Tensor local_count, Tensor global_count, int group, bool use_calc_stream, SymInt? rows) -> Tensor"
-)
-
-
-@_op("global_scatter", _MOE_SCHEMA)
+@_op("global_scatter", _traced_schema("global_scatter", (_ROWS,)))
 def _global_scatter(
     x: torch.Tensor,
     local_count: torch.Tensor,
@@ -148,7 +157,7 @@ def _global_scatter(
     return _rows_as_promised(result, rows, "global_scatter")
 
 
-@_op("global_gather", _MOE_SCHEMA)
+@_op("global_gather", _traced_schema("global_gather", (_ROWS,)))
 def _global_gather(
     x: torch.Tensor,
     local_count: torch.Tensor,
@@ -239,11 +248,7 @@ _global_scatter.register_autograd(_global_scatter_backward, setup_context=_save_
 _global_gather.register_autograd(_global_gather_backward, setup_context=_save_moe)
 
 
-@_op(
-    "alltoall_single",
-    "(Tensor in_tensor, Tensor? out_split_sizes, Tensor? in_split_sizes, int group, bool use_calc_stream, "
-    "SymInt? rows) -> (Tensor, Tensor)",
-)
+@_op("alltoall_single", _traced_schema("alltoall_single", (_ROWS,), "(Tensor, Tensor)"))
 def _alltoall_single(
     in_tensor: torch.Tensor,
     out_split_sizes: torch.Tensor | None,
@@ -318,7 +323,7 @@ def _alltoall_single_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
 _alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_save_alltoall)
 
 
-@_op("all_gather", "(Tensor tensor, int group, bool use_calc_stream) -> (Tensor, Tensor)")
+@_op("all_gather", _traced_schema("all_gather", returns="(Tensor, Tensor)"))
 def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's rows concatenated, and the rows each rank sent."""
     result, rows = locked.all_gather_and_rows(tensor.detach(), group_of(group), use_calc_stream)
@@ -366,7 +371,7 @@ _AUTOGRAD_STATE = "str state"
 """The caller's tensor's :func:`unicoll.eager.ops.autograd_state` while tracing: the op refuses what eager refuses."""
 
 
-@_op("all_reduce", f"(Tensor tensor, str op, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor")
+@_op("all_reduce", _traced_schema("all_reduce", (_AUTOGRAD_STATE,)))
 def _all_reduce(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
     """The eager all_reduce, into a copy of ``tensor`` (validated and refused as the call on it)."""
     return locked.all_reduce_copy(tensor, op, group_of(group), use_calc_stream, state)
@@ -403,7 +408,7 @@ def _all_reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_reduction)
 
 
-@_op("broadcast", f"(Tensor tensor, int src, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor")
+@_op("broadcast", _traced_schema("broadcast", (_AUTOGRAD_STATE,)))
 def _broadcast(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
     """The eager broadcast, into a copy of ``tensor`` (validated and refused as the call on it)."""
     return locked.broadcast_copy(tensor, src, group_of(group), use_calc_stream, state)
@@ -440,10 +445,7 @@ def _broadcast_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 _broadcast.register_autograd(_broadcast_backward, setup_context=_save_broadcast)
 
 
-@_op(
-    "reduce_scatter",
-    f"(Tensor tensor, str op, Tensor? split_sizes, int group, bool use_calc_stream, {_AUTOGRAD_STATE}) -> Tensor",
-)
+@_op("reduce_scatter", _traced_schema("reduce_scatter", (_AUTOGRAD_STATE,)))
 def _reduce_scatter(
     tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
 ) -> torch.Tensor:
