@@ -74,11 +74,13 @@ def _flat(counts: Any) -> Any:
 def _global_scatter(
     x: Any, local_count: Any, global_count: Any, group: Any = None, use_calc_stream: bool = True
 ) -> Any:
+    """Paddle's ``global_scatter`` as unicoll's (Paddle's signature; its counts flattened)."""
     return global_scatter(x, _flat(local_count), _flat(global_count), _group("global_scatter", group),
                           use_calc_stream=use_calc_stream)  # fmt: skip
 
 
 def _global_gather(x: Any, local_count: Any, global_count: Any, group: Any = None, use_calc_stream: bool = True) -> Any:
+    """Paddle's ``global_gather`` as unicoll's (Paddle's signature; its counts flattened)."""
     return global_gather(x, _flat(local_count), _flat(global_count), _group("global_gather", group),
                          use_calc_stream=use_calc_stream)  # fmt: skip
 
