@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from raw_transport import raw_transport  # beside this script
+from raw_transport import counted_by_hand, raw_transport  # beside this script
 
 
 def _by_hand_experts(experts, world: int, alltoallv):
@@ -57,12 +57,7 @@ def _by_hand_experts(experts, world: int, alltoallv):
 
         def forward(self, hidden, top_k_index, top_k_weights):
             tokens, k = top_k_index.shape
-            slots = top_k_index.reshape(-1)
-            order = torch.argsort(slots, stable=True)
-            counts = torch.bincount(slots, minlength=world * local)
-            heard = alltoallv(counts.reshape(-1, 1), [local] * world, [local] * world).reshape(world, local)
-            send_splits = counts.reshape(world, local).sum(1).tolist()
-            recv_splits = heard.sum(1).tolist()
+            order, heard, send_splits, recv_splits = counted_by_hand(top_k_index, world, local, alltoallv)
             rows = Exchange.apply(hidden.index_select(0, order // k), send_splits, recv_splits)
             # received rank-major: sort them expert-major for the experts, and back
             expert_of = torch.arange(local).repeat(world).repeat_interleave(heard.reshape(-1))

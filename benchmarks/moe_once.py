@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from raw_transport import raw_transport  # beside this script
+from raw_transport import counted_by_hand, raw_transport  # beside this script
 
 
 def _hand_step(x, ids, weights, experts: int, world: int, alltoallv):
@@ -42,12 +42,7 @@ def _hand_step(x, ids, weights, experts: int, world: int, alltoallv):
     import torch
 
     tokens, k = ids.shape
-    slots = ids.reshape(-1)
-    order = torch.argsort(slots, stable=True)
-    counts = torch.bincount(slots, minlength=world * experts)
-    heard = alltoallv(counts.reshape(-1, 1), [experts] * world, [experts] * world).reshape(world, experts)
-    send_splits = counts.reshape(world, experts).sum(1).tolist()
-    recv_splits = heard.sum(1).tolist()
+    order, _, send_splits, recv_splits = counted_by_hand(ids, world, experts, alltoallv)
     received = alltoallv(x.index_select(0, order // k), send_splits, recv_splits)
     back = alltoallv(received, recv_splits, send_splits)
     unsorted = torch.empty_like(back)

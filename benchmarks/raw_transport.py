@@ -1,6 +1,7 @@
 """The raw transports the benchmarks measure unicoll against, on torch tensors in host memory:
 torch.distributed's own calls on gloo (the process group unicoll's gloo backend started),
-mpi4py's on mpi. Imported by the benchmark scripts beside it."""
+mpi4py's on mpi, and the counting a top-k step written by hand on them does. Imported by the
+benchmark scripts beside it."""
 
 from __future__ import annotations
 
@@ -39,3 +40,18 @@ def raw_transport(backend: str) -> tuple[Callable[[Any, list[int], list[int]], A
         return recv
 
     return alltoallv, dist.all_reduce
+
+
+def counted_by_hand(ids: Any, world: int, experts: int, alltoallv: Callable[..., Any]) -> tuple[Any, Any, list, list]:
+    """What a top-k step written by hand on the raw transport does before it sends rows, for
+    (tokens, k) global expert ids: ``(order, heard, send_splits, recv_splits)``, the slots
+    sorted by expert (slot ``order[i]`` is row ``i`` sent), the counts every rank sends this
+    rank's ``experts`` experts (``(world, experts)``, exchanged by ``alltoallv``) and the rows
+    sent to and received from each rank."""
+    import torch
+
+    slots = ids.reshape(-1)
+    order = torch.argsort(slots, stable=True)
+    counts = torch.bincount(slots, minlength=world * experts)
+    heard = alltoallv(counts.reshape(-1, 1), [experts] * world, [experts] * world).reshape(world, experts)
+    return order, heard, counts.reshape(world, experts).sum(1).tolist(), heard.sum(1).tolist()
