@@ -16,7 +16,6 @@ callbacks (:mod:`unicoll.compiled.jax_static`).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -63,45 +62,24 @@ def _weights_of(handle: Any) -> Any | None:
     return _handle_weights[handle][0]
 
 
-class _Binder:
-    """Binds a call's arguments to an operator's parameters, by name, defaults filled in (what
-    ``inspect.Signature.bind`` and ``apply_defaults`` give, at a fifth of their cost on every
-    call); a call it cannot bind plainly goes to ``inspect``, whose TypeError names the operator."""
-
-    def __init__(self, name: str, eager: Callable) -> None:
-        self.name, self.signature = name, inspect.signature(eager)
-        parameters = self.signature.parameters.values()
-        self.names = tuple(p.name for p in parameters)
-        self.known = frozenset(self.names)
-        self.positional = tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
-        self.defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
-
-    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-        given = dict(zip(self.positional, args))
-        if len(args) <= len(self.positional) and given.keys().isdisjoint(kwargs) and kwargs.keys() <= self.known:
-            given.update(kwargs)
-            try:
-                return {name: given[name] if name in given else self.defaults[name] for name in self.names}
-            except KeyError:  # a required parameter not given
-                pass
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}: {exc}") from None
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
-
-@functools.cache
-def _binder(name: str, eager: Callable) -> _Binder:
-    return _Binder(name, eager)
+def _bound(spec: OpSpec, eager: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by parameter name, defaults filled in (:meth:`~unicoll.spec.OpSpec.bind`);
+    a call that does not bind gets ``inspect``'s TypeError, naming the operator."""
+    arguments = spec.bind(args, kwargs)
+    if arguments is not None:
+        return arguments
+    try:
+        inspect.signature(eager).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{spec.name}: {exc}") from None
+    raise AssertionError(f"{spec.name}: the spec's parameters differ from the operator's signature")
 
 
 def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
     """The public operator ``name`` (its eager function ``eager``, ``locked`` under the lock)
     on arguments that hold a joined library's arrays (see the module's docstring)."""
     spec = SPECS[name]
-    arguments = _binder(name, eager)(args, kwargs)
+    arguments = _bound(spec, eager, args, kwargs)
     held, arrays = _arrays(arguments)
     libraries = {lib.name: lib for _, lib in arrays}
     if len(libraries) > 1:

@@ -3,9 +3,9 @@ eagerly or is traced.
 
 A public operator is its eager function (:mod:`unicoll.eager`) run under the one-thread lock
 (:mod:`unicoll.entry`). Once ``torch._dynamo`` is loaded (a program that uses torch.compile),
-each call first asks whether Dynamo is tracing it: then the call goes to the operator's traced
-form, named in :data:`TRACED_FORMS` (:mod:`unicoll.compiled.traced`, imported on the first
-traced call, which registers the custom ops); else it runs eagerly behind
+each call first asks whether Dynamo is tracing it: then the call goes to its traced form
+(:func:`unicoll.compiled.traced.traced_call`, imported on the first traced call, which
+registers the custom ops); else it runs eagerly behind
 ``torch.compiler.disable``, so that Dynamo, which watches every function that code it gave up
 tracing calls, never traces unicoll's internals. A program that never imports
 ``torch._dynamo`` pays one lookup in ``sys.modules`` per call.
@@ -43,28 +43,6 @@ __all__ = [
 ]
 """The public operators ``import unicoll`` exports (``unicoll.moe`` exports the MoE ones)."""
 
-TRACED_FORMS: dict[str, str | None] = {
-    "exchange_counts": "exchange_counts",
-    "global_scatter": "global_scatter",
-    "global_gather": "global_gather",
-    "alltoall_single": "alltoall_single",
-    "alltoall": None,
-    "all_gather": "all_gather",
-    "all_reduce": "all_reduce",
-    "reduce_scatter": "reduce_scatter",
-    "broadcast": "broadcast",
-    "moe.dispatch": "moe_dispatch",
-    "moe.redispatch": "moe_redispatch",
-    "moe.combine": "moe_combine",
-    "moe.dispatch_static": "moe_dispatch_static",
-    "moe.redispatch_static": "moe_redispatch_static",
-    "moe.combine_static": "moe_combine_static",
-}
-"""Each public operator's traced form: the function of :mod:`unicoll.compiled.traced` that
-records its call while torch.compile traces the caller; None for one that runs eagerly behind
-one graph break (:func:`unicoll.compiled.traced.without_traced_form`; ``alltoall``: lists of
-arrays in and out)."""
-
 _DYNAMO = "torch._dynamo"
 
 _JOINED_MODULES = modules()
@@ -84,7 +62,6 @@ def _holds_joined(args: tuple, kwargs: dict[str, Any]) -> bool:
 def _public(name: str, eager: F, module: str) -> F:
     """The public operator ``name`` (as users write it, ``"moe.dispatch"``), of module
     ``module``: ``eager`` under the lock, or its traced form while Dynamo traces the call."""
-    traced_form = TRACED_FORMS[name]
     locked = exclusive_as(name)(eager)
     untraced: Callable[..., Any] | None = None  # locked behind torch.compiler.disable, made on first use
 
@@ -92,11 +69,9 @@ def _public(name: str, eager: F, module: str) -> F:
         nonlocal untraced
         torch = sys.modules["torch"]
         if torch.compiler.is_compiling():
-            from .compiled import traced
+            from .compiled.traced import traced_call
 
-            if traced_form is None:
-                return traced.without_traced_form(locked, args, kwargs)
-            return getattr(traced, traced_form)(*args, **kwargs)
+            return traced_call(name, locked, args, kwargs)
         if _holds_joined(args, kwargs):
             return carry.call(name, eager, locked, args, kwargs)
         if untraced is None:

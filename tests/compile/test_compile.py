@@ -305,20 +305,32 @@ def world_of_one(clean_env) -> None:
     torch._dynamo.reset()
 
 
-def test_ops_register_for_cpu_and_cuda() -> None:
-    from unicoll.compiled.custom_ops import CUSTOM_OPS  # registers the ops
-    from unicoll.face import TRACED_FORMS
+HAND_WRITTEN = ("moe_layout", "moe_check", "moe_check_static", "moe_check_blocks")  # unicoll.moe's layout and checks
 
-    traced = {name for name, form in TRACED_FORMS.items() if form is not None and not name.startswith("moe.")}
-    backward = {f"{name}_backward" for name in traced & set(SPEC_OPS)}  # every traced data operator's
-    assert set(CUSTOM_OPS) == {*traced, "moe_layout", "moe_check", "moe_check_static", "moe_check_blocks", *backward}
+
+def _namespace() -> set[str]:
+    """Every op of the ``unicoll`` namespace (registered by importing the compile floor)."""
+    from unicoll.compiled import custom_ops  # noqa: F401  (registers the ops)
+
+    return {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("unicoll::")}
+
+
+def test_ops_are_generated_from_the_specs_for_cpu_and_cuda() -> None:
+    """Each spec that traces gets its op and, with a gradient, its backward op; the rest of the
+    namespace is unicoll.moe's hand-written layout and checks."""
+    from unicoll.spec import SPECS
+
+    traced = {name for name, spec in SPECS.items() if spec.traced is not None}
+    backward = {f"{name}_backward" for name in traced if SPECS[name].traced.backward is not None}
     assert traced == set(OPS) - {"moe_layout"}
-    for op in CUSTOM_OPS:
+    assert backward == {f"{name}_backward" for name in BACKWARDS}
+    assert _namespace() == {*traced, *backward, *HAND_WRITTEN}
+    for op in _namespace():
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"unicoll::{op}", key), (op, key)
 
 
-SCHEMA_EXTRAS = {"rows": "Optional[int]", "state": "str"}  # rows promised to the fake; autograd's view of the tensor
+SCHEMA_EXTRAS = {"rows": "Optional[int]", "autograd": "str"}  # rows promised to the fake; how autograd saw the array
 
 
 def _parsed(schema_type: str) -> str:
@@ -330,22 +342,28 @@ def test_custom_op_schemas_are_the_specs_parameters() -> None:
     """Each traced operator's custom op takes its spec's parameters, in order and of the types
     their kinds say (:attr:`unicoll.kinds.Kind.schema`), but the outputs filled in place (kinds
     without a schema type) and sync_op; then only the rows promised to the fake implementation
-    and the tensor's autograd state. Every kind a traced data operator takes has a type or is
-    an output filled in place."""
+    and how autograd saw the array. Every kind a traced data operator takes has a type or is an
+    output filled in place. Its backward op takes the gradient, then what the spec says the
+    backward needs (the plan as the counts it comes from), the group and the rows."""
     from unicoll.compiled import custom_ops  # noqa: F401  (registers the ops)
-    from unicoll.face import TRACED_FORMS
     from unicoll.spec import SPECS
 
-    for name, form in TRACED_FORMS.items():
-        if form is None or name.startswith("moe."):
+    for name, spec in SPECS.items():
+        if spec.traced is None:
             continue
-        params = SPECS[name].params
+        params = spec.params
         assert all(p.kind.schema is not None or p.kind.fills for p in params), name
         expected = [(p.name, _parsed(p.kind.schema)) for p in params if p.kind.schema and p.name != "sync_op"]
         schema = getattr(torch.ops.unicoll, name).default._schema
         got = [(a.name, str(a.type)) for a in schema.arguments]
         assert got[: len(expected)] == expected, (name, got, expected)
         assert all(SCHEMA_EXTRAS.get(arg) == kind for arg, kind in got[len(expected) :]), (name, got)
+        assert len(schema.returns) == 1 + len(spec.traced.learns), name
+        if spec.traced.backward is not None:
+            backward = getattr(torch.ops.unicoll, f"{name}_backward").default._schema
+            names = [a.name for a in backward.arguments]
+            needs = [n for need in spec.traced.backward for n in (spec.counted if need == "plan" else (need,))]
+            assert names == ["grad", *needs, "group", "rows"], (name, names)
 
 
 def test_what_cannot_be_traced_runs_eagerly_behind_one_break(world_of_one) -> None:

@@ -1,6 +1,6 @@
-"""The carry floor binds a joined library's call to the operator's parameters as
-``inspect.Signature.bind`` with ``apply_defaults`` does, and refuses what it refuses, naming
-the operator."""
+"""A spec binds a call to the operator's parameters as ``inspect.Signature.bind`` with
+``apply_defaults`` does (:meth:`unicoll.spec.OpSpec.bind`, which the carry floor and the traced
+forms use), and the carry floor refuses what ``inspect`` refuses, naming the operator."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 import unicoll as uc
 from unicoll import carry
-from unicoll.face import TRACED_FORMS
+from unicoll.spec import SPECS
 
 
 def _eager(name: str):
@@ -34,15 +34,13 @@ def _calls(signature: inspect.Signature):
             yield args, kwargs
 
 
-@pytest.mark.parametrize("name", sorted(TRACED_FORMS))
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_binding_matches_inspect(name: str) -> None:
-    eager = _eager(name)
-    signature = inspect.signature(eager)
-    binder = carry._Binder(name, eager)
+    signature = inspect.signature(_eager(name))
     for args, kwargs in _calls(signature):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        assert list(binder(args, kwargs).items()) == list(bound.arguments.items()), (args, kwargs)
+        assert list(SPECS[name].bind(args, kwargs).items()) == list(bound.arguments.items()), (args, kwargs)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +54,6 @@ def test_binding_matches_inspect(name: str) -> None:
     ],
 )
 def test_a_call_that_does_not_bind_is_refused_naming_the_operator(args, kwargs, message) -> None:
-    binder = carry._Binder("moe.dispatch", _eager("moe.dispatch"))
+    assert SPECS["moe.dispatch"].bind(args, kwargs) is None
     with pytest.raises(TypeError, match=rf"^moe\.dispatch: {message}$"):
-        binder(args, kwargs)
+        carry._bound(SPECS["moe.dispatch"], _eager("moe.dispatch"), args, kwargs)

@@ -2,14 +2,21 @@
 namespace), which torch.compile records in a graph as one node each; the traced forms that
 record them are in :mod:`unicoll.compiled.traced`.
 
-- an op's real implementation is the eager operator itself, so a call from compiled code is
-  validated, checked (check mode) and reported exactly as an eager call, at run time;
-- its fake implementation gives the output's shape without communicating: the rows of an
-  operator whose counts are tensors are a new dynamic size (torch's
-  ``capture_dynamic_output_shape_ops``), the rows given where they are known;
-- its backward (``torch.library.register_autograd``) is the backward collective of the eager
-  operator, itself one of these ops;
+Each data operator whose spec traces (:attr:`unicoll.spec.OpSpec.traced`) gets its ops from
+its spec, in one loop (:func:`_register`):
+
+- the op's real implementation is the eager operator itself, so a call from compiled code is
+  validated, checked (check mode) and reported exactly as an eager call, at run time; an
+  operator that changes its array in place changes a copy, which the op returns;
+- its fake implementation gives the output's shape without communicating: the rows the spec
+  computes while tracing where the arguments say them, else a new dynamic size (torch's
+  ``capture_dynamic_output_shape_ops``);
+- its backward (``torch.library.register_autograd``) is the backward op ``<name>_backward``,
+  which runs the eager operator's backward (``<name>_backward`` of :mod:`unicoll.eager.ops`)
+  on what the spec says it needs;
 - the group travels as an int: its :attr:`~unicoll.Group.number`, or :data:`WORLD`.
+
+unicoll.moe's layout and checks are written out by hand below them.
 
 Importing this module registers the ops, for CPU and CUDA tensors.
 """
@@ -24,13 +31,11 @@ import numpy as np
 import torch
 
 from .. import runtime
-from ..backends.layout import moe_plan
-from ..counts import even_split
 from ..eager import device_once, moe, ops, static_moe
 from ..eager.once_choice import COMPILED
+from ..entry import exclusive_as
 from ..group import Group, group_numbered
-from ..spec import SPECS
-from . import locked
+from ..spec import SPECS, Call, OpSpec
 
 WORLD = -1
 """The group number of the world of the running session (``group=None``)."""
@@ -106,396 +111,176 @@ def _run_backward(op: str, group: int, grad: torch.Tensor, backward: Callable[..
     return ops.guarded(op, state.backend, grp, state.timeout, forward, bound)(grad.contiguous())
 
 
-def _traced_schema(op: str, extras: tuple[str, ...] = (), returns: str = "Tensor") -> str:
-    """The schema of the custom op of the operator ``op``: its spec's parameters, in order, each
-    as its kind's schema type (:attr:`unicoll.kinds.Kind.schema`), but the outputs filled in
-    place and ``sync_op`` (a traced call returns new tensors, synchronously); then ``extras``
-    (what the op's fake implementation or its refusals need beside them)."""
-    params = [f"{p.kind.schema} {p.name}" for p in SPECS[op].params if p.kind.schema and p.name != "sync_op"]
-    return f"({', '.join([*params, *extras])}) -> {returns}"
-
-
-_ROWS = "SymInt? rows"
-"""The rows promised to the fake implementation, where the counts say them (a list of ints)."""
-
-
 def _op(name: str, schema: str) -> Callable[[Callable[..., Any]], Any]:
     """The decorator that makes a function the custom op ``unicoll::<name>`` of ``schema``, as
-    every op here is: it changes none of its arguments, runs on CPU and CUDA tensors, and
-    carries :data:`_TAGS`."""
-    return torch.library.custom_op(
+    every op here is: it changes none of its arguments, runs on CPU and CUDA tensors, carries
+    :data:`_TAGS`, and is never dead code to the compiler (a collective runs on every rank even
+    where its result goes unused, and a check raises: AOT autograd would drop it, and the
+    other ranks would wait)."""
+    register = torch.library.custom_op(
         f"unicoll::{name}", mutates_args=(), device_types=_DEVICES, tags=_TAGS, schema=schema
     )
 
-
-# -- the custom ops --------------------------------------------------------------------------
-
-
-@_op("exchange_counts", _traced_schema("exchange_counts"))
-def _exchange_counts(local_count: torch.Tensor, group: int) -> torch.Tensor:
-    """The eager exchange_counts."""
-    return locked.exchange_counts(local_count, group_of(group))
-
-
-@_exchange_counts.register_fake
-def _exchange_counts_fake(local_count: torch.Tensor, group: int) -> torch.Tensor:
-    """The global counts have the local counts' shape."""
-    return torch.empty_like(local_count)
-
-
-@_op("global_scatter", _traced_schema("global_scatter", (_ROWS,)))
-def _global_scatter(
-    x: torch.Tensor,
-    local_count: torch.Tensor,
-    global_count: torch.Tensor,
-    group: int,
-    use_calc_stream: bool,
-    rows: int | None,
-) -> torch.Tensor:
-    """The eager global_scatter, with the rows promised to the fake implementation where given."""
-    result = locked.global_scatter(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
-    return _rows_as_promised(result, rows, "global_scatter")
-
-
-@_op("global_gather", _traced_schema("global_gather", (_ROWS,)))
-def _global_gather(
-    x: torch.Tensor,
-    local_count: torch.Tensor,
-    global_count: torch.Tensor,
-    group: int,
-    use_calc_stream: bool,
-    rows: int | None,
-) -> torch.Tensor:
-    """The eager global_gather, with the rows promised to the fake implementation where given."""
-    result = locked.global_gather(x.detach(), local_count, global_count, group_of(group), True, use_calc_stream)
-    return _rows_as_promised(result, rows, "global_gather")
-
-
-@_global_scatter.register_fake
-@_global_gather.register_fake
-def _moe_fake(
-    x: torch.Tensor,
-    local_count: torch.Tensor,
-    global_count: torch.Tensor,
-    group: int,
-    use_calc_stream: bool,
-    rows: int | None,
-) -> torch.Tensor:
-    """The output: the rows given, or a new dynamic size, and x's trailing shape."""
-    return x.new_empty((_new_rows(rows), *x.shape[1:]))
-
-
-def _save_moe(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep what the backward collective needs: the counts, the group and the input's rows."""
-    x, local_count, global_count, group, _, _ = inputs
-    ctx.save_for_backward(local_count, global_count)
-    ctx.group, ctx.rows = group, x.shape[0]
-
-
-_MOE_BACKWARD_SCHEMA = "(Tensor grad, Tensor local_count, Tensor global_count, int group, SymInt rows) -> Tensor"
-
-
-def _moe_backward(
-    op: str, grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int
-) -> Any:
-    """The eager backward of global_scatter or global_gather (``op``), with the forward's plan."""
-    world = world_size(group, f"{op} (backward)")
-    plan = moe_plan(_host_counts(local_count), _host_counts(global_count), world)
-    backward = ops.global_scatter_backward if op == "global_scatter" else ops.global_gather_backward
-    return _run_backward(op, group, grad, backward, plan)
-
-
-@_op("global_scatter_backward", _MOE_BACKWARD_SCHEMA)
-def _global_scatter_grad(
-    grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
-) -> torch.Tensor:
-    """global_scatter's eager backward (:func:`unicoll.eager.ops.global_scatter_backward`)."""
-    return _moe_backward("global_scatter", grad, local_count, global_count, group)
-
-
-@_op("global_gather_backward", _MOE_BACKWARD_SCHEMA)
-def _global_gather_grad(
-    grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
-) -> torch.Tensor:
-    """global_gather's eager backward (:func:`unicoll.eager.ops.global_gather_backward`)."""
-    return _moe_backward("global_gather", grad, local_count, global_count, group)
-
-
-@_global_scatter_grad.register_fake
-@_global_gather_grad.register_fake
-def _moe_grad_fake(
-    grad: torch.Tensor, local_count: torch.Tensor, global_count: torch.Tensor, group: int, rows: int
-) -> torch.Tensor:
-    """The input's gradient: the forward input's rows."""
-    return grad.new_empty((rows, *grad.shape[1:]))
-
-
-def _global_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """global_scatter's eager backward, as a custom op."""
-    local_count, global_count = ctx.saved_tensors
-    dx = torch.ops.unicoll.global_scatter_backward(grad, local_count, global_count, ctx.group, ctx.rows)
-    return dx, None, None, None, None, None
-
-
-def _global_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """global_gather's eager backward, as a custom op."""
-    local_count, global_count = ctx.saved_tensors
-    dx = torch.ops.unicoll.global_gather_backward(grad, local_count, global_count, ctx.group, ctx.rows)
-    return dx, None, None, None, None, None
-
-
-_global_scatter.register_autograd(_global_scatter_backward, setup_context=_save_moe)
-_global_gather.register_autograd(_global_gather_backward, setup_context=_save_moe)
-
-
-@_op("alltoall_single", _traced_schema("alltoall_single", (_ROWS,), "(Tensor, Tensor)"))
-def _alltoall_single(
-    in_tensor: torch.Tensor,
-    out_split_sizes: torch.Tensor | None,
-    in_split_sizes: torch.Tensor | None,
-    group: int,
-    use_calc_stream: bool,
-    rows: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output, and the split sizes received (exchanged where only ``in_split_sizes`` is given)."""
-    result, received = locked.alltoall_single_and_splits(
-        in_tensor.detach(), out_split_sizes, in_split_sizes, group_of(group), use_calc_stream
-    )
-    return _rows_as_promised(result, rows, "alltoall_single"), torch.tensor(received, dtype=torch.int64)
-
-
-@_alltoall_single.register_fake
-def _alltoall_single_fake(
-    in_tensor: torch.Tensor,
-    out_split_sizes: torch.Tensor | None,
-    in_split_sizes: torch.Tensor | None,
-    group: int,
-    use_calc_stream: bool,
-    rows: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output (the rows given, in_tensor's rows for an even split both ways, else a new
-    dynamic size) and one received split size per rank."""
-    if rows is None and out_split_sizes is None and in_split_sizes is None:
-        rows = in_tensor.shape[0]  # an even split both ways: as many rows as were sent
-    return in_tensor.new_empty((_new_rows(rows), *in_tensor.shape[1:])), _splits(group, "alltoall_single")
-
-
-def _save_alltoall(ctx: Any, inputs: tuple, output: tuple) -> None:
-    """Keep the split sizes sent (None for an even split) and received, the group and the rows."""
-    in_tensor, _, in_split_sizes, group, _, _ = inputs
-    _, received = output
-    ctx.save_for_backward(in_split_sizes, received)
-    ctx.group, ctx.rows = group, in_tensor.shape[0]
-
-
-@_op("alltoall_single_backward", "(Tensor grad, Tensor? sent, Tensor received, int group, SymInt rows) -> Tensor")
-def _alltoall_single_grad(
-    grad: torch.Tensor, sent: torch.Tensor | None, received: torch.Tensor, group: int, rows: int
-) -> torch.Tensor:
-    """alltoall_single's eager backward (:func:`unicoll.eager.ops.alltoall_single_backward`); the
-    forward's even split where it was given no sizes."""
-    received_rows = _host_ints(received)
-    sent_rows = even_split(rows, len(received_rows)) if sent is None else _host_ints(sent)
-    return _run_backward("alltoall_single", group, grad, ops.alltoall_single_backward, sent_rows, received_rows)
-
-
-@_alltoall_single_grad.register_fake
-def _alltoall_single_grad_fake(
-    grad: torch.Tensor, sent: torch.Tensor | None, received: torch.Tensor, group: int, rows: int
-) -> torch.Tensor:
-    """The input's gradient: the forward input's rows."""
-    return grad.new_empty((rows, *grad.shape[1:]))
-
-
-def _alltoall_single_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-    """alltoall_single's eager backward, as a custom op."""
-    sent, received = ctx.saved_tensors
-    return (
-        torch.ops.unicoll.alltoall_single_backward(grad, sent, received, ctx.group, ctx.rows),
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-_alltoall_single.register_autograd(_alltoall_single_backward, setup_context=_save_alltoall)
-
-
-@_op("all_gather", _traced_schema("all_gather", returns="(Tensor, Tensor)"))
-def _all_gather(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's rows concatenated, and the rows each rank sent."""
-    result, rows = locked.all_gather_and_rows(tensor.detach(), group_of(group), use_calc_stream)
-    return result, torch.tensor(rows, dtype=torch.int64)
-
-
-@_all_gather.register_fake
-def _all_gather_fake(tensor: torch.Tensor, group: int, use_calc_stream: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gathered rows (a new dynamic size) and one row count per rank."""
-    return tensor.new_empty((_new_rows(None), *tensor.shape[1:])), _splits(group, "all_gather")
-
-
-def _save_all_gather(ctx: Any, inputs: tuple, output: tuple) -> None:
-    """Keep the rows each rank sent, the group and this rank's rows."""
-    tensor, group, _ = inputs
-    _, rows = output
-    ctx.save_for_backward(rows)
-    ctx.group, ctx.rows = group, tensor.shape[0]
-
-
-@_op("all_gather_backward", "(Tensor grad, Tensor rows, int group, SymInt mine) -> Tensor")
-def _all_gather_grad(grad: torch.Tensor, rows: torch.Tensor, group: int, mine: int) -> torch.Tensor:
-    """all_gather's eager backward (:func:`unicoll.eager.ops.all_gather_backward`)."""
-    return _run_backward("all_gather", group, grad, ops.all_gather_backward, _host_ints(rows))
-
-
-@_all_gather_grad.register_fake
-def _all_gather_grad_fake(grad: torch.Tensor, rows: torch.Tensor, group: int, mine: int) -> torch.Tensor:
-    """The input's gradient: this rank's rows."""
-    return grad.new_empty((mine, *grad.shape[1:]))
-
-
-def _all_gather_backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
-    """all_gather's eager backward, as a custom op."""
-    (rows,) = ctx.saved_tensors
-    return torch.ops.unicoll.all_gather_backward(grad, rows, ctx.group, ctx.rows), None, None
-
-
-_all_gather.register_autograd(_all_gather_backward, setup_context=_save_all_gather)
-
-
-# -- the reductions and broadcast: functional ops, copied back into the tensor where in place --
-
-_AUTOGRAD_STATE = "str state"
-"""The caller's tensor's :func:`unicoll.eager.ops.autograd_state` while tracing: the op refuses what eager refuses."""
-
-
-@_op("all_reduce", _traced_schema("all_reduce", (_AUTOGRAD_STATE,)))
-def _all_reduce(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
-    """The eager all_reduce, into a copy of ``tensor`` (validated and refused as the call on it)."""
-    return locked.all_reduce_copy(tensor, op, group_of(group), use_calc_stream, state)
-
-
-@_all_reduce.register_fake
-def _all_reduce_fake(tensor: torch.Tensor, op: str, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
-    """The reduction has the tensor's shape."""
-    return torch.empty_like(tensor)
-
-
-def _save_reduction(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep the reduction and the group."""
-    ctx.op, ctx.group = inputs[1], inputs[2]
-
-
-@_op("all_reduce_backward", "(Tensor grad, str op, int group) -> Tensor")
-def _all_reduce_grad(grad: torch.Tensor, op: str, group: int) -> torch.Tensor:
-    """all_reduce's eager backward (:func:`unicoll.eager.ops.all_reduce_backward`)."""
-    return _run_backward("all_reduce", group, grad, ops.all_reduce_backward, op)
-
-
-@_all_reduce_grad.register_fake
-def _all_reduce_grad_fake(grad: torch.Tensor, op: str, group: int) -> torch.Tensor:
-    """The gradient's shape."""
-    return torch.empty_like(grad)
-
-
-def _all_reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """all_reduce's eager backward, as a custom op."""
-    return torch.ops.unicoll.all_reduce_backward(grad, ctx.op, ctx.group), None, None, None, None
-
-
-_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_reduction)
-
-
-@_op("broadcast", _traced_schema("broadcast", (_AUTOGRAD_STATE,)))
-def _broadcast(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
-    """The eager broadcast, into a copy of ``tensor`` (validated and refused as the call on it)."""
-    return locked.broadcast_copy(tensor, src, group_of(group), use_calc_stream, state)
-
-
-@_broadcast.register_fake
-def _broadcast_fake(tensor: torch.Tensor, src: int, group: int, use_calc_stream: bool, state: str) -> torch.Tensor:
-    """The broadcast tensor has the tensor's shape."""
-    return torch.empty_like(tensor)
-
-
-@_op("broadcast_backward", "(Tensor grad, int src, int group) -> Tensor")
-def _broadcast_grad(grad: torch.Tensor, src: int, group: int) -> torch.Tensor:
-    """broadcast's eager backward (:func:`unicoll.eager.ops.broadcast_backward`)."""
-    return _run_backward("broadcast", group, grad, ops.broadcast_backward, src)
-
-
-@_broadcast_grad.register_fake
-def _broadcast_grad_fake(grad: torch.Tensor, src: int, group: int) -> torch.Tensor:
-    """The gradient's shape."""
-    return torch.empty_like(grad)
-
-
-def _save_broadcast(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep the source and the group."""
-    _, ctx.src, ctx.group, _, _ = inputs
-
-
-def _broadcast_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """broadcast's eager backward, as a custom op."""
-    return torch.ops.unicoll.broadcast_backward(grad, ctx.src, ctx.group), None, None, None, None
-
-
-_broadcast.register_autograd(_broadcast_backward, setup_context=_save_broadcast)
-
-
-@_op("reduce_scatter", _traced_schema("reduce_scatter", (_AUTOGRAD_STATE,)))
-def _reduce_scatter(
-    tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
-) -> torch.Tensor:
-    """The eager reduce_scatter (out=None), refused as the call on the caller's tensor."""
-    return locked.reduce_scatter_of(tensor.detach(), op, split_sizes, group_of(group), use_calc_stream, state)
-
-
-@_reduce_scatter.register_fake
-def _reduce_scatter_fake(
-    tensor: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, use_calc_stream: bool, state: str
-) -> torch.Tensor:
-    """This rank's block: an even share of the rows without split sizes, else a new dynamic size."""
-    rows = tensor.shape[0] // world_size(group, "reduce_scatter") if split_sizes is None else None
-    return tensor.new_empty((_new_rows(rows), *tensor.shape[1:]))
-
-
-@_op("reduce_scatter_backward", "(Tensor grad, str op, Tensor? split_sizes, int group, SymInt rows) -> Tensor")
-def _reduce_scatter_grad(
-    grad: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, rows: int
-) -> torch.Tensor:
-    """reduce_scatter's eager backward (:func:`unicoll.eager.ops.reduce_scatter_backward`); the
-    forward's even split where it was given no sizes."""
-    world = world_size(group, "reduce_scatter (backward)")
-    blocks = even_split(rows, world) if split_sizes is None else _host_ints(split_sizes)
-    return _run_backward("reduce_scatter", group, grad, ops.reduce_scatter_backward, op, blocks)
-
-
-@_reduce_scatter_grad.register_fake
-def _reduce_scatter_grad_fake(
-    grad: torch.Tensor, op: str, split_sizes: torch.Tensor | None, group: int, rows: int
-) -> torch.Tensor:
-    """The input's gradient: the forward input's rows."""
-    return grad.new_empty((rows, *grad.shape[1:]))
-
-
-def _save_reduce_scatter(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    """Keep the split sizes, the reduction, the group and the input's rows."""
-    tensor, ctx.op, split_sizes, ctx.group, _, _ = inputs
-    ctx.save_for_backward(split_sizes)
-    ctx.rows = tensor.shape[0]
-
-
-def _reduce_scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    """reduce_scatter's eager backward, as a custom op."""
-    (split_sizes,) = ctx.saved_tensors
-    dx = torch.ops.unicoll.reduce_scatter_backward(grad, ctx.op, split_sizes, ctx.group, ctx.rows)
-    return dx, None, None, None, None, None
-
-
-_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_reduce_scatter)
+    def decorate(fn: Callable[..., Any]) -> Any:
+        op = register(fn)
+        torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, name).default)
+        return op
+
+    return decorate
+
+
+# -- the data operators: one custom op and one backward op per spec that traces ---------------
+
+
+def _inputs(spec: OpSpec) -> tuple[str, ...]:
+    """The names of the custom op's inputs for ``spec``: its parameters that have a schema type
+    but ``sync_op`` (a traced call is synchronous), then ``rows`` (promised to the fake
+    implementation) where the spec computes them, and ``autograd`` (how autograd saw the
+    array: :func:`unicoll.eager.ops.autograd_state`) where a call may be refused by it."""
+    params = tuple(p.name for p in spec.params if p.kind.schema and p.name != "sync_op")
+    extras = ("rows",) * (spec.traced.rows is not None) + ("autograd",) * spec.refuses_by_autograd
+    return params + extras
+
+
+def _schema(spec: OpSpec) -> str:
+    """The custom op's schema: each input as its kind's schema type; the result, then each list
+    the call learned for its backward (a host int64 tensor each)."""
+    types = {p.name: p.kind.schema for p in spec.params} | {"rows": "SymInt?", "autograd": "str"}
+    outputs = 1 + len(spec.traced.learns)
+    returns = "Tensor" if outputs == 1 else f"({', '.join(['Tensor'] * outputs)})"
+    return f"({', '.join(f'{types[name]} {name}' for name in _inputs(spec))}) -> {returns}"
+
+
+def _saved(spec: OpSpec) -> tuple[str, ...]:
+    """What the backward op takes between the gradient and the group: what the spec's backward
+    needs, ``"plan"`` as the counts it is derived from."""
+    return tuple(n for need in spec.traced.backward for n in (spec.counted if need == "plan" else (need,)))
+
+
+def _backward_schema(spec: OpSpec) -> str:
+    """The backward op's schema: the gradient, what the backward needs (a parameter as its
+    kind's type, a learned list as a tensor), the group and the input's rows (None where the
+    result had the input's whole shape)."""
+    kinds = spec.kinds
+    needs = [f"{kinds[n].schema if n in kinds else 'Tensor'} {n}" for n in _saved(spec)]
+    return f"(Tensor grad, {', '.join([*needs, 'int group', 'SymInt? rows'])}) -> Tensor"
+
+
+def _plan(spec: OpSpec, group: Group, counts: dict[str, np.ndarray]) -> Any:
+    """The spec's plan (:attr:`~unicoll.spec.OpSpec.plan`) of a call of ``counts`` (host int64)
+    on ``group``: what the eager operator derived, for its backward."""
+    state = runtime.state(f"{spec.name} (backward)")
+    call = Call(group.world_size, group, state.backend, state.timeout, False, False, **counts)
+    return spec.plan(call)
+
+
+def _forward(spec: OpSpec) -> Callable[..., Any]:
+    """The implementation of ``spec``'s custom op: the eager operator under the lock, on its
+    arguments by name (the group from its number, an output to fill None, an array changed in
+    place a copy), synchronous, judged by how autograd saw the caller's array
+    (:func:`unicoll.eager.ops.call_compiled`); returns the result, checked against the rows
+    promised to the fake implementation, and the lists it learned as host int64 tensors."""
+    names, traced = _inputs(spec), spec.traced
+    in_place = any(p.kind.in_place for p in spec.params)
+    outputs = {p.name: None for p in spec.params if p.kind.fills and not p.kind.in_place}
+    call = exclusive_as(spec.name)(ops.call_compiled)
+
+    def forward(*args: Any) -> Any:
+        values = dict(zip(names, args))
+        autograd, rows = values.pop("autograd", "none"), values.pop("rows", None)
+        arguments = {**outputs, **values, "group": group_of(values["group"])}
+        if "sync_op" in spec.kinds:
+            arguments["sync_op"] = True
+        array = values[traced.like].detach()
+        arguments[traced.like] = array.clone() if in_place else array
+        result, learned = call(spec, arguments, autograd)
+        result = _rows_as_promised(result, rows, spec.name)
+        if not traced.learns:
+            return result
+        return result, *(torch.tensor(learned[name], dtype=torch.int64) for name in traced.learns)
+
+    return forward
+
+
+def _fake(spec: OpSpec) -> Callable[..., Any]:
+    """The fake implementation of ``spec``'s custom op: the result like the array it is like
+    (its whole shape, or the rows promised, or a new dynamic size), one size per rank for each
+    learned list."""
+    names, traced = _inputs(spec), spec.traced
+
+    def fake(*args: Any) -> Any:
+        values = dict(zip(names, args))
+        like = values[traced.like]
+        if traced.rows is None:
+            result = torch.empty_like(like)
+        else:
+            result = like.new_empty((_new_rows(values["rows"]), *like.shape[1:]))
+        if not traced.learns:
+            return result
+        return result, *(_splits(values["group"], spec.name) for _ in traced.learns)
+
+    return fake
+
+
+def _backward_needs(spec: OpSpec, group: int, saved: tuple) -> list[Any]:
+    """What the eager backward takes after the gradient, from what the backward op was given
+    (:func:`_saved`): counts as host int64 arrays (and the plan derived from them), learned
+    lists as host ints, other values as they are."""
+    host = {}
+    for name, value in zip(_saved(spec), saved):
+        if isinstance(value, torch.Tensor):
+            value = _host_counts(value) if name in spec.kinds else _host_ints(value)
+        host[name] = value
+    if "plan" in spec.traced.backward:
+        grp = runtime.resolve_group(group_of(group), f"{spec.name} (backward)")
+        host["plan"] = _plan(spec, grp, {name: host[name] for name in spec.counted})
+    return [host[name] for name in spec.traced.backward]
+
+
+def _register(spec: OpSpec) -> None:
+    """Register ``spec``'s custom op (``unicoll::<name>``) and, for an operator with a gradient,
+    its backward op (``unicoll::<name>_backward``, the eager ``<name>_backward``) and autograd."""
+    names, traced = _inputs(spec), spec.traced
+    op = _op(spec.name, _schema(spec))(_forward(spec))
+    op.register_fake(_fake(spec))
+    if traced.backward is None:
+        return
+    eager_backward = getattr(ops, f"{spec.name}_backward")
+
+    def backward_impl(grad: torch.Tensor, *args: Any) -> torch.Tensor:
+        *saved, group, _ = args
+        return _run_backward(spec.name, group, grad, eager_backward, *_backward_needs(spec, group, tuple(saved)))
+
+    def backward_fake(grad: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows = args[-1]
+        return torch.empty_like(grad) if rows is None else grad.new_empty((rows, *grad.shape[1:]))
+
+    _op(f"{spec.name}_backward", _backward_schema(spec))(backward_impl).register_fake(backward_fake)
+    backward_op = getattr(torch.ops.unicoll, f"{spec.name}_backward")
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        values = dict(zip(names, inputs))
+        values.update(zip(traced.learns, output[1:] if traced.learns else ()))
+        needs = [values[name] for name in _saved(spec)]
+        ctx.tensor_at = [i for i, value in enumerate(needs) if isinstance(value, torch.Tensor)]
+        ctx.save_for_backward(*(needs[i] for i in ctx.tensor_at))
+        ctx.needs = [None if isinstance(value, torch.Tensor) else value for value in needs]
+        ctx.group = values["group"]
+        ctx.rows = None if traced.rows is None else values[traced.like].shape[0]
+
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple:
+        needs = list(ctx.needs)
+        for i, tensor in zip(ctx.tensor_at, ctx.saved_tensors):
+            needs[i] = tensor
+        dx = backward_op(grad, *needs, ctx.group, ctx.rows)
+        return tuple(dx if name == traced.like else None for name in names)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+for _spec in SPECS.values():
+    if _spec.traced is not None:
+        _register(_spec)
 
 
 # -- unicoll.moe: the layout as tensors; the rows move with global_scatter and global_gather --
@@ -520,8 +305,22 @@ def _moe_layout(
     each local expert receives (ints: the graph reads no tensor for them). ``once``: the step
     sends each token once per rank (every rank's must: the count exchange refuses a mix), and
     the layout of that follows (:func:`_once_layout`; else five empty tensors and no size)."""
+    return _layout(x, topk_idx, topk_weights, experts_per_rank, group, capacity, once)
+
+
+@exclusive_as("moe.dispatch")
+def _layout(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    experts_per_rank: int,
+    group: int,
+    capacity: int | None,
+    once: bool,
+) -> tuple[torch.Tensor, ...]:
+    """moe_layout's implementation, under the lock (its exchanges are the eager operators')."""
     weights = None if topk_weights is None else topk_weights.detach()
-    local_count, global_count, send_tokens, slot_rows = locked.moe_layout(
+    local_count, global_count, send_tokens, slot_rows = moe.layout(
         x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity, once
     )
     on_x = functools.partial(torch.as_tensor, device=x.device)
@@ -555,9 +354,9 @@ def _once_layout(
     found = device_once.pairs(torch, topk_idx, slot_rows, local_count.to(topk_idx.device), grp.rank,
                               grp.world_size, experts_per_rank, 0, 0, COMPILED)  # fmt: skip
     sent = found.told[:, 0].cpu()
-    received = locked.exchange_counts(sent, group_of(group))
+    received = ops.exchange_counts(sent, group_of(group))
     rows = int(local_count.sum())
-    meta = locked.global_scatter(found.meta[:rows].reshape(-1, 1), local_count, global_count, group_of(group), True)
+    meta = ops.global_scatter(found.meta[:rows].reshape(-1, 1), local_count, global_count, group_of(group), True)
     index = device_once.expansion_index(meta.reshape(-1), received.tolist())
     pair_token = found.pair_token[: int(sent.sum())]
     return sent, received, pair_token, index, found.row_slot[:rows], int(received.sum())
@@ -678,19 +477,3 @@ def _moe_check_blocks_fake(
     group: int,
 ) -> None:
     """Nothing comes out."""
-
-
-CUSTOM_OPS = (
-    "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
-    "all_reduce", "broadcast", "reduce_scatter", "moe_layout", "moe_check", "moe_check_static", "moe_check_blocks",
-    "global_scatter_backward", "global_gather_backward", "alltoall_single_backward", "all_gather_backward",
-    "all_reduce_backward", "broadcast_backward", "reduce_scatter_backward",
-)  # fmt: skip
-"""The ops of the ``unicoll`` namespace: each traced operator's (:data:`unicoll.face.TRACED_FORMS`)
-forward and, for a data operator, backward; unicoll.moe's layout and checks. tests/compile holds
-this list against the table and the specs."""
-
-for _name in CUSTOM_OPS:
-    # a collective runs on every rank even where its result goes unused, and a check raises:
-    # never dead code to the compiler (AOT autograd would drop it; the other ranks would wait)
-    torch.fx.node.has_side_effect(getattr(torch.ops.unicoll, _name).default)

@@ -1,14 +1,15 @@
 """The traced forms of unicoll's public operators, for torch.compile.
 
 While torch.compile traces a call to a public operator, the public face (:mod:`unicoll.face`)
-hands it to the function of the same name here, which records the call as one custom op of
-the ``unicoll`` namespace (:mod:`unicoll.compiled.custom_ops`, registered when this module is imported).
+hands it to :func:`traced_call`, which records it as custom ops of the ``unicoll`` namespace
+(:mod:`unicoll.compiled.custom_ops`, registered when this module is imported): a data operator
+whose spec traces as its one op (:func:`_operator`, the same for them all), unicoll.moe's
+calls as its layout in tensors (``unicoll::moe_layout``, a :class:`TracedHandle`) around
+``global_scatter`` and ``global_gather``, or the static layout around even all-to-alls.
 
 What cannot be traced (``sync_op=False``, outputs filled in place, arrays of other libraries,
 arguments of unexpected types) runs the eager operator behind one graph break whose reason
-says why (``torch.compiler.disable``); docs/compile.md lists the cases. ``unicoll.moe``'s
-calls trace as its layout in tensors (``unicoll::moe_layout``, a :class:`TracedHandle`) around
-``global_scatter`` and ``global_gather``.
+says why (``torch.compiler.disable``); docs/compile.md lists the cases.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
 from ..eager.moe_once import sum_dtype
 from ..eager.once_choice import ONCE_ENV_VAR
+from ..eager.ops import autograd_state
 from ..group import Group
+from ..kinds import GROUP, Kind
 from ..routing import Handle, Routing
+from ..spec import SPECS, OpSpec
 from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks, static_layout
-from . import locked
 from .custom_ops import WORLD, group_of, world_size
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
@@ -63,14 +66,22 @@ _eager_handle = _eagerly("a moe.Handle made by an eager moe.dispatch keeps its l
 _no_traced_form = _eagerly("this operator has no traced form (its arrays come and go in lists)")
 
 
-def without_traced_form(eager: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """The call of an operator that has no traced form (:data:`unicoll.face.TRACED_FORMS`):
-    ``eager`` (the operator under the lock), behind one graph break."""
-    return _no_traced_form(eager, *args, **kwargs)
+def traced_call(name: str, eager: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The call ``name(*args, **kwargs)`` of a public operator as torch.compile traces it
+    (``eager``: the operator under the lock, for what runs eagerly): a data operator whose spec
+    traces as its custom op, unicoll.moe's by their forms below, any other behind one graph
+    break (``alltoall``: lists of arrays in and out)."""
+    spec = SPECS[name]
+    if spec.traced is not None:
+        return _operator(spec, eager, args, kwargs)
+    form = _MOE_FORMS.get(name)
+    if form is None:
+        return _no_traced_form(eager, *args, **kwargs)
+    return form(eager, *args, **kwargs)
 
 
 _UNTRACEABLE = object()
-"""What :func:`_number` and :func:`_counts` return for a value that is not traced."""
+"""What :func:`_traced_value` returns for a value that is not traced."""
 
 
 def _number(group: Any) -> Any:
@@ -85,35 +96,66 @@ def _number(group: Any) -> Any:
 
 def _counts(value: Any) -> Any:
     """Counts as a tensor: a tensor as it is, a list or tuple of ints as a host int64 tensor;
-    None as None; anything else :data:`_UNTRACEABLE`."""
-    if value is None or isinstance(value, torch.Tensor):
+    anything else :data:`_UNTRACEABLE`."""
+    if isinstance(value, torch.Tensor):
         return value
     if type(value) in (list, tuple) and all(type(v) is int for v in value):
         return torch.tensor(value, dtype=torch.int64)
     return _UNTRACEABLE
 
 
-def _flags(sync_op: Any, use_calc_stream: Any = True) -> bool:
-    """Whether the flags are traced: ``sync_op=True`` and a bool ``use_calc_stream``."""
-    return sync_op is True and type(use_calc_stream) is bool
+_VALUE_TYPES = {"str": str, "int": int, "bool": bool}
+"""The Python type of a value of each plain schema type (an int is not a bool)."""
 
 
-def _autograd_state(tensor: torch.Tensor) -> str:
-    """:func:`unicoll.eager.ops.autograd_state` of a tensor, as Dynamo traces it (a constant of the graph)."""
-    if not (tensor.requires_grad and torch.is_grad_enabled()):
-        return "none"
-    if tensor.is_leaf:
-        return "a leaf"
-    base = tensor._base
-    return "a view of a leaf" if base is not None and base.is_leaf else "recorded"
+def _traced_value(kind: Kind, value: Any) -> Any:
+    """A parameter's value as its kind's schema type takes it (:attr:`unicoll.kinds.Kind.schema`),
+    or :data:`_UNTRACEABLE`: the group as its number, counts as a tensor, an array as a torch
+    tensor, a plain value of exactly its type; None where the type is optional."""
+    if kind is GROUP:
+        return _number(value)
+    if value is None:
+        return None if kind.schema.endswith("?") else _UNTRACEABLE
+    if kind.holds_counts:
+        return _counts(value)
+    if kind.schema.startswith("Tensor"):
+        return value if isinstance(value, torch.Tensor) else _UNTRACEABLE
+    return value if type(value) is _VALUE_TYPES[kind.schema] else _UNTRACEABLE
 
 
-def _copied_back(tensor: torch.Tensor, result: torch.Tensor, state: str) -> torch.Tensor:
-    """``tensor`` holding ``result`` (autograd records the copy). A tensor that autograd does not
-    let change in place is left alone: the op raises eager's error when it runs."""
-    if state in ("none", "recorded"):
-        tensor.copy_(result)
-    return tensor
+def _operator(spec: OpSpec, eager: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A data operator's call as traced: its custom op (``unicoll::<name>``) on the parameters
+    that have a schema type, the rows the spec computes for the fake implementation and how
+    autograd sees the array where that can refuse the call; the result of an operator that
+    changes its array in place is copied back into it (autograd records the copy) and the array
+    returned. An output to fill, ``sync_op=False`` or a value of another type runs ``eager``
+    behind one graph break."""
+    arguments = spec.bind(args, kwargs)
+    if arguments is None:
+        return _untraced(eager, *args, **kwargs)
+    if any(p.kind.fills and not p.kind.in_place and arguments[p.name] is not None for p in spec.params):
+        return _in_place(eager, *args, **kwargs)
+    if arguments.get("sync_op", True) is False:
+        return _as_task(eager, *args, **kwargs)
+    values = [_traced_value(p.kind, arguments[p.name]) for p in spec.params if p.kind.schema and p.name != "sync_op"]
+    if arguments.get("sync_op", True) is not True or any(v is _UNTRACEABLE for v in values):
+        return _untraced(eager, *args, **kwargs)
+    traced, array = spec.traced, arguments[spec.traced.like]
+    if traced.rows is not None:
+        group = arguments["group"]
+        size = group.world_size if group is not None else runtime.state(spec.name).world.world_size
+        values.append(traced.rows(arguments, size))
+    state = autograd_state(array) if spec.refuses_by_autograd else "none"
+    if spec.refuses_by_autograd:
+        values.append(state)
+    result = getattr(torch.ops.unicoll, spec.name)(*values)
+    if traced.learns:
+        result = result[0]
+    if not any(p.kind.in_place for p in spec.params):
+        return result
+    if state in ("none", "recorded"):  # else autograd forbids the change: the op raised eager's error
+        array.copy_(result)
+    return array
 
 
 def _traced(*values: Any) -> bool:
@@ -121,191 +163,9 @@ def _traced(*values: Any) -> bool:
     return all(v is not _UNTRACEABLE for v in values)
 
 
-def _total(value: Any) -> int | None:
-    """The rows that counts given as a list of non-negative ints add up to, known while
-    tracing; None for counts in a tensor (or a list the eager operator will refuse)."""
-    if type(value) in (list, tuple) and all(type(v) is int and v >= 0 for v in value):
-        return sum(value)
-    return None
-
-
-# -- the traced forms of the public operators (same signatures) --------------------------------
-
-
-def exchange_counts(local_count: Any, group: Group | None = None) -> Any:
-    """:func:`unicoll.exchange_counts` as traced: counts given as a tensor become one op."""
-    number = _number(group)
-    if not isinstance(local_count, torch.Tensor) or not _traced(number):
-        return _untraced(locked.exchange_counts, local_count, group)
-    return torch.ops.unicoll.exchange_counts(local_count, number)
-
-
-def _traced_scatter_or_gather(
-    op: Callable[..., Any],
-    traced_op: Callable[..., Any],
-    output_counts: str,
-    args: tuple[Any, Any, Any, Group | None, bool, bool],
-) -> Any:
-    """global_scatter or global_gather (``op``) as ``traced_op``, whose output has the rows of
-    its ``output_counts`` ("local_count" or "global_count")."""
-    x, local_count, global_count, group, sync_op, use_calc_stream = args
-    if sync_op is False:
-        return _as_task(op, *args)
-    number, lc, gc = _number(group), _counts(local_count), _counts(global_count)
-    flags_ok = _flags(sync_op, use_calc_stream)
-    if not isinstance(x, torch.Tensor) or not flags_ok or not _traced(number, lc, gc) or lc is None or gc is None:
-        return _untraced(op, *args)
-    rows = _total(local_count if output_counts == "local_count" else global_count)
-    return traced_op(x, lc, gc, number, use_calc_stream, rows)
-
-
-def global_scatter(
-    x: Any,
-    local_count: Any,
-    global_count: Any,
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = True,
-) -> Any:
-    """:func:`unicoll.global_scatter` as traced: one op, whose output rows are a dynamic size
-    (``sum(global_count)`` for counts in a list)."""
-    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
-    return _traced_scatter_or_gather(locked.global_scatter, torch.ops.unicoll.global_scatter, "global_count", args)
-
-
-def global_gather(
-    x: Any,
-    local_count: Any,
-    global_count: Any,
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = True,
-) -> Any:
-    """:func:`unicoll.global_gather` as traced: one op, whose output rows are a dynamic size
-    (``sum(local_count)`` for counts in a list)."""
-    args = (x, local_count, global_count, group, sync_op, use_calc_stream)
-    return _traced_scatter_or_gather(locked.global_gather, torch.ops.unicoll.global_gather, "local_count", args)
-
-
-def alltoall_single(
-    out_tensor: Any,
-    in_tensor: Any,
-    out_split_sizes: Any = None,
-    in_split_sizes: Any = None,
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = False,
-) -> Any:
-    """:func:`unicoll.alltoall_single` as traced, for ``out_tensor=None``: one op, whose
-    output rows are a dynamic size (those of ``in_tensor`` when no split sizes are given,
-    ``sum(out_split_sizes)`` for a list)."""
-    args = (out_tensor, in_tensor, out_split_sizes, in_split_sizes, group, sync_op, use_calc_stream)
-    if out_tensor is not None:
-        return _in_place(locked.alltoall_single, *args)
-    if sync_op is False:
-        return _as_task(locked.alltoall_single, *args)
-    number, out_splits, in_splits = _number(group), _counts(out_split_sizes), _counts(in_split_sizes)
-    flags_ok = _flags(sync_op, use_calc_stream)
-    if not isinstance(in_tensor, torch.Tensor) or not flags_ok or not _traced(number, out_splits, in_splits):
-        return _untraced(locked.alltoall_single, *args)
-    rows = _total(out_split_sizes)
-    result, _ = torch.ops.unicoll.alltoall_single(in_tensor, out_splits, in_splits, number, use_calc_stream, rows)
-    return result
-
-
-def all_gather(
-    tensor_or_tensor_list: Any,
-    tensor: Any,
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = False,
-) -> Any:
-    """:func:`unicoll.all_gather` as traced, for ``tensor_or_tensor_list=None`` (the
-    concatenated form): one op, whose output rows are a dynamic size."""
-    args = (tensor_or_tensor_list, tensor, group, sync_op, use_calc_stream)
-    if tensor_or_tensor_list is not None:
-        return _in_place(locked.all_gather, *args)
-    if sync_op is False:
-        return _as_task(locked.all_gather, *args)
-    number = _number(group)
-    flags_ok = _flags(sync_op, use_calc_stream)
-    if not isinstance(tensor, torch.Tensor) or not flags_ok or not _traced(number):
-        return _untraced(locked.all_gather, *args)
-    result, _ = torch.ops.unicoll.all_gather(tensor, number, use_calc_stream)
-    return result
-
-
-def all_reduce(
-    tensor: Any,
-    op: str = "sum",
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = False,
-) -> Any:
-    """:func:`unicoll.all_reduce` as traced: one functional op, whose result is copied back into
-    ``tensor`` (which is returned)."""
-    return _copied_in_place(locked.all_reduce, "all_reduce", tensor, op, str, group, sync_op, use_calc_stream)
-
-
-def broadcast(
-    tensor: Any,
-    src: int,
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = False,
-) -> Any:
-    """:func:`unicoll.broadcast` as traced: one functional op, whose result is copied back into
-    ``tensor`` (which is returned)."""
-    return _copied_in_place(locked.broadcast, "broadcast", tensor, src, int, group, sync_op, use_calc_stream)
-
-
-def _copied_in_place(
-    eager: Callable[..., Any],
-    name: str,
-    tensor: Any,
-    argument: Any,
-    argument_type: type,
-    group: Group | None,
-    sync_op: Any,
-    use_calc_stream: Any,
-) -> Any:
-    """all_reduce or broadcast (``name``, ``eager`` its locked eager form) as traced: the custom op
-    of that name on ``tensor`` and ``argument`` (the reduction or the source, traced when of
-    ``argument_type``), copied back into ``tensor``; else eagerly behind one graph break."""
-    args = (tensor, argument, group, sync_op, use_calc_stream)
-    if sync_op is False:
-        return _as_task(eager, *args)
-    number = _number(group)
-    traced = _traced(number) and type(argument) is argument_type and _flags(sync_op, use_calc_stream)
-    if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(eager, *args)
-    state = _autograd_state(tensor)
-    result = getattr(torch.ops.unicoll, name)(tensor, argument, number, use_calc_stream, state)
-    return _copied_back(tensor, result, state)
-
-
-def reduce_scatter(
-    out: Any | None,
-    tensor: Any,
-    op: str = "sum",
-    split_sizes: Any = None,
-    group: Group | None = None,
-    sync_op: bool = True,
-    use_calc_stream: bool = False,
-) -> Any:
-    """:func:`unicoll.reduce_scatter` as traced, for ``out=None``: one op, whose output rows are
-    an even share of ``tensor``'s without split sizes, else a dynamic size."""
-    args = (out, tensor, op, split_sizes, group, sync_op, use_calc_stream)
-    if out is not None:
-        return _in_place(locked.reduce_scatter, *args)
-    if sync_op is False:
-        return _as_task(locked.reduce_scatter, *args)
-    number, splits = _number(group), _counts(split_sizes)
-    traced = _traced(number, splits) and type(op) is str and _flags(sync_op, use_calc_stream)
-    if not isinstance(tensor, torch.Tensor) or not traced:
-        return _untraced(locked.reduce_scatter, *args)
-    state = _autograd_state(tensor)
-    return torch.ops.unicoll.reduce_scatter(tensor, op, splits, number, use_calc_stream, state)
+def _flags(sync_op: Any, use_calc_stream: Any = True) -> bool:
+    """Whether the flags are traced: ``sync_op=True`` and a bool ``use_calc_stream``."""
+    return sync_op is True and type(use_calc_stream) is bool
 
 
 class TracedOnce(NamedTuple):
@@ -381,6 +241,7 @@ def _with_handle(op: Callable[..., Any], rows: Any, handle: TracedHandle, sync_o
 
 
 def moe_dispatch(
+    eager: Callable[..., Any],
     x: Any,
     topk_idx: Any,
     topk_weights: Any | None = None,
@@ -395,18 +256,18 @@ def moe_dispatch(
     ``unicoll::global_scatter``; rows_per_expert are unbacked sizes that the layout op returns
     (no tensor is read for them), whose sum is the rows' size; the handle is a
     :class:`TracedHandle`."""
-    eager = functools.partial(
-        locked.moe_dispatch, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank, group=group, sync_op=sync_op,
+    run_eagerly = functools.partial(
+        eager, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank, group=group, sync_op=sync_op,
         capacity=capacity,
     )  # fmt: skip
     if sync_op is False:
-        return _as_task(eager)
+        return _as_task(run_eagerly)
     number = _number(group)
     tensors = isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor)
     weights_ok = topk_weights is None or isinstance(topk_weights, torch.Tensor)
     sizes_ok = type(experts_per_rank) is int and (capacity is None or type(capacity) is int)
     if not tensors or not weights_ok or not sizes_ok or not _flags(sync_op) or not _traced(number):
-        return _untraced(eager)
+        return _untraced(run_eagerly)
     once = _sends_once(x, topk_idx, number)
     *layout, sizes = torch.ops.unicoll.moe_layout(x, topk_idx, topk_weights, experts_per_rank, number, capacity, once)
     local_count, global_count, send_tokens, slot_rows = layout[:4]
@@ -444,15 +305,15 @@ def _once_rows(x: torch.Tensor, handle: TracedHandle) -> torch.Tensor:
     return arrived.index_select(0, once.index)
 
 
-def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
+def moe_redispatch(eager: Callable[..., Any], x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.redispatch` as traced, for a :class:`TracedHandle`: the rows taken by
     ``index_select`` and sent by ``unicoll::global_scatter``."""
     if not isinstance(handle, TracedHandle):
-        return _eager_handle(functools.partial(locked.moe_redispatch, x, handle, sync_op=sync_op))
+        return _eager_handle(functools.partial(eager, x, handle, sync_op=sync_op))
     if sync_op is False:
-        return _as_task(_with_handle, locked.moe_redispatch, x, handle, sync_op)
+        return _as_task(_with_handle, eager, x, handle, sync_op)
     if not isinstance(x, torch.Tensor) or not _flags(sync_op):
-        return _untraced(_with_handle, locked.moe_redispatch, x, handle, sync_op)
+        return _untraced(_with_handle, eager, x, handle, sync_op)
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(x, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.redispatch")
     if handle.once is not None:
@@ -461,16 +322,16 @@ def moe_redispatch(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     return torch.ops.unicoll.global_scatter(sent, handle.local_count, handle.global_count, handle.group, True, received)
 
 
-def moe_combine(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
+def moe_combine(eager: Callable[..., Any], y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.combine` as traced, for a :class:`TracedHandle`: the rows sent back by
     ``unicoll::global_gather``, then each token's slots weighted and summed as eager does (a
     zero row read by dropped slots, whose weights count as zero)."""
     if not isinstance(handle, TracedHandle):
-        return _eager_handle(functools.partial(locked.moe_combine, y, handle, sync_op=sync_op))
+        return _eager_handle(functools.partial(eager, y, handle, sync_op=sync_op))
     if sync_op is False:
-        return _as_task(_with_handle, locked.moe_combine, y, handle, sync_op)
+        return _as_task(_with_handle, eager, y, handle, sync_op)
     if not isinstance(y, torch.Tensor) or not _flags(sync_op):
-        return _untraced(_with_handle, locked.moe_combine, y, handle, sync_op)
+        return _untraced(_with_handle, eager, y, handle, sync_op)
     sent = handle.send_tokens.shape[0]
     received = sum(handle.rows_per_expert)
     torch.ops.unicoll.moe_check(y, handle.send_tokens, handle.tokens, received, handle.weighted, "moe.combine")
@@ -526,13 +387,13 @@ def _even_exchange(number: int) -> Callable[[torch.Tensor], torch.Tensor]:
     array's rows in W equal blocks, whose output has the array's shape."""
 
     def exchange(rows: torch.Tensor) -> torch.Tensor:
-        result, _ = torch.ops.unicoll.alltoall_single(rows, None, None, number, True, None)
-        return result
+        return torch.ops.unicoll.alltoall_single(rows, None, None, number, True, rows.shape[0])[0]
 
     return exchange
 
 
 def moe_dispatch_static(
+    eager: Callable[..., Any],
     x: Any,
     topk_idx: Any,
     topk_weights: Any | None = None,
@@ -551,12 +412,12 @@ def moe_dispatch_static(
     checked by its spec, as eager's is (``unicoll::moe_check_static``: eager's errors, raised
     when the compiled code runs), and the handle is eager's :class:`~unicoll.moe.StaticHandle`
     over the layout's tensors. ``overflow='error'`` (a host read) runs eagerly."""
-    eager = functools.partial(
-        locked.moe_dispatch_static, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank,
+    run_eagerly = functools.partial(
+        eager, x, topk_idx, topk_weights, experts_per_rank=experts_per_rank,
         capacity=capacity, group=group, sync_op=sync_op, overflow=overflow, max_tokens_per_rank=max_tokens_per_rank,
     )  # fmt: skip
     if sync_op is False:
-        return _as_task(eager)
+        return _as_task(run_eagerly)
     number = _number(group)
     tensors = isinstance(x, torch.Tensor) and isinstance(topk_idx, torch.Tensor) and topk_idx.ndim == 2
     weights_ok = topk_weights is None or isinstance(topk_weights, torch.Tensor)
@@ -564,7 +425,7 @@ def moe_dispatch_static(
     bound = max_tokens_per_rank
     bound_ok = bound is None or (type(bound) is int and bound >= 0)
     if not tensors or not weights_ok or not sizes_ok or not bound_ok or overflow != "drop" or not _traced(number):
-        return _untraced(eager)
+        return _untraced(run_eagerly)
     torch.ops.unicoll.moe_check_static(x, topk_idx, topk_weights, experts_per_rank, capacity, bound, number)
     world = world_size(number, "moe.dispatch_static")
     grp = runtime.resolve_group(group_of(number), "moe.dispatch_static")
@@ -594,12 +455,12 @@ def _check_blocks(rows: torch.Tensor, handle: StaticHandle, op: str, number: int
     torch.ops.unicoll.moe_check_blocks(rows, handle.kept, handle.tokens, *blocks, handle.weighted, op, number)
 
 
-def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
+def moe_redispatch_static(eager: Callable[..., Any], x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.redispatch_static` as traced: the rows gathered in the graph and sent
     by ``unicoll::alltoall_single`` in W equal blocks."""
     number, traced = _static_handle(x, handle, sync_op)
     if not traced:
-        return _untraced(locked.moe_redispatch_static, x, handle, sync_op=sync_op)
+        return _untraced(eager, x, handle, sync_op=sync_op)
     _check_blocks(x, handle, "moe.redispatch_static", number)
     if isinstance(handle.once, once_blocks.BlocksOnce):
         blocks = handle.experts_per_rank, handle.world * handle.capacity
@@ -607,16 +468,28 @@ def moe_redispatch_static(x: Any, handle: Any, *, sync_op: bool = True) -> Any:
     return redispatch_blocks(xpt, x, handle.layout, handle.world, handle.experts_per_rank, _even_exchange(number))
 
 
-def moe_combine_static(y: Any, handle: Any, *, sync_op: bool = True) -> Any:
+def moe_combine_static(eager: Callable[..., Any], y: Any, handle: Any, *, sync_op: bool = True) -> Any:
     """:func:`unicoll.moe.combine_static` as traced: the blocks sent back by
     ``unicoll::alltoall_single`` in W equal blocks, each token's kept slots weighed and summed in
     the graph."""
     number, traced = _static_handle(y, handle, sync_op)
     if not traced:
-        return _untraced(locked.moe_combine_static, y, handle, sync_op=sync_op)
+        return _untraced(eager, y, handle, sync_op=sync_op)
     _check_blocks(y, handle, "moe.combine_static", number)
     if isinstance(handle.once, once_blocks.BlocksOnce):
         return once_blocks.combine_blocks(y, handle.once, handle.weights, _even_exchange(number))
     return combine_blocks(
         xpt, y, handle.layout, handle.weights, handle.world, handle.experts_per_rank, _even_exchange(number)
     )
+
+
+_MOE_FORMS: dict[str, Callable[..., Any]] = {
+    "moe.dispatch": moe_dispatch,
+    "moe.redispatch": moe_redispatch,
+    "moe.combine": moe_combine,
+    "moe.dispatch_static": moe_dispatch_static,
+    "moe.redispatch_static": moe_redispatch_static,
+    "moe.combine_static": moe_combine_static,
+}
+"""unicoll.moe's traced forms by the operators' names, each taking the operator under the lock
+first (for what runs eagerly), then the call's arguments."""

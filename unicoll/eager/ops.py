@@ -11,7 +11,9 @@ linking the result into autograd (the in-place operators record their change of 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -185,13 +187,12 @@ _DIFFERENTIABLE = ("sum", "avg")
 """The reductions whose result has a gradient here."""
 
 
-def _recorded(op: str, call: Call, x: Any, reduction: str | None, in_place: bool, state: str | None = None) -> bool:
+def _recorded(op: str, x: Any, reduction: str | None, in_place: bool, compiled: CompiledCall | None) -> bool:
     """Whether the result computed from ``x`` joins autograd; raises, before anything is sent,
     for what autograd cannot record: a reduction without a gradient, or (``in_place``) a leaf
-    that requires grad, which torch never lets change in place. ``state``: x's
-    :func:`autograd_state` where x is not the caller's tensor (the functional forms')."""
-    if state is None:
-        state = autograd_state(x)
+    that requires grad, which torch never lets change in place. A compiled call is judged by
+    how autograd saw the caller's array, and records nothing itself (its op's backward does)."""
+    state = autograd_state(x) if compiled is None else compiled.autograd
     if state == "none":
         return False
     if reduction is not None and reduction not in _DIFFERENTIABLE:
@@ -259,8 +260,9 @@ def _in_place(op: str, call: Call, x: Any, recorded: bool, backward: Callable[[A
     return lambda _: attach_in_place(x, guarded)
 
 
-def _scatter_or_gather(spec: OpSpec, arguments: dict[str, Any]) -> Any:
-    """global_scatter or global_gather (``spec``), whose backward is the other one."""
+def _scatter_or_gather(spec: OpSpec, arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """global_scatter or global_gather (``spec``), whose backward is the other one (``compiled``:
+    :class:`CompiledCall`; these learn nothing)."""
     call = prepare(spec, arguments)
     backend, x, plan, grp = call.backend, arguments["x"], call.plan, call.group
     forward, backward = getattr(backend, spec.name), _MOE_BACKWARD[spec.name]
@@ -357,7 +359,7 @@ def alltoall_single(
     arguments = dict(out_tensor=out_tensor, in_tensor=in_tensor, out_split_sizes=out_split_sizes,
                      in_split_sizes=in_split_sizes, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _alltoall_single(arguments)[0]
+    return _alltoall_single(arguments)
 
 
 def alltoall(
@@ -395,25 +397,9 @@ def alltoall(
     return _rows_to_peers(ALLTOALL, call, None, sent, sync_op, use_calc_stream, into_list)[0]
 
 
-def alltoall_single_and_splits(
-    in_tensor: Any,
-    out_split_sizes: Counts | None,
-    in_split_sizes: Counts | None,
-    group: Group | None,
-    use_calc_stream: bool,
-) -> tuple[Any, list[int]]:
-    """``alltoall_single(None, in_tensor, ...)`` (synchronous) and the split sizes it received,
-    exchanged where only ``in_split_sizes`` is given: what a backward needs to send the
-    gradient back without exchanging them again."""
-    return _alltoall_single(
-        {"out_tensor": None, "in_tensor": in_tensor, "out_split_sizes": out_split_sizes,
-         "in_split_sizes": in_split_sizes, "group": group, "sync_op": True, "use_calc_stream": use_calc_stream}
-    )  # fmt: skip
-
-
-def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
-    """alltoall_single's result (or Task), and the split sizes received (None while a Task
-    has not exchanged them yet)."""
+def _alltoall_single(arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """alltoall_single's result (or Task); a compiled call (:class:`CompiledCall`) learns the
+    split sizes sent and received."""
     call = prepare(ALLTOALL_SINGLE, arguments)
     out_tensor, in_tensor = arguments["out_tensor"], arguments["in_tensor"]
     sync_op, use_calc_stream = arguments["sync_op"], arguments["use_calc_stream"]
@@ -429,8 +415,11 @@ def _alltoall_single(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
             )  # fmt: skip
         except TransportError as exc:
             raise reported(exc, ALLTOALL_SINGLE.name, grp, call.timeout) from exc
-        return out_tensor, out_splits
-    return _rows_to_peers(ALLTOALL_SINGLE, call, out_tensor, in_tensor, sync_op, use_calc_stream)
+        return out_tensor
+    result, received = _rows_to_peers(ALLTOALL_SINGLE, call, out_tensor, in_tensor, sync_op, use_calc_stream)
+    if compiled is not None:
+        compiled.learned.update(sent=call.plan[0], received=received)
+    return result
 
 
 def _rows_to_peers(
@@ -506,21 +495,12 @@ def all_gather(
     """
     arguments = dict(tensor_or_tensor_list=tensor_or_tensor_list, tensor=tensor, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _all_gather(arguments)[0]
+    return _all_gather(arguments)
 
 
-def all_gather_and_rows(tensor: Any, group: Group | None, use_calc_stream: bool) -> tuple[Any, list[int]]:
-    """``all_gather(None, tensor, ...)`` (synchronous) and the rows each rank sent: what a
-    backward needs to send each rank its rows' gradient."""
-    return _all_gather(
-        {"tensor_or_tensor_list": None, "tensor": tensor, "group": group, "sync_op": True,
-         "use_calc_stream": use_calc_stream}
-    )  # fmt: skip
-
-
-def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
-    """all_gather's result (or Task), and the rows each rank sent (None while a Task has not
-    exchanged them yet)."""
+def _all_gather(arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """all_gather's result (or Task); a compiled call (:class:`CompiledCall`) learns the rows of
+    each rank's block."""
     call = prepare(ALL_GATHER, arguments)
     backend = call.backend
     grp, target, tensor = call.group, arguments["tensor_or_tensor_list"], arguments["tensor"]
@@ -556,7 +536,9 @@ def _all_gather(arguments: dict[str, Any]) -> tuple[Any, list[int] | None]:
     else:
         finish = lambda result: _fill_list(target, backend.from_native(result, library_of(tensor)), rows)  # noqa: E731
     result = _run(ALL_GATHER.name, call, issue, finish)  # issues: rows known from here on
-    return result, rows
+    if compiled is not None:
+        compiled.learned["blocks"] = rows
+    return result
 
 
 def _fill_list(target: list, rows_of_peers: Any, rows: list[int]) -> list:
@@ -590,19 +572,11 @@ def all_reduce(
     >>> g = uc.all_reduce(param.grad, op="avg")   # data-parallel gradients  # doctest: +SKIP
     """
     arguments = dict(tensor=tensor, op=op, group=group, sync_op=sync_op, use_calc_stream=use_calc_stream)
-    return _all_reduce(arguments, None)
+    return _all_reduce(arguments)
 
 
-def all_reduce_copy(tensor: Any, op: str, group: Group | None, use_calc_stream: bool, state: str) -> Any:
-    """all_reduce's functional form: ``all_reduce(tensor, op, group)`` (synchronous) into a
-    copy of ``tensor``, which is returned, without autograd; validated, checked and refused as
-    the in-place call on a tensor whose :func:`autograd_state` is ``state``."""
-    arguments = dict(tensor=tensor, op=op, group=group, sync_op=True, use_calc_stream=use_calc_stream)
-    return _all_reduce(arguments, state)
-
-
-def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
-    """all_reduce in place (``state`` None), or its functional form (:func:`all_reduce_copy`)."""
+def _all_reduce(arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """all_reduce in place (``compiled``: :class:`CompiledCall`; it learns nothing)."""
     op, use_calc_stream = arguments["op"], arguments["use_calc_stream"]
 
     def transfer(call: Call, native: Any, async_op: bool) -> Pending:
@@ -611,53 +585,41 @@ def _all_reduce(arguments: dict[str, Any], state: str | None) -> Any:
     def backward(call: Call, g: Any) -> Any:
         return all_reduce_backward(call.backend, call.group, g, op)
 
-    return _in_place_collective(ALL_REDUCE, arguments, state, op, transfer, backward)
+    return _in_place_collective(ALL_REDUCE, arguments, op, transfer, backward, compiled)
 
 
 def _in_place_collective(
     spec: OpSpec,
     arguments: dict[str, Any],
-    state: str | None,
     reduction: str | None,
     transfer: Callable[[Call, Any, bool], Pending],
     backward: Callable[[Call, Any], Any],
+    compiled: CompiledCall | None,
 ) -> Any:
-    """all_reduce or broadcast (``spec``) on ``arguments["tensor"]``: in place (``state``
-    None), or into a copy of it (the functional form), refused as the in-place call on a
-    tensor whose :func:`autograd_state` is ``state``. ``transfer(call, native, async_op)``
-    issues it; ``backward(call, grad)`` is its gradient's collective (``reduction``: the one
-    :func:`_recorded` checks, None for broadcast)."""
+    """An operator (``spec``) that changes ``arguments["tensor"]`` in place (``compiled``:
+    :class:`CompiledCall`).
+    ``transfer(call, native, async_op)`` issues it; ``backward(call, grad)`` is its gradient's
+    collective (``reduction``: the one :func:`_recorded` checks; an operator that reduces takes a
+    0-d array too)."""
     scalar = arguments["tensor"]
-    if spec is ALL_REDUCE and getattr(scalar, "ndim", None) == 0:
+    if reduction is not None and getattr(scalar, "ndim", None) == 0:
         # a 0-d array (a loss) is reduced as the one row of a view of it, which the change reaches
         # (autograd records it on the view, and so on the array); the caller gets the array back
-        result = _in_place_collective(spec, {**arguments, "tensor": scalar.reshape(1)}, state, reduction, transfer,
-                                      backward)  # fmt: skip
-        return _as_scalar(result, scalar, state is None)
+        one_row = {**arguments, "tensor": scalar.reshape(1)}
+        result = _in_place_collective(spec, one_row, reduction, transfer, backward, compiled)
+        return result._then(lambda _: scalar) if isinstance(result, Task) else scalar
     call = prepare(spec, arguments)
     tensor = arguments["tensor"]
-    recorded = _recorded(spec.name, call, tensor, reduction, True, state)
-    if state is None and not recorded:  # a recorded change moves the version counter as autograd records it
+    recorded = _recorded(spec.name, tensor, reduction, True, compiled) and compiled is None
+    if not recorded:  # a recorded change moves the version counter as autograd records it
         _written(spec.name, "tensor", tensor)
-    target = tensor if state is None else _copy(tensor)
 
     def issue() -> Pending:
         if call.compare:
             verify(spec, call)
-        return transfer(call, call.backend.to_native(target), not arguments["sync_op"])
+        return transfer(call, call.backend.to_native(tensor), not arguments["sync_op"])
 
-    if state is not None:
-        return _run(spec.name, call, issue, lambda _: target)
     return _run(spec.name, call, issue, _in_place(spec.name, call, tensor, recorded, lambda g: backward(call, g)))
-
-
-def _as_scalar(result: Any, scalar: Any, in_place: bool) -> Any:
-    """An all_reduce of ``scalar`` (0-d) through a view of one row, as the caller gets it: the
-    array itself in place (its copy's one element in the functional form), or a Task whose
-    ``wait()`` returns that."""
-    if isinstance(result, Task):
-        return result._then(lambda row: scalar if in_place else row.reshape(()))
-    return scalar if in_place else result.reshape(())
 
 
 def reduce_scatter(
@@ -681,26 +643,18 @@ def reduce_scatter(
     """
     arguments = dict(out=out, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=sync_op,
                      use_calc_stream=use_calc_stream)  # fmt: skip
-    return _reduce_scatter(arguments, None)
+    return _reduce_scatter(arguments)
 
 
-def reduce_scatter_of(
-    tensor: Any, op: str, split_sizes: Counts | None, group: Group | None, use_calc_stream: bool, state: str
-) -> Any:
-    """reduce_scatter's functional form: ``reduce_scatter(None, tensor, op, split_sizes, group)``
-    (synchronous) without autograd, refused as the call on a tensor whose
-    :func:`autograd_state` is ``state``."""
-    arguments = dict(out=None, tensor=tensor, op=op, split_sizes=split_sizes, group=group, sync_op=True,
-                     use_calc_stream=use_calc_stream)  # fmt: skip
-    return _reduce_scatter(arguments, state)
-
-
-def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
-    """reduce_scatter; ``state`` as for :func:`reduce_scatter_of` (None: the caller's tensor's)."""
+def _reduce_scatter(arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """reduce_scatter; a compiled call (:class:`CompiledCall`) learns the rows of each
+    position's block."""
     call = prepare(REDUCE_SCATTER, arguments)
     out, tensor, op, sync_op = arguments["out"], arguments["tensor"], arguments["op"], arguments["sync_op"]
     backend, grp = call.backend, call.group
     rows = call.split_sizes.tolist() if call.split_sizes is not None else even_split(tensor.shape[0], call.W)
+    if compiled is not None:
+        compiled.learned["blocks"] = rows
     if out is not None:
         _written(REDUCE_SCATTER.name, "out", out)
 
@@ -714,13 +668,11 @@ def _reduce_scatter(arguments: dict[str, Any], state: str | None) -> Any:
 
     if out is not None:
         return _run(REDUCE_SCATTER.name, call, issue, lambda _: out)
-    _recorded(REDUCE_SCATTER.name, call, tensor, op, False, state)
+    _recorded(REDUCE_SCATTER.name, tensor, op, False, compiled)
 
     def backward(g: Any) -> Any:
         return reduce_scatter_backward(backend, grp, g, op, rows)
 
-    if state is not None:
-        return _run(REDUCE_SCATTER.name, call, issue, lambda result: backend.from_native(result, "torch"))
     return _run(REDUCE_SCATTER.name, call, issue, _functional(REDUCE_SCATTER.name, call, tensor, backward))
 
 
@@ -742,19 +694,11 @@ def broadcast(
     ...         uc.broadcast(p, src=0)               # doctest: +SKIP
     """
     arguments = dict(tensor=tensor, src=src, group=group, sync_op=sync_op, use_calc_stream=use_calc_stream)
-    return _broadcast(arguments, None)
+    return _broadcast(arguments)
 
 
-def broadcast_copy(tensor: Any, src: int, group: Group | None, use_calc_stream: bool, state: str) -> Any:
-    """broadcast's functional form: ``broadcast(tensor, src, group)`` (synchronous) into a copy
-    of ``tensor``, which is returned, without autograd; validated, checked and refused as the
-    in-place call on a tensor whose :func:`autograd_state` is ``state``."""
-    arguments = dict(tensor=tensor, src=src, group=group, sync_op=True, use_calc_stream=use_calc_stream)
-    return _broadcast(arguments, state)
-
-
-def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
-    """broadcast in place (``state`` None), or its functional form (:func:`broadcast_copy`)."""
+def _broadcast(arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """broadcast in place (``compiled``: :class:`CompiledCall`; it learns nothing)."""
     use_calc_stream = arguments["use_calc_stream"]
 
     def transfer(call: Call, native: Any, async_op: bool) -> Pending:
@@ -763,7 +707,7 @@ def _broadcast(arguments: dict[str, Any], state: str | None) -> Any:
     def backward(call: Call, g: Any) -> Any:
         return broadcast_backward(call.backend, call.group, g, call.src)
 
-    return _in_place_collective(BROADCAST, arguments, state, None, transfer, backward)
+    return _in_place_collective(BROADCAST, arguments, None, transfer, backward, compiled)
 
 
 def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
@@ -791,3 +735,38 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
 
         return cupy.asarray(received, dtype=local_count.dtype)
     return received.astype(local_count.dtype, copy=False) if library == "numpy" else received
+
+
+@dataclass
+class CompiledCall:
+    """How the compile floor's custom op calls an operator (:func:`call_compiled`): on a copy of
+    the caller's array that autograd does not see, judged by ``autograd``, how autograd saw the
+    caller's array while tracing (:func:`autograd_state`); the call fills ``learned`` with what
+    its backward needs, by the names of the spec's :attr:`~unicoll.spec.Traced.learns`."""
+
+    autograd: str
+    learned: dict[str, list[int]] = field(default_factory=dict)
+
+
+_CORES: dict[str, Callable[[dict[str, Any], CompiledCall | None], Any]] = {
+    GLOBAL_SCATTER.name: functools.partial(_scatter_or_gather, GLOBAL_SCATTER),
+    GLOBAL_GATHER.name: functools.partial(_scatter_or_gather, GLOBAL_GATHER),
+    ALLTOALL_SINGLE.name: _alltoall_single,
+    ALL_GATHER.name: _all_gather,
+    ALL_REDUCE.name: _all_reduce,
+    REDUCE_SCATTER.name: _reduce_scatter,
+    BROADCAST.name: _broadcast,
+    EXCHANGE_COUNTS.name: lambda arguments, compiled: exchange_counts(**arguments),
+}
+"""The operator of each spec that traces (:attr:`unicoll.spec.OpSpec.traced`), taking its
+arguments by name and the compiled call's record (:func:`call_compiled`)."""
+
+
+def call_compiled(spec: OpSpec, arguments: dict[str, Any], autograd: str) -> tuple[Any, dict[str, list[int]]]:
+    """The call of ``spec``'s operator with ``arguments`` (every parameter, by name) from compiled
+    code (:class:`CompiledCall`: ``autograd`` is how autograd saw the caller's array), and what it
+    learned that its backward needs: the lists of one int per rank named by the spec's
+    :attr:`~unicoll.spec.Traced.learns` (split sizes an exchange brought, say). The compile
+    floor's custom ops call their operators through here."""
+    compiled = CompiledCall(autograd)
+    return _CORES[spec.name](arguments, compiled), compiled.learned

@@ -21,7 +21,7 @@ from ..kinds import (
     REDUCE_OP,
     Kind,
 )
-from .language import GROUP_PARAM, Call, OpSpec, Param, Rule, rows_of
+from .language import GROUP_PARAM, Call, OpSpec, Param, Rule, Traced, known_total, rows_of
 
 if TYPE_CHECKING:
     from ..backends.base import Capabilities
@@ -111,6 +111,7 @@ GLOBAL_SCATTER = OpSpec(
         _stream_rule(),
     ),
     plan=_moe_plan,
+    traced=Traced("x", rows=lambda a, w: known_total(a["global_count"]), backward=("plan",)),
 )  # fmt: skip
 
 GLOBAL_GATHER = OpSpec(
@@ -132,6 +133,7 @@ GLOBAL_GATHER = OpSpec(
         _stream_rule(),
     ),
     plan=_moe_plan,
+    traced=Traced("x", rows=lambda a, w: known_total(a["local_count"]), backward=("plan",)),
 )  # fmt: skip
 
 
@@ -186,6 +188,14 @@ def _alltoall_splits(c: Call) -> tuple[list[int], list[int] | None]:
     return sent, (sent if c.in_split_sizes is None else None)
 
 
+def _alltoall_rows(a: dict[str, Any], world: int) -> Any:
+    """alltoall_single's rows while tracing: out_split_sizes' total where given as ints, the
+    input's rows for an even split both ways."""
+    if a["out_split_sizes"] is None and a["in_split_sizes"] is None:
+        return a["in_tensor"].shape[0]
+    return known_total(a["out_split_sizes"])
+
+
 ALLTOALL_SINGLE = OpSpec(
     name="alltoall_single",
     summary=(
@@ -213,6 +223,7 @@ ALLTOALL_SINGLE = OpSpec(
         _stream_rule(),
     ),
     plan=_alltoall_splits,
+    traced=Traced("in_tensor", rows=_alltoall_rows, learns=("sent", "received"), backward=("sent", "received")),
 )  # fmt: skip
 
 
@@ -357,6 +368,7 @@ ALL_GATHER = OpSpec(
              "for this rank has the rows of tensor", _gather_output_rows),
         _stream_rule(),
     ),
+    traced=Traced("tensor", rows=lambda a, w: None, learns=("blocks",), backward=("blocks",)),
 )  # fmt: skip
 
 EXCHANGE_COUNTS = OpSpec(
@@ -377,6 +389,7 @@ EXCHANGE_COUNTS = OpSpec(
     ),
     backward="none (counts are integers, outside autograd)",
     in_capabilities=False,
+    traced=Traced("local_count", backward=None),
 )  # fmt: skip
 
 
@@ -415,6 +428,7 @@ ALL_REDUCE = OpSpec(
         *_common_params(use_calc_stream=False),
     ),
     rules=(_reduction_rule(), _stream_rule()),
+    traced=Traced("tensor", backward=("op",)),
 )
 
 
@@ -426,6 +440,11 @@ def _scatter_output(c: Call) -> str | None:
     if rows_of(c.out) == mine:
         return None
     return f"{rows_of(c.out)} rows for a block of {mine} rows (position {c.group.rank})"
+
+
+def _scattered_rows(a: dict[str, Any], world: int) -> Any:
+    """reduce_scatter's rows while tracing: an even share of tensor's without split sizes."""
+    return a["tensor"].shape[0] // world if a["split_sizes"] is None else None
 
 
 REDUCE_SCATTER = OpSpec(
@@ -451,6 +470,7 @@ REDUCE_SCATTER = OpSpec(
         _reduction_rule(),
         _stream_rule(),
     ),
+    traced=Traced("tensor", rows=_scattered_rows, learns=("blocks",), backward=("op", "blocks")),
 )  # fmt: skip
 
 BROADCAST = OpSpec(
@@ -469,4 +489,5 @@ BROADCAST = OpSpec(
              lambda c: None if 0 <= c.src < c.W else str(c.src)),
         _stream_rule(),
     ),
+    traced=Traced("tensor", backward=("src",)),
 )  # fmt: skip
