@@ -1,10 +1,10 @@
 """unicoll: one framework-agnostic API for Mixture-of-Experts collectives.
 
-``global_scatter``, ``global_gather``, ``alltoall_single``, ``alltoall`` and ``all_gather``, and
-the rest of a training step's collectives (``all_reduce``, ``reduce_scatter``, ``broadcast``),
-take numpy, torch, cupy, Paddle or JAX arrays, return the same kind, and run on the backend
-chosen at run time (``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``). ``unicoll.moe``
-builds top-k token dispatch and combine on them.
+The MoE exchanges (``global_scatter``, ``global_gather``), the all-to-alls and the rest of a
+training step's collectives (every operator of :data:`unicoll.spec.SPECS`; docs/api.md lists
+them) take numpy, torch, cupy, Paddle or JAX arrays, return the same kind, and run on the
+backend chosen at run time (``init(backend=...)`` > ``$UNICOLL_BACKEND`` > ``"auto"``).
+``unicoll.moe`` builds top-k token dispatch and combine on them.
 
 >>> import unicoll as uc
 >>> uc.init("gloo")                                              # doctest: +SKIP

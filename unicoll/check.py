@@ -40,6 +40,7 @@ from .backends.base import REDUCE_OPS, Backend
 from .counts import on_host
 from .errors import CrossRankMismatchError
 from .group import Group
+from .kinds import REDUCE_OP
 from .spec import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -400,7 +401,31 @@ def _moe_static_handle(op: str, call: Call, rows: object) -> None:
            f"{row[0]} on this group (experts_per_rank={row[1]}, capacity={row[2]})")  # fmt: skip
 
 
-#: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``.
+def _agreed(spec: OpSpec, call: Call) -> None:
+    """The comparison of an operator without one of its own in :data:`CHECKS`: the values of
+    the parameters its spec says every rank passes alike (:attr:`~unicoll.spec.OpSpec.agree`):
+    an array by its rows (its dtype and trailing shape are in the header), a reduction by its
+    name, an int as it is."""
+    array, scalars = None, []
+    for name in spec.agree:
+        value, kind = getattr(call, name), spec.kinds[name]
+        if kind.passed_through:
+            array = value
+        scalars.append(value.shape[0] if kind.passed_through else REDUCE_OPS.index(value) if kind is REDUCE_OP
+                       else int(value))  # fmt: skip
+    records = _gather(call.backend, call.group, array, spec.name, scalars=scalars, thread=call.check)
+
+    def what(row: np.ndarray) -> str:
+        shown = [f"{name} of {v} rows" if spec.kinds[name].passed_through
+                 else f"{name}={REDUCE_OPS[v]!r}" if spec.kinds[name] is REDUCE_OP else f"{name}={v}"
+                 for name, v in zip(spec.agree, row.tolist())]  # fmt: skip
+        return f"passes {', '.join(shown)}"
+
+    _agree(spec.name, records.scalars[:, : len(scalars)], what)
+
+
+#: The cross-rank comparison of each spec: ``check(op_name, call, **resolved)``; an operator
+#: without one here is compared by :func:`_agreed`.
 CHECKS: dict[OpSpec, Callable[..., list[int] | None]] = {
     GLOBAL_SCATTER: _global_scatter,
     GLOBAL_GATHER: _global_gather,
@@ -430,7 +455,10 @@ def verify(spec: OpSpec, call: Call, **resolved: object) -> list[int] | None:
     rows this rank receives from each rank, and for all_gather every rank's rows (what the
     records exchanged); None for the others.
     """
-    return CHECKS[spec.checked_as or spec](spec.name, call, **resolved)
+    check = CHECKS.get(spec.checked_as or spec)
+    if check is None:
+        return _agreed(spec, call)
+    return check(spec.name, call, **resolved)
 
 
 def verify_backward(op: str, backend: Backend, group: Group, grad: object, forward: int) -> None:

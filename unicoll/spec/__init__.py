@@ -24,6 +24,7 @@ from .collectives import (
     ALLTOALL,
     ALLTOALL_SINGLE,
     BROADCAST,
+    COLLECTIVES,
     EXCHANGE_COUNTS,
     GLOBAL_GATHER,
     GLOBAL_SCATTER,
@@ -34,6 +35,7 @@ from .moe import (
     IDS_EXPECTED,
     MAX_EXPERTS,
     MAX_STATIC_ROWS,
+    MOE,
     MOE_COMBINE,
     MOE_COMBINE_STATIC,
     MOE_DISPATCH,
@@ -50,15 +52,9 @@ __all__ = [
     "REDUCE_SCATTER", "REQUIRED", "SPECS", "Call", "OpSpec", "Param", "Rule", "ids_out_of_range",
 ]  # fmt: skip
 
-#: Every entry point with a spec, by name, in the order the docs list them.
-SPECS: dict[str, OpSpec] = {
-    op.name: op
-    for op in (
-        GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALLTOALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
-        EXCHANGE_COUNTS, MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC,
-        MOE_COMBINE_STATIC,
-    )
-}  # fmt: skip
+#: Every entry point with a spec, by name, in the order the docs list them: a data operator joins
+#: by its entry in :data:`~unicoll.spec.collectives.COLLECTIVES`, a MoE one in :data:`~unicoll.spec.moe.MOE`.
+SPECS: dict[str, OpSpec] = {op.name: op for op in (*COLLECTIVES, *MOE)}
 
 #: The modes of unicoll.moe, each its dispatch, redispatch and combine, for the API page's table of
 #: what a mode offers on each backend.

@@ -491,3 +491,9 @@ BROADCAST = OpSpec(
     ),
     traced=Traced("tensor", backward=("src",)),
 )  # fmt: skip
+
+COLLECTIVES: tuple[OpSpec, ...] = (
+    GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALLTOALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
+    EXCHANGE_COUNTS,
+)  # fmt: skip
+"""The data operators and exchange_counts, in the order the docs list them."""

@@ -331,3 +331,8 @@ MOE_COMBINE_STATIC = OpSpec(
     "product with each kept slot's expert output, zero for dropped slots",
     in_capabilities=False,
 )  # fmt: skip
+
+MOE: tuple[OpSpec, ...] = (
+    MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, MOE_COMBINE_STATIC,
+)
+"""unicoll.moe's operators, in the order the docs list them."""
