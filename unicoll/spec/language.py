@@ -5,73 +5,42 @@ operator traces under torch.compile (:class:`Traced`), an entry point (:class:`O
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from ..kinds import GROUP, REDUCE_OP, Kind
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
     from ..group import Group
-    from ..routing import Handle
 
 
-@dataclass(slots=True, eq=False)
 class Call:
     """The prepared arguments of one call, as :func:`unicoll.validate.prepare` returns them.
 
     Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
     ``timeout``, whether the ranks ``compare`` their calls before moving data (the handshake or
-    check mode) and whether ``check`` mode is on; the other fields are the parameters of the
-    entry points (counts as host int64 arrays), None where the entry point has no such parameter,
-    and ``plan``: what the spec's :attr:`OpSpec.plan` derived from them.
+    check mode), whether ``check`` mode is on, and ``plan``: what the spec's :attr:`OpSpec.plan`
+    derived from the call (None before). Each parameter of the call's spec is an attribute of
+    its name, as its kind's reader returned it (counts as host int64 arrays): a new parameter
+    name needs nothing here. Calls compare by identity.
     """
 
-    W: int
-    group: Group
-    backend: Backend
-    timeout: float
-    compare: bool
-    check: bool
-    x: Any = None
-    local_count: np.ndarray | None = None
-    global_count: np.ndarray | None = None
-    out_tensor: Any = None
-    in_tensor: Any = None
-    out_split_sizes: np.ndarray | None = None
-    in_split_sizes: np.ndarray | None = None
-    tensor_or_tensor_list: Any = None
-    out_tensor_or_tensor_list: Any = None
-    in_tensor_or_tensor_list: Any = None
-    tensor: Any = None
-    out: Any = None
-    op: str | None = None
-    split_sizes: np.ndarray | None = None
-    src: int | None = None
-    sync_op: bool | None = None
-    use_calc_stream: bool | None = None
-    topk_idx: Any = None
-    topk_weights: Any = None
-    experts_per_rank: int | None = None
-    capacity: int | None = None
-    max_tokens_per_rank: int | None = None
-    y: Any = None
-    handle: Handle | None = None
-    overflow: str | None = None
-    plan: Any = None
+    def __init__(
+        self, W: int, group: Group, backend: Backend, timeout: float, compare: bool, check: bool, **params: Any
+    ) -> None:
+        self.W, self.group, self.backend, self.timeout = W, group, backend, timeout
+        self.compare, self.check = compare, check
+        self.plan: Any = None
+        self.__dict__.update(params)
 
     def copy(self) -> Call:
         """A shallow copy: the same values in a new call (the calls the ranks compare, and each
         call the memory of accepted calls serves then, are copies)."""
-        return Call(*_CALL_FIELDS(self))
-
-
-_CALL_FIELDS = operator.attrgetter(*Call.__slots__)
-"""Every field of a :class:`Call`, in the order its constructor takes them."""
+        copied = Call.__new__(Call)
+        copied.__dict__.update(self.__dict__)
+        return copied
 
 
 REQUIRED = object()
