@@ -333,6 +333,11 @@ MOE_COMBINE_STATIC = OpSpec(
 )  # fmt: skip
 
 MOE: tuple[OpSpec, ...] = (
-    MOE_DISPATCH, MOE_REDISPATCH, MOE_COMBINE, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, MOE_COMBINE_STATIC,
+    MOE_DISPATCH,
+    MOE_REDISPATCH,
+    MOE_COMBINE,
+    MOE_DISPATCH_STATIC,
+    MOE_REDISPATCH_STATIC,
+    MOE_COMBINE_STATIC,
 )
 """unicoll.moe's operators, in the order the docs list them."""
