@@ -39,6 +39,7 @@ __all__ = [
     "exchange_counts",
     "global_gather",
     "global_scatter",
+    "reduce",
     "reduce_scatter",
 ]
 """The public operators ``import unicoll`` exports (``unicoll.moe`` exports the MoE ones)."""
@@ -101,6 +102,7 @@ alltoall_single = _public("alltoall_single", ops.alltoall_single, "unicoll")
 alltoall = _public("alltoall", ops.alltoall, "unicoll")
 all_gather = _public("all_gather", ops.all_gather, "unicoll")
 all_reduce = _public("all_reduce", ops.all_reduce, "unicoll")
+reduce = _public("reduce", ops.reduce, "unicoll")
 reduce_scatter = _public("reduce_scatter", ops.reduce_scatter, "unicoll")
 broadcast = _public("broadcast", ops.broadcast, "unicoll")
 moe_dispatch = _public("moe.dispatch", moe.dispatch, "unicoll.moe")

@@ -41,6 +41,8 @@ __all__ = [
     "moe_dispatch_static",
     "moe_combine_static",
     "all_reduce",
+    "reduce",
+    "reduce_backward",
     "reduce_scatter",
     "broadcast",
 ]
@@ -526,6 +528,40 @@ def all_reduce(xs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
     if op == "avg":
         total = (total / len(arrays)).astype(dtype)
     return [total.copy() for _ in arrays]
+
+
+def reduce(xs: Sequence[np.ndarray], dst: int, op: str = "sum") -> list[np.ndarray]:
+    """PaddlePaddle's reduce: every rank's array reduced elementwise with ``op`` (as
+    :func:`all_reduce` computes it) on rank ``dst`` (an index into ``xs``); every other rank
+    keeps its own array. Returns one independent copy per rank.
+
+    Example (W=2)::
+
+        >>> [y.tolist() for y in reduce([np.array([1, 5]), np.array([3, 2])], dst=1)]
+        [[1, 5], [4, 7]]
+    """
+    arrays = _as_arrays(xs, "xs")
+    if not 0 <= dst < len(arrays):
+        raise ValueError(f"dst must index one of the {len(arrays)} ranks, got {dst}")
+    total = all_reduce(arrays, op)[0]
+    return [total if r == dst else a.copy() for r, a in enumerate(arrays)]
+
+
+def reduce_backward(grads: Sequence[np.ndarray], dst: int, op: str = "sum") -> list[np.ndarray]:
+    """The gradient of each rank's input of :func:`reduce` (``sum`` or ``avg``) from each rank's
+    output gradient ``grads``: ``dst``'s output is every input's sum (divided by W for avg), and
+    every other rank's output is its own input.
+
+    Example (W=2)::
+
+        >>> [g.tolist() for g in reduce_backward([np.array([1.0]), np.array([10.0])], dst=0)]
+        [[1.0], [11.0]]
+    """
+    arrays = _as_arrays(grads, "grads")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg' (the reductions with a gradient), got {op!r}")
+    share = arrays[dst] / len(arrays) if op == "avg" else arrays[dst]
+    return [share + (0 if r == dst else g) for r, g in enumerate(arrays)]
 
 
 def _ieee_extreme(total: np.ndarray, stacked: np.ndarray, op: str) -> np.ndarray:

@@ -30,7 +30,7 @@ from unicoll.spec import OPS as SPEC_OPS
 FLAGS = {"capture_dynamic_output_shape_ops": True}  # docs/compile.md's settings
 OPS = (
     "exchange_counts", "global_scatter", "global_gather", "alltoall_single", "all_gather",
-    "all_reduce", "broadcast", "reduce_scatter", "moe_layout",
+    "all_reduce", "reduce", "broadcast", "reduce_scatter", "moe_layout",
 )  # fmt: skip
 BACKWARDS = tuple(name for name in SPEC_OPS if name != "alltoall")  # alltoall's is alltoall_single's
 TOKENS = (5, 8, 3, 11, 6, 9)  # six inputs; rank r has r more tokens, and its own routing
@@ -118,6 +118,8 @@ def _each_op(rank: int) -> dict:
         "all_reduce": lambda x: uc.all_reduce(x[:4] * (rank + 2)),
         "all_reduce, avg": lambda x: uc.all_reduce(x[:4] * (rank + 2), op="avg") + x[:4],
         "broadcast": lambda x: uc.broadcast(x[:4] * (rank + 2), src=1),
+        "reduce": lambda x: uc.reduce(x[:4] * (rank + 2), dst=1),
+        "reduce, avg": lambda x: uc.reduce(x[:4] * (rank + 2), 0, "avg") + x[:4],
         "reduce_scatter": lambda x: uc.reduce_scatter(None, x[:4] * (rank + 2), split_sizes=torch.tensor([3, 1])),
         "reduce_scatter, even, avg": lambda x: uc.reduce_scatter(None, x[:4], "avg"),
         "moe_layout, dispatch, redispatch and combine": dispatch_redispatch_and_combine,

@@ -147,6 +147,7 @@ CALLS = {
     "all_reduce(sync_op=False)": ("all_reduce", lambda: uc.all_reduce(np.ones(2), "avg", sync_op=False).wait()),
     "reduce_scatter": ("reduce_scatter_single", lambda: uc.reduce_scatter(None, np.ones(2))),
     "broadcast": ("broadcast", lambda: uc.broadcast(np.ones(2), 0)),
+    "reduce": ("all_reduce", lambda: uc.reduce(np.ones(2), 0)),
 }
 
 

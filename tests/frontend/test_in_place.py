@@ -28,6 +28,7 @@ def _writers(rank: int) -> dict:
         "alltoall (one array)": lambda buf: uc.alltoall(buf, x),
         "all_reduce": lambda buf: uc.all_reduce(buf),
         "broadcast": lambda buf: uc.broadcast(buf, 1),
+        "reduce": lambda buf: uc.reduce(buf, 0),
         "all_gather (one array)": lambda buf: uc.all_gather(buf, x),
         "reduce_scatter": lambda buf: uc.reduce_scatter(buf, torch.ones(4, 1)),
         "all_reduce (async)": lambda buf: uc.all_reduce(buf, sync_op=False).wait(),

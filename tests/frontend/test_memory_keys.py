@@ -145,6 +145,9 @@ def _cases(h: dict[str, uc.moe.Handle]) -> list[tuple[str, int, dict[str, Any], 
         ("reduce_scatter", 6, dict(out=None, tensor=_rows(4), use_calc_stream=True), [dict(sync_op=False)]),
         ("broadcast", 0, dict(tensor=_rows(2), src=1), [dict(src=2), dict(src=-1)]),
         ("broadcast", 1, dict(tensor=_rows(2), src=0, use_calc_stream=True), [dict(sync_op=False)]),
+        ("reduce", 0, dict(tensor=_rows(2), dst=1), [dict(dst=2), dict(dst=-1)]),
+        ("reduce", 1, dict(tensor=_rows(3, np.int64), dst=0, op="max"), [dict(op="avg")]),
+        ("reduce", 2, dict(tensor=_rows(2), dst=0, use_calc_stream=True), [dict(sync_op=False)]),
     ]  # fmt: skip
 
 

@@ -42,6 +42,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "alltoall": ("lists", "exchange", "arrays"),
     "all_gather": ("new", "array", "empty_list", "filled_list"),
     "all_reduce": REDUCE_OPS,
+    "reduce": ("dst",),
     "reduce_scatter": ("even", "uneven", "out"),
     "broadcast": ("src",),
 }
@@ -82,7 +83,7 @@ class Case:
     subgroup: bool
     world_size: int
     stream: str | None = None  # "calc" or "comm" for use_calc_stream=True/False; None: the default
-    reduction: str | None = None  # all_reduce and reduce_scatter: the op
+    reduction: str | None = None  # all_reduce, reduce and reduce_scatter: the op
 
     @property
     def id(self) -> str:
@@ -223,13 +224,13 @@ def _in_turn(variant: str, variants: tuple[str, ...], dtype: str, world_size: in
 
 
 def _reduction(caps: Capabilities, op: str, variant: str, dtype: str, salt: tuple) -> str | None:
-    """The reduction of an all_reduce or reduce_scatter case (one the table lists for the dtype;
-    for reduce_scatter drawn from them by the case's other fields), None for the other
-    operators, and "" for a case the backend does not run."""
+    """The reduction of an all_reduce, reduce or reduce_scatter case (one the table lists for the
+    dtype; for reduce and reduce_scatter drawn from them by the case's other fields), None for
+    the other operators, and "" for a case the backend does not run."""
     ops = [name for name in REDUCE_OPS if dtype in caps.reductions.get(name, ())]
     if op == "all_reduce":
         return variant if variant in ops else ""
-    if op == "reduce_scatter":
+    if op in ("reduce_scatter", "reduce"):
         return ops[zlib.crc32(repr((variant, dtype, *salt)).encode()) % len(ops)] if ops else ""
     return None
 
@@ -261,6 +262,11 @@ def _reduction_case(case: Case, world: int, rng: np.random.Generator, trailing: 
         xs = [_reduced_values(rng, (int(rng.integers(0, 4)), *trailing), case.dtype, op, world)]
         xs += [_reduced_values(rng, xs[0].shape, case.dtype, op, world) for _ in range(world - 1)]
         return dict(args=[dict(x=x) for x in xs], expected=reference.all_reduce(xs, op))
+    if case.op == "reduce":  # dst: a position here, the group's rank there (_call)
+        dst = int(rng.integers(world))
+        xs = [_reduced_values(rng, (int(rng.integers(0, 4)), *trailing), case.dtype, op, world)]
+        xs += [_reduced_values(rng, xs[0].shape, case.dtype, op, world) for _ in range(world - 1)]
+        return dict(args=[dict(x=x, dst=dst) for x in xs], expected=reference.reduce(xs, dst, op))
     even = case.variant == "even"
     splits = np.full(world, int(rng.integers(0, 3))) if even else rng.integers(0, 4, world)
     xs = [_reduced_values(rng, (int(splits.sum()), *trailing), case.dtype, op, world) for _ in range(world)]
@@ -496,6 +502,9 @@ def _call(case: Case, a: dict[str, Any], group: uc.Group, device: str) -> tuple[
         return uc.all_reduce(x, case.reduction, **kw), in_place
     if case.op == "broadcast":
         return uc.broadcast(x, a["src"], **kw), in_place
+    if case.op == "reduce":  # Paddle's dst is a global rank
+        dst = a["dst"] if group is None else group.ranks[a["dst"]]
+        return uc.reduce(x, dst, case.reduction, **kw), in_place
     if case.op == "reduce_scatter":
         if case.variant == "even":
             return uc.reduce_scatter(None, x, case.reduction, **kw), None

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 import unicoll as uc
-from helpers.gradients import OPS, REDUCTION, _moe_world, _world_inputs, forward
+from helpers.gradients import OPS, _moe_world, _world_inputs, expected_gradient, forward
 
 # -- Paddle ------------------------------------------------------------------------------------
 
@@ -48,7 +48,7 @@ def paddle_gradients(rank: int) -> dict[str, str]:
             y = forward(op, x, a, rank, sync, paddle.concat)
             assert isinstance(y, paddle.Tensor) and not y.stop_gradient, f"{name}: {type(y)} records no gradient"
             (y * paddle.to_tensor(a["ws"][rank])).sum().backward()
-            expected = a["grads"][rank] / (world if REDUCTION.get((op, sync)) == "avg" else 1)
+            expected = expected_gradient(a, op, sync, rank, world)
             np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-6, atol=1e-9, err_msg=name)
             report[name] = "ok"
     return report
@@ -209,7 +209,7 @@ def jax_gradients(rank: int) -> dict[str, str]:
         y = forward(op, x, a, rank, True, jnp.concatenate)
         assert isinstance(y, jax.Array), f"{op}: {type(y).__name__}"
         grad = jax.grad(lambda x, op=op, a=a, ws=ws: (forward(op, x, a, rank, True, jnp.concatenate) * ws).sum())(x)
-        expected = a["grads"][rank] / (world if REDUCTION.get((op, True)) == "avg" else 1)
+        expected = expected_gradient(a, op, True, rank, world)
         np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-5, err_msg=op)
         report[op] = "ok"
     return report

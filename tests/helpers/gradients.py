@@ -17,14 +17,15 @@ OPS = (
     "alltoall",
     "all_gather",
     "all_reduce",
+    "reduce",
     "reduce_scatter",
     "broadcast",
     "moe",
 )
 
-#: The reduction of all_reduce and reduce_scatter, synchronous and not: both differentiable ones.
-REDUCTION = {("all_reduce", True): "sum", ("all_reduce", False): "avg", ("reduce_scatter", True): "avg",
-             ("reduce_scatter", False): "sum"}  # fmt: skip
+#: The reduction of all_reduce, reduce and reduce_scatter, synchronous and not: both differentiable ones.
+REDUCTION = {("all_reduce", True): "sum", ("all_reduce", False): "avg", ("reduce", True): "avg",
+             ("reduce", False): "sum", ("reduce_scatter", True): "avg", ("reduce_scatter", False): "sum"}  # fmt: skip
 
 
 def _world_inputs(op: str, world: int, seed: int) -> dict:
@@ -41,7 +42,7 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
         xs_rows, ys = glob.sum(1), reference.global_gather
     elif op in ("alltoall_single", "alltoall"):
         xs_rows, ys = splits.sum(1), None
-    elif op in ("all_reduce", "broadcast"):
+    elif op in ("all_reduce", "reduce", "broadcast"):
         xs_rows, ys = [int(rows[0])] * world, None
     elif op == "reduce_scatter":
         xs_rows, ys = [int(rows.sum())] * world, None
@@ -60,6 +61,10 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
     elif op == "all_reduce":  # the gradient of a sum (avg: divided by W)
         ws = [rng.standard_normal(x.shape) for x in xs]
         grads = reference.all_reduce(ws, "sum")
+    elif op == "reduce":  # to the middle rank: the gradient of a sum (avg: the middle rank's share divided by W)
+        ws = [rng.standard_normal(x.shape) for x in xs]
+        grads = reference.reduce_backward(ws, world // 2, "sum")
+        return dict(xs=xs, ws=ws, grads=grads, grads_avg=reference.reduce_backward(ws, world // 2, "avg"))
     elif op == "reduce_scatter":
         ws = [rng.standard_normal((int(n), 2)) for n in rows]
         grads = reference.all_gather(ws)
@@ -71,6 +76,15 @@ def _world_inputs(op: str, world: int, seed: int) -> dict:
         ws = [rng.standard_normal(o.shape) for o in outs]
         grads = reference.all_gather_backward(ws, rows.tolist())
     return dict(xs=xs, ws=ws, grads=grads, local=local, glob=glob, splits=splits, rows=rows)
+
+
+def expected_gradient(a: dict, op: str, sync: bool, rank: int, world: int) -> np.ndarray:
+    """This rank's input gradient from the whole-world reference (:func:`_world_inputs`): for
+    avg the sum's divided by W (reduce's has the avg of its own)."""
+    avg = REDUCTION.get((op, sync)) == "avg"
+    if op == "reduce":
+        return a["grads_avg" if avg else "grads"][rank]
+    return a["grads"][rank] / (world if avg else 1)
 
 
 def forward(op: str, x, a: dict, r: int, sync: bool, concat=torch.cat):
@@ -89,6 +103,8 @@ def forward(op: str, x, a: dict, r: int, sync: bool, concat=torch.cat):
         return concat(received if sync else received.wait())
     elif op == "all_reduce":  # in place: on a result of x, not on the leaf x
         y = uc.all_reduce(x * 1, REDUCTION[op, sync], **kw)
+    elif op == "reduce":  # in place, on a result of x; dst: the middle rank
+        y = uc.reduce(x * 1, len(a["xs"]) // 2, REDUCTION[op, sync], **kw)
     elif op == "reduce_scatter":
         y = uc.reduce_scatter(None, x, REDUCTION[op, sync], a["rows"], **kw)
     elif op == "broadcast":
@@ -156,7 +172,7 @@ def gradients(rank: int, device: str = "cpu") -> dict[str, str]:
             assert y.grad_fn is not None, f"{op}: result has no grad_fn"
             assert y.device == x.device, f"{op}: result on {y.device}"
             (y * torch.tensor(a["ws"][rank], device=device)).sum().backward()
-            expected = a["grads"][rank] / (world if REDUCTION.get((op, sync)) == "avg" else 1)
+            expected = expected_gradient(a, op, sync, rank, world)
             torch.testing.assert_close(x.grad, torch.tensor(expected, device=device))
             report[f"{op}-{'sync' if sync else 'async'}"] = "ok"
     return report

@@ -40,6 +40,7 @@ from ..spec import (
     Call,
     OpSpec,
 )
+from ..spec.collectives import REDUCE
 from ..task import Task
 from ..validate import prepare
 
@@ -169,6 +170,19 @@ def reduce_scatter_backward(backend: Backend, group: Group, grad: Any, op: str, 
     has ``rows[c]`` rows), divided by W for avg (max, min and prod record none)."""
     gathered = backend.all_gather(None, grad, rows, group, False).finish()
     return gathered / group.world_size if op == "avg" else gathered
+
+
+def reduce_backward(backend: Backend, group: Group, grad: Any, op: str, dst: int) -> Any:
+    """dst's output gradient on every rank (a broadcast from dst, in which every rank takes
+    part), divided by W for avg (max, min and prod record none); a rank other than dst adds its
+    own output's gradient, since its output is its input."""
+    position = group.ranks.index(dst)
+    total = backend.broadcast(_copy(grad), position, group, False).finish()
+    if op == "avg":
+        total = total / group.world_size
+    if group.rank != position:
+        total += grad
+    return total
 
 
 def broadcast_backward(backend: Backend, group: Group, grad: Any, src: int) -> Any:
@@ -622,6 +636,42 @@ def _in_place_collective(
     return _run(spec.name, call, issue, _in_place(spec.name, call, tensor, recorded, lambda g: backward(call, g)))
 
 
+def reduce(
+    tensor: Any,
+    dst: int,
+    op: str = "sum",
+    group: Group | None = None,
+    sync_op: bool = True,
+    use_calc_stream: bool = False,
+) -> Any:
+    """PaddlePaddle's ``reduce``: every rank's ``tensor`` reduced elementwise with ``op`` into
+    ``tensor`` on the rank ``dst``; on the other ranks ``tensor`` keeps its values. Returns
+    ``tensor`` (or a Task whose ``wait()`` does).
+
+    ``dst`` is a global rank, a member of the group, as Paddle's is (``broadcast``'s ``src`` is
+    a position in the group instead). ``op`` as for :func:`all_reduce`; the transfer is an
+    all_reduce, into a copy of ``tensor`` on the ranks other than ``dst``.
+
+    >>> uc.reduce(loss, dst=0, op="avg")   # the mean loss on rank 0  # doctest: +SKIP
+    """
+    arguments = dict(tensor=tensor, dst=dst, op=op, group=group, sync_op=sync_op, use_calc_stream=use_calc_stream)
+    return _reduce(arguments)
+
+
+def _reduce(arguments: dict[str, Any], compiled: CompiledCall | None = None) -> Any:
+    """reduce in place on dst (``compiled``: :class:`CompiledCall`; it learns nothing)."""
+    op, use_calc_stream = arguments["op"], arguments["use_calc_stream"]
+
+    def transfer(call: Call, native: Any, async_op: bool) -> Pending:
+        into = native if call.group.ranks[call.group.rank] == call.dst else _copy(native)
+        return call.backend.all_reduce(into, op, call.group, async_op, use_calc_stream)
+
+    def backward(call: Call, g: Any) -> Any:
+        return reduce_backward(call.backend, call.group, g, op, call.dst)
+
+    return _in_place_collective(REDUCE, arguments, op, transfer, backward, compiled)
+
+
 def reduce_scatter(
     out: Any | None,
     tensor: Any,
@@ -754,6 +804,7 @@ _CORES: dict[str, Callable[[dict[str, Any], CompiledCall | None], Any]] = {
     ALLTOALL_SINGLE.name: _alltoall_single,
     ALL_GATHER.name: _all_gather,
     ALL_REDUCE.name: _all_reduce,
+    REDUCE.name: _reduce,
     REDUCE_SCATTER.name: _reduce_scatter,
     BROADCAST.name: _broadcast,
     EXCHANGE_COUNTS.name: lambda arguments, compiled: exchange_counts(**arguments),

@@ -432,6 +432,31 @@ ALL_REDUCE = OpSpec(
 )
 
 
+REDUCE = OpSpec(
+    name="reduce",
+    summary=(
+        "PaddlePaddle's reduce: every rank's tensor reduced elementwise with op into the tensor of the rank dst, in "
+        "place; the other ranks' tensors keep their values. Returns the tensor. dst is a global rank (as Paddle's), "
+        "a member of the group. Every rank passes the same shape and dtype."
+    ),
+    params=(
+        Param("tensor", IN_PLACE, "array",
+              "This rank's values, of any shape (a 0-d loss too); holds the reduction afterwards on dst only."),
+        Param("dst", RANK, "int", "The global rank, a member of the group, whose tensor receives the reduction."),
+        _OP,
+        *_common_params(use_calc_stream=False),
+    ),
+    rules=(
+        Rule("dst", "a global rank that is a member of the group (Paddle's dst)",
+             lambda c: None if c.dst in c.group.ranks else f"{c.dst}, not one of the group's {list(c.group.ranks)}"),
+        _reduction_rule(),
+        _stream_rule(),
+    ),
+    traced=Traced("tensor", backward=("op", "dst")),
+    agree=("tensor", "op", "dst"),
+)  # fmt: skip
+
+
 def _scatter_output(c: Call) -> str | None:
     """Rows of ``out`` against this rank's block of ``tensor``."""
     if c.out is None or (c.split_sizes is not None and len(c.split_sizes) != c.W):
@@ -493,7 +518,7 @@ BROADCAST = OpSpec(
 )  # fmt: skip
 
 COLLECTIVES: tuple[OpSpec, ...] = (
-    GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALLTOALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, BROADCAST,
-    EXCHANGE_COUNTS,
+    GLOBAL_SCATTER, GLOBAL_GATHER, ALLTOALL_SINGLE, ALLTOALL, ALL_GATHER, ALL_REDUCE, REDUCE, REDUCE_SCATTER,
+    BROADCAST, EXCHANGE_COUNTS,
 )  # fmt: skip
 """The data operators and exchange_counts, in the order the docs list them."""
