@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..entry import exclusive_as
-from ..errors import TransportError, reported
 from ..group import Group
 from ..runtime import resolve_group, state
 from ..task import Task
+from .ops import issued_task
 
 
 @exclusive_as("all_reduce")
@@ -25,8 +25,13 @@ def all_reduce_agreed(tensor: Any, op: str, group: Group) -> Task:
     fails."""
     resolved = resolve_group(group, "all_reduce")
     current = state("all_reduce")
-    try:
-        pending = current.backend.all_reduce(tensor, op, resolved, True)
-    except TransportError as exc:
-        raise reported(exc, "all_reduce", resolved, current.timeout) from exc
-    return Task(pending.works, pending.finish, current.timeout, "all_reduce", resolved)
+
+    def issue() -> Any:
+        return current.backend.all_reduce(tensor, op, resolved, True)
+
+    return issued_task("all_reduce", resolved, current.timeout, issue, _as_it_is)
+
+
+def _as_it_is(result: Any) -> Any:
+    """The finished transfer's result itself."""
+    return result

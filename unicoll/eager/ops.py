@@ -51,11 +51,20 @@ def _run(op: str, call: Call, issue: Callable[[], Pending], finish: Callable[[An
     ``op`` and the group."""
     if call.sync_op:
         return finish(_now(op, call, issue))
+    return issued_task(op, call.group, call.timeout, issue, finish)
+
+
+def issued_task(
+    op: str, group: Group, timeout: float, issue: Callable[[], Pending], finish: Callable[[Any], Any]
+) -> Task:
+    """Issue the transfers and return the :class:`~unicoll.Task` whose ``wait()`` runs
+    ``finish(native_result)``; transport failures, at issue and in ``wait()``, become
+    :class:`~unicoll.CommunicationError` naming ``op`` and ``group``."""
     try:
         pending = issue()
     except TransportError as exc:
-        raise reported(exc, op, call.group, call.timeout) from exc
-    return Task(pending.works, lambda: finish(pending.finish()), call.timeout, op, call.group)
+        raise reported(exc, op, group, timeout) from exc
+    return Task(pending.works, lambda: finish(pending.finish()), timeout, op, group)
 
 
 def _now(op: str, call: Call, issue: Callable[..., Pending], *args: Any) -> Any:
