@@ -524,6 +524,10 @@ GRAD_REFUSALS = [  # (function of an x that requires grad, whether it compiles u
     (lambda x: uc.all_reduce(x), True),  # a leaf that requires grad, in place
     # a view of a leaf; under no_grad, torch's aot_eager refuses any in-place change of a view of an input
     (lambda x: uc.broadcast(x[1:], src=0), False),
+    (lambda x: uc.reduce(x, dst=0), True),  # reduce: a leaf in place
+    (lambda x: uc.reduce(x * 2, 0, "max"), True),
+    # not contiguous and a view of a leaf: validation speaks first, as eager's does
+    (lambda x: uc.all_reduce(x.t(), op="max"), False),
 ]
 
 

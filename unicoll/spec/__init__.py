@@ -18,6 +18,10 @@ group size.
 
 from __future__ import annotations
 
+import operator
+from dataclasses import make_dataclass
+from typing import Any
+
 from .collectives import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -30,7 +34,7 @@ from .collectives import (
     GLOBAL_SCATTER,
     REDUCE_SCATTER,
 )
-from .language import REQUIRED, Call, OpSpec, Param, Rule
+from .language import REQUIRED, OpSpec, Param, Rule
 from .moe import (
     IDS_EXPECTED,
     MAX_EXPERTS,
@@ -65,3 +69,38 @@ MOE_MODES: dict[str, tuple[OpSpec, OpSpec, OpSpec]] = {
 
 #: The data operators, which backends list in their capability tables, by name.
 OPS: dict[str, OpSpec] = {name: op for name, op in SPECS.items() if op.in_capabilities}
+
+
+_COMMON = ("W", "group", "backend", "timeout", "compare", "check")
+"""The fields every prepared call has, first (positional)."""
+
+_PARAMETERS = sorted({p.name for op in SPECS.values() for p in op.params} - set(_COMMON))
+"""Every other parameter name of the specs: a field of :class:`Call` each."""
+
+
+def _copy(call: Call) -> Call:
+    """A shallow copy: the same values in a new call (the calls the ranks compare, and each
+    call the memory of accepted calls serves then, are copies)."""
+    return Call(*_FIELDS(call))
+
+
+Call = make_dataclass(
+    "Call",
+    [*((name, Any) for name in _COMMON), *((name, Any, None) for name in _PARAMETERS), ("plan", Any, None)],
+    slots=True,
+    eq=False,
+    namespace={"copy": _copy},
+)
+Call.__module__ = __name__
+Call.__doc__ = """The prepared arguments of one call, as :func:`unicoll.validate.prepare` returns them.
+
+Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
+``timeout``, whether the ranks ``compare`` their calls before moving data (the handshake or
+check mode), whether ``check`` mode is on, and ``plan``: what the spec's :attr:`OpSpec.plan`
+derived from the call. Every parameter name of the specs is a field (None where the call's
+operator has no such parameter; counts as host int64 arrays), made here from the specs, so a
+new parameter name needs nothing written for it. The fields are slots: every call reads them,
+and a slot reads faster than an instance dictionary. Calls compare by identity."""
+
+_FIELDS = operator.attrgetter(*Call.__slots__)
+"""Every field of a :class:`Call`, in the order its constructor takes them."""

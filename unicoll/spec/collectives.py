@@ -21,10 +21,11 @@ from ..kinds import (
     REDUCE_OP,
     Kind,
 )
-from .language import GROUP_PARAM, Call, OpSpec, Param, Rule, Traced, known_total, rows_of
+from .language import GROUP_PARAM, OpSpec, Param, Rule, Traced, known_total, rows_of
 
 if TYPE_CHECKING:
     from ..backends.base import Capabilities
+    from . import Call
 
 
 def _length_multiple(counts: Any, world: int) -> str | None:

@@ -1,7 +1,8 @@
 """The language the operator specs are written in (:mod:`unicoll.spec`): a parameter
 (:class:`Param`, its kind from :mod:`unicoll.kinds`), a rule (:class:`Rule`), how a data
-operator traces under torch.compile (:class:`Traced`), an entry point (:class:`OpSpec`), and
-:class:`Call`, a call prepared from its spec."""
+operator traces under torch.compile (:class:`Traced`) and an entry point (:class:`OpSpec`).
+A rule checks a :class:`unicoll.spec.Call`, a call prepared from its spec, whose fields the
+specs make."""
 
 from __future__ import annotations
 
@@ -12,35 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..kinds import GROUP, REDUCE_OP, Kind
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend
-    from ..group import Group
-
-
-class Call:
-    """The prepared arguments of one call, as :func:`unicoll.validate.prepare` returns them.
-
-    Every call has the group size ``W``, the resolved ``group``, the running ``backend``, its
-    ``timeout``, whether the ranks ``compare`` their calls before moving data (the handshake or
-    check mode), whether ``check`` mode is on, and ``plan``: what the spec's :attr:`OpSpec.plan`
-    derived from the call (None before). Each parameter of the call's spec is an attribute of
-    its name, as its kind's reader returned it (counts as host int64 arrays): a new parameter
-    name needs nothing here. Calls compare by identity.
-    """
-
-    def __init__(
-        self, W: int, group: Group, backend: Backend, timeout: float, compare: bool, check: bool, **params: Any
-    ) -> None:
-        self.W, self.group, self.backend, self.timeout = W, group, backend, timeout
-        self.compare, self.check = compare, check
-        self.plan: Any = None
-        self.__dict__.update(params)
-
-    def copy(self) -> Call:
-        """A shallow copy: the same values in a new call (the calls the ranks compare, and each
-        call the memory of accepted calls serves then, are copies)."""
-        copied = Call.__new__(Call)
-        copied.__dict__.update(self.__dict__)
-        return copied
+    from . import Call
 
 
 REQUIRED = object()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,7 +24,10 @@ from ..kinds import (
     SIZE,
     STATIC_HANDLE,
 )
-from .language import GROUP_PARAM, Call, OpSpec, Param, Rule, rows_of
+from .language import GROUP_PARAM, OpSpec, Param, Rule, rows_of
+
+if TYPE_CHECKING:
+    from . import Call
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
 
