@@ -34,7 +34,7 @@ from .collectives import (
     GLOBAL_SCATTER,
     REDUCE_SCATTER,
 )
-from .language import REQUIRED, OpSpec, Param, Rule
+from .language import REQUIRED, OpSpec, Param, PreparedCall, Rule
 from .moe import (
     IDS_EXPECTED,
     MAX_EXPERTS,
@@ -87,6 +87,7 @@ def _copy(call: Call) -> Call:
 Call = make_dataclass(
     "Call",
     [*((name, Any) for name in _COMMON), *((name, Any, None) for name in _PARAMETERS), ("plan", Any, None)],
+    bases=(PreparedCall,),
     slots=True,
     eq=False,
     namespace={"copy": _copy},

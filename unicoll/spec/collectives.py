@@ -21,11 +21,10 @@ from ..kinds import (
     REDUCE_OP,
     Kind,
 )
-from .language import GROUP_PARAM, OpSpec, Param, Rule, Traced, known_total, rows_of
+from .language import GROUP_PARAM, OpSpec, Param, PreparedCall, Rule, Traced, known_total, rows_of
 
 if TYPE_CHECKING:
     from ..backends.base import Capabilities
-    from . import Call
 
 
 def _length_multiple(counts: Any, world: int) -> str | None:
@@ -88,7 +87,7 @@ _MOE_COUNT_RULES = (
 )  # fmt: skip
 
 
-def _moe_plan(c: Call) -> MoePlan:
+def _moe_plan(c: PreparedCall) -> MoePlan:
     """The rows per rank and the reorder that global_scatter's and global_gather's counts give."""
     return moe_plan(c.local_count, c.global_count, c.W)
 
@@ -141,17 +140,17 @@ GLOBAL_GATHER = OpSpec(
 def _splits_rules(splits: str, tensor: str) -> tuple[Rule, ...]:
     """Rules tying optional split sizes to the rows of their array (which may itself be None)."""
 
-    def length(c: Call) -> str | None:
+    def length(c: PreparedCall) -> str | None:
         s = getattr(c, splits)
         return None if s is None or len(s) == c.W else f"length {len(s)}"
 
-    def total(c: Call) -> str | None:
+    def total(c: PreparedCall) -> str | None:
         s, a = getattr(c, splits), getattr(c, tensor)
         if s is None or a is None or len(s) != c.W or int(s.sum()) == rows_of(a):
             return None
         return f"sum {int(s.sum())} for {tensor} with {rows_of(a)} rows"
 
-    def even(c: Call) -> str | None:
+    def even(c: PreparedCall) -> str | None:
         s, a = getattr(c, splits), getattr(c, tensor)
         if s is not None or a is None or rows_of(a) % c.W == 0:
             return None
@@ -164,7 +163,7 @@ def _splits_rules(splits: str, tensor: str) -> tuple[Rule, ...]:
     )
 
 
-def _rows_to_self(c: Call) -> str | None:
+def _rows_to_self(c: PreparedCall) -> str | None:
     """Whether the rows this rank receives from itself are the rows it sends itself (both
     split sizes known here: given, or an even split of a given array)."""
     if c.out_tensor is None and c.out_split_sizes is None:
@@ -178,7 +177,7 @@ def _rows_to_self(c: Call) -> str | None:
     return f"{received} rows from this rank (position {me}){source} while it sends itself {sent}"
 
 
-def _alltoall_splits(c: Call) -> tuple[list[int], list[int] | None]:
+def _alltoall_splits(c: PreparedCall) -> tuple[list[int], list[int] | None]:
     """alltoall_single's send and receive sizes as lists; the receive sizes None where they
     are exchanged (only in_split_sizes given, no out_tensor)."""
     sent = c.in_split_sizes.tolist() if c.in_split_sizes is not None else even_split(rows_of(c.in_tensor), c.W)
@@ -252,7 +251,7 @@ def _peer_rows(value: Any, world: int) -> list[int] | None:
     return even_split(rows_of(value), world)
 
 
-def _alltoall_lists(c: Call) -> str | None:
+def _alltoall_lists(c: PreparedCall) -> str | None:
     """Inputs: a list of {W} arrays, or one array of a multiple of {W} rows; outputs the same,
     or an empty list."""
     for name in ("in_tensor_or_tensor_list", "out_tensor_or_tensor_list"):
@@ -265,7 +264,7 @@ def _alltoall_lists(c: Call) -> str | None:
     return None
 
 
-def _alltoall_kinds(c: Call) -> str | None:
+def _alltoall_kinds(c: PreparedCall) -> str | None:
     """Every array of the library, dtype and trailing shape of the first input."""
     given, out = c.in_tensor_or_tensor_list, c.out_tensor_or_tensor_list
     arrays = given if isinstance(given, list) else [given]
@@ -276,7 +275,7 @@ def _alltoall_kinds(c: Call) -> str | None:
     return next((m for a in others if (m := _same_array_kind(a, first, "in_tensor_or_tensor_list[0]"))), None)
 
 
-def _alltoall_to_self(c: Call) -> str | None:
+def _alltoall_to_self(c: PreparedCall) -> str | None:
     """This rank receives from itself the rows it sends itself (where the output says)."""
     sent = _peer_rows(c.in_tensor_or_tensor_list, c.W)
     received = _peer_rows(c.out_tensor_or_tensor_list, c.W)
@@ -286,7 +285,7 @@ def _alltoall_to_self(c: Call) -> str | None:
     return f"{received[me]} rows from this rank (position {me}) while it sends itself {sent[me]}"
 
 
-def _alltoall_plan(c: Call) -> tuple[list[int], list[int] | None]:
+def _alltoall_plan(c: PreparedCall) -> tuple[list[int], list[int] | None]:
     """alltoall's send and receive sizes; the receive sizes None where they are exchanged (an
     empty output list)."""
     return _peer_rows(c.in_tensor_or_tensor_list, c.W), _peer_rows(c.out_tensor_or_tensor_list, c.W)
@@ -325,14 +324,14 @@ ALLTOALL = OpSpec(
 )  # fmt: skip
 
 
-def _gather_output_kind(c: Call) -> str | None:
+def _gather_output_kind(c: PreparedCall) -> str | None:
     out, x = c.tensor_or_tensor_list, c.tensor
     if isinstance(out, list):
         return next((f"a list holding {m}" for o in out if (m := _same_array_kind(o, x, "tensor"))), None)
     return None if out is None else _same_array_kind(out, x, "tensor")
 
 
-def _gather_output_rows(c: Call) -> str | None:
+def _gather_output_rows(c: PreparedCall) -> str | None:
     out, x, world = c.tensor_or_tensor_list, c.tensor, c.W
     if out is None:
         return None
@@ -394,7 +393,7 @@ EXCHANGE_COUNTS = OpSpec(
 )  # fmt: skip
 
 
-def _reduces(c: Call) -> str | None:
+def _reduces(c: PreparedCall) -> str | None:
     """Whether the backend reduces the dtype of ``tensor`` with ``op``."""
     dtype = kind_of(c.tensor).dtype
     return None if dtype in c.backend.capabilities.reductions.get(c.op, ()) else f"{c.op!r} on {describe(c.tensor)}"
@@ -458,7 +457,7 @@ REDUCE = OpSpec(
 )  # fmt: skip
 
 
-def _scatter_output(c: Call) -> str | None:
+def _scatter_output(c: PreparedCall) -> str | None:
     """Rows of ``out`` against this rank's block of ``tensor``."""
     if c.out is None or (c.split_sizes is not None and len(c.split_sizes) != c.W):
         return None

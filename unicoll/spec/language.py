@@ -1,19 +1,23 @@
 """The language the operator specs are written in (:mod:`unicoll.spec`): a parameter
 (:class:`Param`, its kind from :mod:`unicoll.kinds`), a rule (:class:`Rule`), how a data
 operator traces under torch.compile (:class:`Traced`) and an entry point (:class:`OpSpec`).
-A rule checks a :class:`unicoll.spec.Call`, a call prepared from its spec, whose fields the
-specs make."""
+A rule checks a :class:`PreparedCall`: a :class:`unicoll.spec.Call`, whose fields the specs
+make."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..kinds import GROUP, REDUCE_OP, Kind
 
-if TYPE_CHECKING:
-    from . import Call
+
+class PreparedCall:
+    """A call prepared from its spec, as rules and plans read it: :class:`unicoll.spec.Call`,
+    which the specs' tables make from their parameter names (this is its base)."""
+
+    __slots__ = ()
 
 
 REQUIRED = object()
@@ -37,7 +41,7 @@ class Rule:
 
     param: str
     expected: str
-    check: Callable[[Call], str | None]
+    check: Callable[[PreparedCall], str | None]
     error: type[Exception] = ValueError
 
 
@@ -73,7 +77,7 @@ class OpSpec:
     (:attr:`unicoll.backends.base.Capabilities.ops`); the data operators are, while
     ``exchange_counts`` runs on every backend's integer exchange. ``plan``: what the operator
     derives from a call that passed the rules, computed once and remembered with the call
-    (:attr:`Call.plan`): a tuple of lists of ints (split sizes, say), an object that says
+    (:attr:`unicoll.spec.Call.plan`): a tuple of lists of ints (split sizes, say), an object that says
     what it holds in ``nbytes`` (the MoE operators' :class:`~unicoll.backends.layout.MoePlan`)
     or None, which nothing may change. ``checked_as``: the entry point whose cross-rank
     comparison check mode runs for this one's calls (None: its own, in
@@ -96,7 +100,7 @@ class OpSpec:
     rules: tuple[Rule, ...]
     backward: str = ""
     in_capabilities: bool = True
-    plan: Callable[[Call], Any] | None = None
+    plan: Callable[[PreparedCall], Any] | None = None
     checked_as: OpSpec | None = None
     reads_host: bool = False
     static_shapes: bool = True

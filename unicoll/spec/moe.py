@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -24,10 +24,7 @@ from ..kinds import (
     SIZE,
     STATIC_HANDLE,
 )
-from .language import GROUP_PARAM, OpSpec, Param, Rule, rows_of
-
-if TYPE_CHECKING:
-    from . import Call
+from .language import GROUP_PARAM, OpSpec, Param, PreparedCall, Rule, rows_of
 
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
 
@@ -52,7 +49,7 @@ def ids_out_of_range(lowest: int, highest: int, at_lowest: int, at_highest: int,
     return f"{value} at [{t}, {j}] (W * experts_per_rank = {experts})"
 
 
-def _expert_ids_in_range(c: Call) -> str | None:
+def _expert_ids_in_range(c: PreparedCall) -> str | None:
     """moe.dispatch's ids against the experts, on a host backend; a device backend checks them
     where they are and reports them with the counts' exchange (the same message), since reading
     them here would wait for the device."""
@@ -74,7 +71,7 @@ def _same_place(a: Any, x: Any, what: str) -> str | None:
     return f"{describe(a)} for {what} {describe(x)}"
 
 
-def _same_place_as_x(param: str) -> Callable[[Call], str | None]:
+def _same_place_as_x(param: str) -> Callable[[PreparedCall], str | None]:
     """The library and device of parameter ``param`` against x's (None passes)."""
     return lambda c: None if getattr(c, param) is None else _same_place(getattr(c, param), c.x, "x")
 
@@ -138,10 +135,10 @@ MOE_DISPATCH = OpSpec(
 )  # fmt: skip
 
 
-def _handle_place(rows: str) -> Callable[[Call], str | None]:
+def _handle_place(rows: str) -> Callable[[PreparedCall], str | None]:
     """The library and device of parameter ``rows`` against the dispatched x's (the handle's)."""
 
-    def check(c: Call) -> str | None:
+    def check(c: PreparedCall) -> str | None:
         given, handle = getattr(c, rows), c.handle
         if kind_of(given).library == handle.library and place_of(given) == handle.device:
             return None
@@ -285,7 +282,7 @@ MOE_DISPATCH_STATIC = OpSpec(
 _STATIC_HANDLE = Param("handle", STATIC_HANDLE, "moe.StaticHandle", "What moe.dispatch_static returned with the rows.")
 
 
-def _blocks(c: Call) -> str | None:
+def _blocks(c: PreparedCall) -> str | None:
     """y's leading shape against the handle's (experts_per_rank, W * capacity)."""
     h = c.handle
     wanted = (h.experts_per_rank, h.world * h.capacity)
