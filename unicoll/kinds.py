@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import NON_NATIVE, describe, device_kind, is_fillable, kind_of, known_kind, library_of, named_type
+from .arrays import describe, device_kind, is_fillable, kind_of, known_kind, library_of, named_type
 from .backends.base import REDUCE_OPS
 from .counts import as_counts, expert_ids, on_host
 from .errors import bad_input
-from .libraries import array_types
+from .libraries import NON_NATIVE, array_types
 from .routing import Handle
 from .static_layout import StaticHandle
 

@@ -1,8 +1,10 @@
-"""Array libraries that join unicoll beside numpy, torch and cupy: Paddle and JAX, and any
-other that tells the same few things.
+"""The array libraries unicoll takes, each described once: numpy, torch and cupy, whose arrays
+the transports move (:mod:`unicoll.libraries.native`), and the libraries that join beside them
+through torch tensors: Paddle and JAX, and any other that tells the same few things.
 
-The transports move numpy arrays, torch tensors and cupy arrays. Another library joins by
-describing its arrays once, as an :class:`ArrayLibrary`: how to recognize them, their dtype
+Every library is a :class:`Library` (how its arrays are recognized and named, their dtype,
+device and place), found by name with :func:`described`. Another library joins by describing
+its arrays once, as an :class:`ArrayLibrary`: how to recognize them, their dtype
 and device, how to read one as a torch tensor over the same memory (DLPack in) and how to
 hand a torch tensor back as its own type (DLPack out), whether its arrays can be filled in
 place, and how to attach a backward to its autograd. From there the capability tables
@@ -21,15 +23,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .description import ArrayLibrary
+from .description import ArrayLibrary, Library
+from .native import NATIVE, NON_NATIVE
 
 __all__ = [
+    "NON_NATIVE",
     "ArrayLibrary",
+    "Library",
     "array_type",
     "array_types",
     "carried_by",
     "carried_origin",
     "carrying",
+    "described",
     "join",
     "joined",
     "modules",
@@ -68,12 +74,19 @@ def joined() -> dict[str, ArrayLibrary]:
 
 
 def library_of_type(kind: type) -> str | None:
-    """The name of the joined library whose array type ``kind`` is, or None; a library whose
-    module is not imported has no arrays yet and is not asked."""
-    for library in joined().values():
+    """The name of the library whose array type ``kind`` is (numpy, torch and cupy first, then
+    the joined ones), or None; a library whose module is not imported has no arrays yet and is
+    not asked."""
+    for library in (*NATIVE.values(), *joined().values()):
         if library.module in sys.modules and library.is_array(kind):
             return library.name
     return None
+
+
+def described(name: str) -> Library:
+    """The description of the library ``name`` (one :func:`library_of_type` answered)."""
+    native = NATIVE.get(name)
+    return native if native is not None else joined()[name]
 
 
 def carried_by(libraries: frozenset[str]) -> frozenset[str]:
@@ -85,17 +98,16 @@ def carried_by(libraries: frozenset[str]) -> frozenset[str]:
 def array_types(libraries: frozenset[str]) -> str:
     """How messages name the arrays of ``libraries``: ``"a numpy array, a torch tensor or a
     paddle.Tensor"`` (unicoll's own libraries first, then the joined ones)."""
-    order = ["numpy", "torch", "cupy", *sorted(libraries - {"numpy", "torch", "cupy"})]
+    order = [*NATIVE, *sorted(libraries - NATIVE.keys())]
     names = [array_type(library) for library in order if library in libraries]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def array_type(library: str | None) -> str:
     """How messages name an array of ``library``: ``"a paddle.Tensor"``, ``"a torch tensor"``."""
-    joined_library = joined().get(library or "")
-    if joined_library is not None:
-        return f"a {joined_library.array_type}"
-    return {"torch": "a torch tensor", "numpy": "a numpy array", "cupy": "a cupy array"}.get(library or "", "an array")
+    if library in NATIVE or library in joined():
+        return f"a {described(library).array_type}"
+    return "an array"
 
 
 _carrying = threading.local()

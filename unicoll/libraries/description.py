@@ -1,4 +1,6 @@
-"""What an array library tells to join unicoll (:class:`ArrayLibrary`)."""
+"""What unicoll knows of an array library (:class:`Library`): numpy's, torch's and cupy's,
+which the transports move (:mod:`unicoll.libraries.native`), and those that join through torch
+tensors (:class:`ArrayLibrary`: Paddle's, JAX's), described alike."""
 
 from __future__ import annotations
 
@@ -17,7 +19,38 @@ def _never_written(x: Any) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class ArrayLibrary:
+class Library:
+    """One array library: how its arrays are recognized and named, and their dtype, device
+    and place."""
+
+    name: str
+    """The library's name in capability tables, e.g. ``"torch"``, ``"paddle"``."""
+    array_type: str
+    """Its array type as its users write it, for messages: ``"torch tensor"``, ``"paddle.Tensor"``."""
+    module: str
+    """The top-level module whose import makes its arrays recognizable."""
+    is_array: Callable[[type], bool]
+    """Whether a type is this library's array type (asked once its module is imported)."""
+    dtype: Callable[[Any], str]
+    """An array's dtype by unicoll's canonical name (``"float32"``, ``"bfloat16"``)."""
+    device: Callable[[Any], str]
+    """``"cpu"`` or ``"cuda"``: where an array's memory lives."""
+    place: Callable[[Any], Any]
+    """Where an array lives, precisely enough to tell two devices apart (None on the host)."""
+
+    def label(self) -> str:
+        """How messages name an array of the library before its dtype and shape
+        (``"torch float32 (4, 3) on cpu"``)."""
+        return self.name
+
+    def device_key(self, x: Any) -> Any:
+        """What tells an array's device apart in a cache key beside its type and dtype
+        (hashable): its place."""
+        return self.place(x)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ArrayLibrary(Library):
     """One array library that joins through torch tensors (see the module's docstring).
 
     ``differentiate(run, inputs, op)`` runs a call of the operator ``op`` in the library's
@@ -28,22 +61,8 @@ class ArrayLibrary:
     library records an input changed in place).
     """
 
-    name: str
-    """The library's name in capability tables, e.g. ``"paddle"``."""
-    array_type: str
-    """Its array type as its users write it, for messages: ``"paddle.Tensor"``."""
-    module: str
-    """The top-level module whose import makes its arrays recognizable."""
     package: str
     """The distribution that installs it (``"paddlepaddle"``), which ``unicoll info`` looks for."""
-    is_array: Callable[[type], bool]
-    """Whether a type is this library's array type (called once its module is imported)."""
-    dtype: Callable[[Any], str]
-    """An array's dtype by unicoll's canonical name (``"float32"``, ``"bfloat16"``)."""
-    device: Callable[[Any], str]
-    """``"cpu"`` or ``"cuda"``: where an array's memory lives."""
-    place: Callable[[Any], Any]
-    """A hashable value that tells an array's device apart from another (index included)."""
     to_torch: Callable[[Any], Any]
     """A torch tensor over an array's memory (DLPack), detached from this library's autograd."""
     from_torch: Callable[[Any, Any], Any]
@@ -67,3 +86,7 @@ class ArrayLibrary:
     """Record in the library's autograd that an operator writes the array in place (its
     version counter, as the library's own in-place operators move it), so a backward pass
     that saved the array raises instead of using the new values."""
+
+    def label(self) -> str:
+        """Messages name a joined library's array by its type: ``"paddle.Tensor int64 (4,) on cpu"``."""
+        return self.array_type

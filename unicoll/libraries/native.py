@@ -1,0 +1,128 @@
+"""numpy, torch and cupy described (:class:`NativeLibrary`): the libraries whose arrays the
+transports move, told apart, named, read and compared by their descriptions here, as Paddle's
+and JAX's are by theirs. None of them is imported here: a description reads its library from
+``sys.modules``, which holds it once the caller has one of its arrays."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .description import Library
+
+NON_NATIVE = " (non-native byte order)"
+"""Appended to the dtype name of a numpy or cupy array whose bytes are not in this machine's
+order, so that no check or cache takes it for its native twin."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class NativeLibrary(Library):
+    """One library whose arrays the transports move (numpy, torch, cupy): beside what every
+    :class:`~unicoll.libraries.description.Library` tells, what the front end reads of an
+    array on every call."""
+
+    cache_key: Callable[[Any], Any]
+    """The part of an array's kind (beside its type and dtype) that tells its device apart, hashable."""
+    fillable: Callable[[Any], bool]
+    """Whether an array can receive data in place (C-contiguous, and writable where the library says)."""
+    overlaps: Callable[[Any, Any], bool]
+    """Whether two of its arrays may share memory (their byte spans intersect)."""
+
+    def device_key(self, x: Any) -> Any:
+        """The array's :attr:`cache_key` (a cupy ``Device`` is unhashable: its place cannot be one)."""
+        return self.cache_key(x)
+
+
+def _numpy_dtype(x: Any) -> str:
+    """A numpy or cupy array's dtype name, marked where its bytes are not in this machine's order."""
+    dtype = x.dtype
+    return dtype.name if dtype.isnative else dtype.name + NON_NATIVE
+
+
+def _span(shape: tuple[int, ...], strides: Any, itemsize: int) -> tuple[int, int]:
+    """Byte offsets ``[low, high)`` of an array's elements from its first element; empty for no elements."""
+    if 0 in shape:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return low, high + itemsize
+
+
+def _spans_meet(start_a: int, span_a: tuple[int, int], start_b: int, span_b: tuple[int, int]) -> bool:
+    """Whether two byte spans, each ``[low, high)`` from its start, intersect."""
+    return start_a + span_a[0] < start_b + span_b[1] and start_b + span_b[0] < start_a + span_a[1]
+
+
+def _torch_overlaps(a: Any, b: Any) -> bool:
+    """Whether two torch tensors' bytes meet."""
+    if a.is_contiguous() and b.is_contiguous():  # the usual case: one span each, no strides to read
+        start_a, start_b = a.data_ptr(), b.data_ptr()
+        return start_a < start_b + b.nbytes and start_b < start_a + a.nbytes  # an empty span meets none
+    spans = [_span(t.shape, [s * t.element_size() for s in t.stride()], t.element_size()) for t in (a, b)]
+    return _spans_meet(a.data_ptr(), spans[0], b.data_ptr(), spans[1])
+
+
+def _cupy_overlaps(a: Any, b: Any) -> bool:
+    """Whether two cupy arrays' bytes meet (strides in bytes, as numpy's)."""
+    spans = [_span(t.shape, t.strides, t.itemsize) for t in (a, b)]
+    return _spans_meet(a.data.ptr, spans[0], b.data.ptr, spans[1])
+
+
+def _is_instance_of(module: str, attribute: str) -> Callable[[type], bool]:
+    """Whether a type is ``module.attribute`` or a subclass, once ``module`` is imported."""
+
+    def is_array(kind: type) -> bool:
+        found = sys.modules.get(module)
+        return found is not None and issubclass(kind, getattr(found, attribute))
+
+    return is_array
+
+
+NUMPY = NativeLibrary(
+    name="numpy",
+    array_type="numpy array",
+    module="numpy",
+    is_array=lambda kind: issubclass(kind, (np.ndarray, np.generic)),
+    dtype=_numpy_dtype,
+    device=lambda x: "cpu",
+    place=lambda x: None,
+    cache_key=lambda x: None,
+    fillable=lambda x: bool(x.flags.c_contiguous and x.flags.writeable),
+    overlaps=lambda a, b: bool(np.may_share_memory(a, b)),
+)
+"""numpy's ``ndarray`` (and its scalars), on the host."""
+
+TORCH = NativeLibrary(
+    name="torch",
+    array_type="torch tensor",
+    module="torch",
+    is_array=_is_instance_of("torch", "Tensor"),
+    dtype=lambda x: str(x.dtype).removeprefix("torch."),
+    device=lambda x: x.device.type,
+    place=lambda x: x.device,
+    cache_key=lambda x: x.device,
+    fillable=lambda x: bool(x.is_contiguous()),
+    overlaps=_torch_overlaps,
+)
+"""torch's ``Tensor``, on the CPU or a CUDA device."""
+
+CUPY = NativeLibrary(
+    name="cupy",
+    array_type="cupy array",
+    module="cupy",
+    is_array=_is_instance_of("cupy", "ndarray"),
+    dtype=_numpy_dtype,
+    device=lambda x: "cuda",
+    place=lambda x: x.device,
+    cache_key=lambda x: None,  # cupy's Device is unhashable; the dtype and type tell the kind
+    fillable=lambda x: bool(x.flags.c_contiguous),
+    overlaps=_cupy_overlaps,
+)
+"""cupy's ``ndarray``, on a CUDA device."""
+
+NATIVE: dict[str, NativeLibrary] = {library.name: library for library in (NUMPY, TORCH, CUPY)}
+"""The libraries the transports move, by name, in the order they are looked for."""
