@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
-from .libraries import array_type, carried_origin, described, library_of_type
+from .libraries import Library, array_type, carried_origin, described, library_of_type
 
 #: Every dtype unicoll knows, by its canonical name (numpy's spelling, plus torch's bfloat16).
 DTYPES: tuple[str, ...] = (
@@ -144,7 +144,7 @@ def named_type(x: Any) -> str:
 def is_fillable(x: Any, library: str | None = None) -> bool:
     """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy.
     ``library``: ``x``'s, where the caller knows it already."""
-    return described(library or library_of(x)).fillable(x)
+    return (described(library) if library else _description_of(x)).fillable(x)
 
 
 def overlaps(a: Any, b: Any) -> bool:
@@ -154,4 +154,17 @@ def overlaps(a: Any, b: Any) -> bool:
     >>> overlaps(x[:4], x[2:]), overlaps(x[:4], x[4:])
     (True, False)
     """
-    return described(library_of(a)).overlaps(a, b)
+    return _description_of(a).overlaps(a, b)
+
+
+_description_by_type: dict[type, Library] = {}
+
+
+def _description_of(x: Any) -> Library:
+    """The description of the library of ``x`` (an array of a known library), cached per type:
+    the eager operators ask it of their arrays on every call."""
+    try:
+        return _description_by_type[type(x)]
+    except KeyError:
+        description = _description_by_type[type(x)] = described(library_of(x))
+        return description
