@@ -10,6 +10,7 @@ import numpy as np
 
 from .arrays import describe, device_kind, dtype_name, library_of, named_type
 from .errors import bad_input
+from .libraries.native import NATIVE, NUMPY
 
 
 class IntArray(Protocol):
@@ -153,10 +154,8 @@ def expert_ids(value: Any, op: str, param: str) -> Any:
 def on_host(value: Any) -> Any:
     """An int array of any library on the host (numpy; a CUDA array is copied, which waits for
     the work queued before it)."""
-    library = library_of(value)
-    if library == "torch":
-        return value.detach().cpu().numpy() if device_kind(value) != "cpu" else value.detach().numpy()
-    return value.get() if library == "cupy" else value
+    description = NATIVE.get(library_of(value))
+    return value if description is None else description.to_host(value)
 
 
 def host_as(host: Any, x: Any) -> Any:
@@ -165,13 +164,7 @@ def host_as(host: Any, x: Any) -> Any:
     routing for a torch ``x``, say) shared through DLPack; one already of x's library, or for a
     numpy ``x``, as it is."""
     library = library_of(x)
-    if library == library_of(host) or library == "numpy":
+    if library == library_of(host) or library == NUMPY.name:
         return host
-    if library == "torch":
-        import torch  # loaded already: x is a tensor
-
-        return torch.from_numpy(host).to(x.device) if isinstance(host, np.ndarray) else torch.from_dlpack(host)
-    import cupy  # loaded already: x is a cupy array
-
-    with x.device:
-        return cupy.asarray(host) if isinstance(host, np.ndarray) else cupy.from_dlpack(host)
+    description = NATIVE[library]
+    return description.from_host(host, x, None) if isinstance(host, np.ndarray) else description.from_dlpack(host, x)

@@ -27,6 +27,7 @@ from ..counts import Counts, even_split
 from ..entry import enter, leave
 from ..errors import TransportError, bad_input, reported, translated
 from ..group import Group
+from ..libraries.native import NATIVE
 from ..spec import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -318,7 +319,7 @@ def _native_input(backend: Backend, x: Any, out: Any | None) -> Any:
 
 def _copy(x: Any) -> Any:
     """A copy of a native array (torch tensors clone, numpy and cupy arrays copy)."""
-    return x.clone() if library_of(x) == "torch" else x.copy()
+    return NATIVE[library_of(x)].copy(x)
 
 
 def global_scatter(
@@ -784,16 +785,8 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
             verify(EXCHANGE_COUNTS, call)
         # a copy: a remembered call's counts are read-only, and a transport may wrap them in a tensor
         received = backend.exchange_ints(call.local_count.copy(), grp)
-    library = library_of(local_count)
-    if library == "torch":
-        import torch
-
-        return torch.from_numpy(received).to(device=local_count.device, dtype=local_count.dtype)
-    if library == "cupy":
-        import cupy
-
-        return cupy.asarray(received, dtype=local_count.dtype)
-    return received.astype(local_count.dtype, copy=False) if library == "numpy" else received
+    description = NATIVE.get(library_of(local_count))  # a sequence of ints: the numpy array
+    return received if description is None else description.from_host(received, local_count, local_count.dtype)
 
 
 @dataclass

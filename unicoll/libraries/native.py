@@ -31,6 +31,18 @@ class NativeLibrary(Library):
     """Whether an array can receive data in place (C-contiguous, and writable where the library says)."""
     overlaps: Callable[[Any, Any], bool]
     """Whether two of its arrays may share memory (their byte spans intersect)."""
+    copy: Callable[[Any], Any]
+    """A copy of an array, of its own memory."""
+    to_host: Callable[[Any], np.ndarray]
+    """An array as a numpy array on the host (copied off a device, which waits for the work
+    queued before it; detached from autograd)."""
+    from_host: Callable[[np.ndarray, Any, Any], Any]
+    """``from_host(a, like, dtype)``: the numpy array ``a`` as this library's array on the
+    device of ``like`` (one of its arrays), of ``dtype`` (``like``'s kind of dtype; None keeps
+    ``a``'s), sharing ``a``'s memory where no copy is needed."""
+    from_dlpack: Callable[[Any, Any], Any]
+    """``from_dlpack(a, like)``: a device array of another library as this library's, over the
+    same memory, on ``like``'s device."""
 
     def device_key(self, x: Any) -> Any:
         """The array's :attr:`cache_key` (a cupy ``Device`` is unhashable: its place cannot be one)."""
@@ -72,6 +84,28 @@ def _cupy_overlaps(a: Any, b: Any) -> bool:
     return _spans_meet(a.data.ptr, spans[0], b.data.ptr, spans[1])
 
 
+def _torch_to_host(x: Any) -> np.ndarray:
+    """A torch tensor on the host, as numpy (copied off a CUDA device)."""
+    return x.detach().cpu().numpy() if x.device.type != "cpu" else x.detach().numpy()
+
+
+def _torch_from_host(a: np.ndarray, like: Any, dtype: Any) -> Any:
+    """A numpy array as a torch tensor on ``like``'s device, of ``dtype`` (None: a's)."""
+    return sys.modules["torch"].from_numpy(a).to(device=like.device, dtype=dtype)
+
+
+def _cupy_from_host(a: np.ndarray, like: Any, dtype: Any) -> Any:
+    """A numpy array as a cupy array on ``like``'s device, of ``dtype`` (None: a's)."""
+    with like.device:
+        return sys.modules["cupy"].asarray(a, dtype=dtype)
+
+
+def _cupy_from_dlpack(a: Any, like: Any) -> Any:
+    """A device array of another library as a cupy array, on ``like``'s device."""
+    with like.device:
+        return sys.modules["cupy"].from_dlpack(a)
+
+
 def _is_instance_of(module: str, attribute: str) -> Callable[[type], bool]:
     """Whether a type is ``module.attribute`` or a subclass, once ``module`` is imported."""
 
@@ -93,6 +127,10 @@ NUMPY = NativeLibrary(
     cache_key=lambda x: None,
     fillable=lambda x: bool(x.flags.c_contiguous and x.flags.writeable),
     overlaps=lambda a, b: bool(np.may_share_memory(a, b)),
+    copy=lambda x: x.copy(),
+    to_host=lambda x: x,
+    from_host=lambda a, like, dtype: a if dtype is None else a.astype(dtype, copy=False),
+    from_dlpack=lambda a, like: np.from_dlpack(a),
 )
 """numpy's ``ndarray`` (and its scalars), on the host."""
 
@@ -107,6 +145,10 @@ TORCH = NativeLibrary(
     cache_key=lambda x: x.device,
     fillable=lambda x: bool(x.is_contiguous()),
     overlaps=_torch_overlaps,
+    copy=lambda x: x.clone(),
+    to_host=_torch_to_host,
+    from_host=_torch_from_host,
+    from_dlpack=lambda a, like: sys.modules["torch"].from_dlpack(a),
 )
 """torch's ``Tensor``, on the CPU or a CUDA device."""
 
@@ -121,6 +163,10 @@ CUPY = NativeLibrary(
     cache_key=lambda x: None,  # cupy's Device is unhashable; the dtype and type tell the kind
     fillable=lambda x: bool(x.flags.c_contiguous),
     overlaps=_cupy_overlaps,
+    copy=lambda x: x.copy(),
+    to_host=lambda x: x.get(),
+    from_host=_cupy_from_host,
+    from_dlpack=_cupy_from_dlpack,
 )
 """cupy's ``ndarray``, on a CUDA device."""
 
