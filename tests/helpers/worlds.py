@@ -48,6 +48,9 @@ MISMATCHES = [
     ("broadcast source", lambda: uc.broadcast(X.copy(), 0), lambda: uc.broadcast(X.copy(), 1),
      "broadcast: ranks disagree: rank 0 broadcasts 6 rows from position 0 but rank 1 broadcasts 6 rows "
      "from position 1"),
+    ("reduce destination", lambda: uc.reduce(X.copy(), 0), lambda: uc.reduce(X.copy(), 1),
+     "reduce: ranks disagree: rank 0 passes tensor of 6 rows, op='sum', dst=0 but rank 1 passes tensor of 6 rows, "
+     "op='sum', dst=1"),
     ("all_reduce against broadcast", lambda: uc.all_reduce(X.copy()), lambda: uc.broadcast(X.copy(), 0),
      "rank 0 calls all_reduce but rank 1 calls broadcast"),
     ("top-k experts per rank", lambda: uc.moe.dispatch(X, TO_EXPERT_0, experts_per_rank=1),
