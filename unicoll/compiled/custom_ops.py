@@ -33,7 +33,7 @@ import torch
 from .. import runtime
 from ..eager import device_once, moe, ops, static_moe
 from ..eager.once_choice import COMPILED
-from ..entry import exclusive_as
+from ..entry import enter, exclusive_as, leave
 from ..group import Group, group_numbered
 from ..spec import SPECS, Call, OpSpec
 
@@ -183,14 +183,13 @@ def _forward(spec: OpSpec) -> Callable[..., Any]:
     names, traced = _inputs(spec), spec.traced
     in_place = any(p.kind.in_place for p in spec.params)
     outputs = {p.name: None for p in spec.params if p.kind.fills and not p.kind.in_place}
+    synchronous = {"sync_op": True} if "sync_op" in spec.kinds else {}
     call = exclusive_as(spec.name)(ops.call_compiled)
 
     def forward(*args: Any) -> Any:
         values = dict(zip(names, args))
         autograd, rows = values.pop("autograd", "none"), values.pop("rows", None)
-        arguments = {**outputs, **values, "group": group_of(values["group"])}
-        if "sync_op" in spec.kinds:
-            arguments["sync_op"] = True
+        arguments = {**outputs, **values, **synchronous, "group": group_of(values["group"])}
         array = values[traced.like].detach()
         arguments[traced.like] = array.clone() if in_place else array
         result, learned = call(spec, arguments, autograd)
@@ -222,12 +221,12 @@ def _fake(spec: OpSpec) -> Callable[..., Any]:
     return fake
 
 
-def _backward_needs(spec: OpSpec, group: int, saved: tuple) -> list[Any]:
+def _backward_needs(spec: OpSpec, names: tuple[str, ...], group: int, saved: tuple) -> list[Any]:
     """What the eager backward takes after the gradient, from what the backward op was given
     (:func:`_saved`): counts as host int64 arrays (and the plan derived from them), learned
     lists as host ints, other values as they are."""
     host = {}
-    for name, value in zip(_saved(spec), saved):
+    for name, value in zip(names, saved):
         if isinstance(value, torch.Tensor):
             value = _host_counts(value) if name in spec.kinds else _host_ints(value)
         host[name] = value
@@ -246,10 +245,12 @@ def _register(spec: OpSpec) -> None:
     if traced.backward is None:
         return
     eager_backward = getattr(ops, f"{spec.name}_backward")
+    saved_names = _saved(spec)
 
     def backward_impl(grad: torch.Tensor, *args: Any) -> torch.Tensor:
         *saved, group, _ = args
-        return _run_backward(spec.name, group, grad, eager_backward, *_backward_needs(spec, group, tuple(saved)))
+        needs = _backward_needs(spec, saved_names, group, tuple(saved))
+        return _run_backward(spec.name, group, grad, eager_backward, *needs)
 
     def backward_fake(grad: torch.Tensor, *args: Any) -> torch.Tensor:
         rows = args[-1]
@@ -261,7 +262,7 @@ def _register(spec: OpSpec) -> None:
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         values = dict(zip(names, inputs))
         values.update(zip(traced.learns, output[1:] if traced.learns else ()))
-        needs = [values[name] for name in _saved(spec)]
+        needs = [values[name] for name in saved_names]
         ctx.tensor_at = [i for i, value in enumerate(needs) if isinstance(value, torch.Tensor)]
         ctx.save_for_backward(*(needs[i] for i in ctx.tensor_at))
         ctx.needs = [None if isinstance(value, torch.Tensor) else value for value in needs]
@@ -304,33 +305,25 @@ def _moe_layout(
     int64), the token of each row sent and each slot's row (int64 on x's device), and the rows
     each local expert receives (ints: the graph reads no tensor for them). ``once``: the step
     sends each token once per rank (every rank's must: the count exchange refuses a mix), and
-    the layout of that follows (:func:`_once_layout`; else five empty tensors and no size)."""
-    return _layout(x, topk_idx, topk_weights, experts_per_rank, group, capacity, once)
-
-
-@exclusive_as("moe.dispatch")
-def _layout(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor | None,
-    experts_per_rank: int,
-    group: int,
-    capacity: int | None,
-    once: bool,
-) -> tuple[torch.Tensor, ...]:
-    """moe_layout's implementation, under the lock (its exchanges are the eager operators')."""
-    weights = None if topk_weights is None else topk_weights.detach()
-    local_count, global_count, send_tokens, slot_rows = moe.layout(
-        x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity, once
-    )
-    on_x = functools.partial(torch.as_tensor, device=x.device)
-    rows_per_expert = global_count.reshape(-1, experts_per_rank).sum(0).tolist()
-    counts = torch.from_numpy(local_count), torch.from_numpy(global_count)
-    plain = *counts, on_x(send_tokens), on_x(slot_rows)
-    if not once:
-        return *plain, *_no_once_layout(x), rows_per_expert
-    *layout, pairs_received = _once_layout(topk_idx.to(x.device), plain, experts_per_rank, group)
-    return *plain, *layout, [*rows_per_expert, pairs_received]
+    the layout of that follows (:func:`_once_layout`; else five empty tensors and no size).
+    The whole layout runs under the lock, as one call of moe.dispatch (its exchanges are the
+    eager operators')."""
+    enter("moe.dispatch")
+    try:
+        weights = None if topk_weights is None else topk_weights.detach()
+        local_count, global_count, send_tokens, slot_rows = moe.layout(
+            x.detach(), topk_idx, weights, experts_per_rank, group_of(group), capacity, once
+        )
+        on_x = functools.partial(torch.as_tensor, device=x.device)
+        rows_per_expert = global_count.reshape(-1, experts_per_rank).sum(0).tolist()
+        counts = torch.from_numpy(local_count), torch.from_numpy(global_count)
+        plain = *counts, on_x(send_tokens), on_x(slot_rows)
+        if not once:
+            return *plain, *_no_once_layout(x), rows_per_expert
+        *layout, pairs_received = _once_layout(topk_idx.to(x.device), plain, experts_per_rank, group)
+        return *plain, *layout, [*rows_per_expert, pairs_received]
+    finally:
+        leave()
 
 
 def _no_once_layout(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
