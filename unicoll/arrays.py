@@ -12,6 +12,7 @@ import sys
 from typing import Any, NamedTuple
 
 from .libraries import Library, array_type, carried_origin, described, library_of_type
+from .libraries.native import TORCH
 
 #: Every dtype unicoll knows, by its canonical name (numpy's spelling, plus torch's bfloat16).
 DTYPES: tuple[str, ...] = (
@@ -90,16 +91,15 @@ def kind_of(x: Any) -> ArrayKind:
 def known_kind(x: Any) -> ArrayKind | None:
     """:func:`kind_of` for an array of a known library, None for any other value (the front
     end's signatures ask this of every array argument, on every call)."""
-    library = library_of(x)
-    if library is None:
+    description = description_of(x)
+    if description is None:
         return None
-    description = described(library)
     key = (type(x), x.dtype, description.device_key(x))
     try:
         return _kinds[key]
     except KeyError:
         pass
-    kind = ArrayKind(library, description.dtype(x), description.device(x))
+    kind = ArrayKind(description.name, description.dtype(x), description.device(x))
     _kinds[key] = kind
     return kind
 
@@ -107,7 +107,7 @@ def known_kind(x: Any) -> ArrayKind | None:
 def place_of(x: Any) -> Any:
     """Where an array of a known library lives, precisely enough to tell two devices apart:
     None on the host for numpy, a torch or cupy array's ``device``, a joined library's place."""
-    return described(library_of(x)).place(x)
+    return description_of(x).place(x)
 
 
 def dtype_name(x: Any) -> str:
@@ -144,7 +144,7 @@ def named_type(x: Any) -> str:
 def is_fillable(x: Any, library: str | None = None) -> bool:
     """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy.
     ``library``: ``x``'s, where the caller knows it already."""
-    return (described(library) if library else _description_of(x)).fillable(x)
+    return (described(library) if library else description_of(x)).fillable(x)
 
 
 def overlaps(a: Any, b: Any) -> bool:
@@ -154,17 +154,21 @@ def overlaps(a: Any, b: Any) -> bool:
     >>> overlaps(x[:4], x[2:]), overlaps(x[:4], x[4:])
     (True, False)
     """
-    return _description_of(a).overlaps(a, b)
+    return description_of(a).overlaps(a, b)
 
 
-_description_by_type: dict[type, Library] = {}
+_description_by_type: dict[type, Library | None] = {}
 
 
-def _description_of(x: Any) -> Library:
-    """The description of the library of ``x`` (an array of a known library), cached per type:
-    the eager operators ask it of their arrays on every call."""
+def description_of(x: Any) -> Library | None:
+    """The description of the library of ``x`` (:mod:`unicoll.libraries`), None for a value of
+    no known library. Cached per type, as :func:`library_of` is (the front end asks it of
+    every array, on every call), and not read while torch.compile traces a tensor."""
+    if _DYNAMO in sys.modules and _traced(x):
+        return TORCH
     try:
         return _description_by_type[type(x)]
     except KeyError:
-        description = _description_by_type[type(x)] = described(library_of(x))
+        library = library_of_type(type(x))
+        description = _description_by_type[type(x)] = None if library is None else described(library)
         return description

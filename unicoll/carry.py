@@ -21,10 +21,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .arrays import describe, library_of
+from .arrays import CARRIER, describe, library_of
 from .errors import bad_input
 from .kinds import ROUTER_IDS
-from .libraries import ArrayLibrary, array_type, carrying, joined
+from .libraries import NATIVE, ArrayLibrary, array_type, carrying, joined
 from .routing import Handle
 from .spec import SPECS, OpSpec
 from .static_layout import StaticHandle
@@ -51,7 +51,7 @@ def _joined_library(value: Any) -> ArrayLibrary | None:
     return None if library is None or library in _OWN else joined()[library]
 
 
-_OWN = frozenset(("numpy", "torch", "cupy"))
+_OWN = frozenset(NATIVE)
 """The libraries whose arrays the backends take as they are."""
 
 
@@ -87,19 +87,18 @@ def call(name: str, eager: Callable, locked: Callable, args: tuple, kwargs: dict
         raise bad_input(name, "arguments", "arrays of one joined library", given, TypeError)
     (library,) = libraries.values()
     _refuse_others(spec, arguments, library)
-    if library.name == "jax":
-        from .compiled import jax_static
+    if library.is_traced([array for array, _ in arrays]):
+        from .compiled import jax_static  # the one joined library with a compiler: JAX
 
-        if jax_static.is_traced([array for array, _ in arrays]):
-            return jax_static.call(name, spec, arguments)
+        return jax_static.call(name, spec, arguments)
     inputs = [array for array, _ in arrays if library.needs_grad(array)]
     if _weights_of(arguments.get("handle")) is not None:
         inputs.append(_weights_of(arguments["handle"]))  # combine's gradient reaches dispatch's weights
     run = _Run(spec, locked, library, arguments, held, inputs)
     if not inputs:
         return run.result(run([])[0])
-    if arguments.get("sync_op") is False and library.name == "jax":
-        raise bad_input(name, "sync_op", "True for arrays that jax.grad traces", "False")
+    if arguments.get("sync_op") is False and library.grad_transform is not None:
+        raise bad_input(name, "sync_op", f"True for arrays that {library.grad_transform} traces", "False")
     return run.result(library.differentiate(run, inputs, name))
 
 
@@ -244,7 +243,7 @@ class _Run:
             _handle_weights[value] = (weights if _differentiable(self.library, weights) else None,
                                       self.carried.get("topk_weights"))  # fmt: skip
             return value
-        return self._own(value) if library_of(value) == "torch" else value
+        return self._own(value) if library_of(value) == CARRIER else value
 
     def _own(self, tensor: Any) -> Any:
         """A result tensor as the caller's array: the caller's own array where the tensor is a
@@ -310,4 +309,4 @@ def _tensors(value: Any) -> list[Any]:
     """The torch tensors in a returned value (tuples and lists walked)."""
     if type(value) in (tuple, list):
         return [t for part in value for t in _tensors(part)]
-    return [value] if library_of(value) == "torch" else []
+    return [value] if library_of(value) == CARRIER else []

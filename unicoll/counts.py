@@ -26,7 +26,8 @@ class IntArray(Protocol):
 #: What a count or split argument may be: an int array of any supported library or a sequence.
 Counts = Union[Sequence[int], IntArray]  # noqa: UP007 (a runtime alias, kept valid on Python 3.10)
 
-_INT_DTYPES = ("int32", "int64")
+INT_DTYPES = ("int32", "int64")
+"""The dtypes an array of counts or of expert ids may have."""
 _HOST_OR_CUDA = ("cpu", "cuda")
 INT64_MAX = 2**63 - 1
 
@@ -56,7 +57,7 @@ def as_counts(value: Counts, op: str, param: str) -> np.ndarray:
     if lib is None:
         return _from_sequence(value, op, param)
     name = dtype_name(value)
-    if name not in _INT_DTYPES:
+    if name not in INT_DTYPES:
         raise bad_input(op, param, f"{named_type(value)} of dtype int32 or int64", describe(value), TypeError)
     if device_kind(value) not in _HOST_OR_CUDA:
         raise bad_input(op, param, "counts on the host or a CUDA device", describe(value))
@@ -142,7 +143,7 @@ def expert_ids(value: Any, op: str, param: str) -> Any:
     """
     if library_of(value) is None:
         raise bad_input(op, param, "an integer array (int32 or int64)", describe(value), TypeError)
-    if dtype_name(value) not in _INT_DTYPES:
+    if dtype_name(value) not in INT_DTYPES:
         raise bad_input(op, param, f"{named_type(value)} of dtype int32 or int64", describe(value), TypeError)
     if device_kind(value) not in _HOST_OR_CUDA:
         raise bad_input(op, param, "expert ids on the host or a CUDA device", describe(value))
@@ -167,4 +168,6 @@ def host_as(host: Any, x: Any) -> Any:
     if library == library_of(host) or library == NUMPY.name:
         return host
     description = NATIVE[library]
-    return description.from_host(host, x, None) if isinstance(host, np.ndarray) else description.from_dlpack(host, x)
+    if isinstance(host, np.ndarray):
+        return description.from_host(host, description.place(x), None)
+    return description.from_dlpack(host, description.place(x))

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import describe, device_kind, is_fillable, kind_of, known_kind, library_of, named_type
+from .arrays import describe, description_of, device_kind, is_fillable, kind_of, known_kind, library_of, named_type
 from .backends.base import REDUCE_OPS
-from .counts import as_counts, expert_ids, on_host
+from .counts import INT_DTYPES, as_counts, expert_ids, on_host
 from .errors import bad_input
-from .libraries import NON_NATIVE, array_types
+from .libraries import NATIVE, NON_NATIVE, array_types
 from .routing import Handle
 from .static_layout import StaticHandle
 
@@ -202,26 +202,17 @@ def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str
 
 
 def _sign_array(x: Any) -> Any:
-    library = library_of(x)
-    if library == "torch":  # what the reader checks, without looking the kind up
-        return ("torch", x.dtype, x.device, x.shape)
-    if library == "numpy":  # the dtype tells the byte order apart
-        return ("numpy", x.dtype, x.shape)
-    kind = known_kind(x)  # cupy, whose devices do not hash
-    return None if kind is None else (kind, x.shape)
+    description = description_of(x)  # what the reader checks, without looking the kind up
+    return None if description is None else (description.name, x.dtype, description.device_key(x), x.shape)
 
 
 def _sign_optional_output(x: Any) -> Any:
     if x is None:
         return ()
-    library = library_of(x)
-    if library == "torch":
-        return ("torch", x.dtype, x.device, x.shape, x.is_contiguous())
-    if library == "numpy":
-        flags = x.flags
-        return ("numpy", x.dtype, x.shape, flags.c_contiguous and flags.writeable)
-    kind = known_kind(x)
-    return None if kind is None else (kind, x.shape, is_fillable(x, kind.library))
+    description = description_of(x)
+    if description is None:
+        return None
+    return (description.name, x.dtype, description.device_key(x), x.shape, description.fillable(x))
 
 
 def _sign_gather_output(value: Any) -> Any:
@@ -234,12 +225,10 @@ def _sign_counts(value: Any) -> Any:
     kind = type(value)
     if kind is list or kind is tuple:
         return (kind, tuple(value), tuple(map(type, value)))
-    library = library_of(value)
-    if library == "numpy":  # the dtype tells the byte order apart
-        return ("numpy", value.dtype, value.shape, value.tobytes())
-    if library == "torch" and value.device.type == "cpu" and not value.dtype.is_floating_point:
-        return ("torch", value.dtype, value.shape, value.numpy().tobytes())
-    return None  # counts on a GPU, or floats (refused by the reader; numpy has no bfloat16)
+    array = known_kind(value)
+    if array is None or array.device != "cpu" or array.dtype not in INT_DTYPES or array.library not in NATIVE:
+        return None  # counts on a GPU (reading them waits for it), of a dtype the reader refuses, or carried
+    return (array, value.shape, NATIVE[array.library].to_host(value).tobytes())
 
 
 def _sign_flag(value: Any) -> Any:

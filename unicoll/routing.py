@@ -17,6 +17,7 @@ import numpy as np
 from .arrays import library_of, place_of
 from .backends.blocks import StaticLayout
 from .backends.layout import MoePlan, Routing
+from .libraries import NATIVE
 from .session import join_session
 
 if TYPE_CHECKING:
@@ -206,16 +207,8 @@ class Handle(SessionHandle):
         library's). What an experts module that routes rows by id takes: rows_per_expert
         ``[2, 0, 1]`` gives ``[0, 0, 2]``."""
         ids = np.repeat(np.arange(len(self.rows_per_expert), dtype=np.int64), self.rows_per_expert)
-        if self.library == "torch":
-            import torch
-
-            return torch.from_numpy(ids).to(self.device)
-        if self.library == "cupy":
-            import cupy
-
-            with self.device:
-                return cupy.asarray(ids)
-        return ids
+        description = NATIVE.get(self.library)
+        return ids if description is None else description.from_host(ids, self.device, None)
 
     def __repr__(self) -> str:
         state = f"ended: {self._ended}" if self._ended else f"rows per expert {self.rows_per_expert}"

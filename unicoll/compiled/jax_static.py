@@ -45,23 +45,6 @@ from ..validate import read_only
 _STATIC = ("moe.dispatch_static", "moe.redispatch_static", "moe.combine_static")
 
 
-def is_traced(values: list[Any]) -> bool:
-    """Whether any of ``values`` is a tracer of ``jax.jit`` (abstract: no value to read)."""
-    jax = sys.modules["jax"]
-    return any(isinstance(v, jax.core.Tracer) and _abstract(v) for v in values)
-
-
-def _abstract(tracer: Any) -> bool:
-    """Whether ``tracer`` has no concrete value (jax.jit's, not jax.grad's over an array)."""
-    import jax.extend.core
-
-    try:
-        jax.extend.core.concrete_or_error(None, tracer)
-    except sys.modules["jax"].errors.ConcretizationTypeError:
-        return True
-    return False
-
-
 def call(name: str, spec: OpSpec, arguments: dict[str, Any]) -> Any:
     """The operator ``name`` inside ``jax.jit``: a static-shape MoE operator, traced."""
     if name not in _STATIC:

@@ -97,6 +97,14 @@ class _InPlaceCollective(torch.autograd.Function):
         return ctx.backward_collective(grad.contiguous()), None
 
 
+def recorded_state(x: torch.Tensor) -> str:
+    """How autograd records a tensor that needs a gradient: ``"a leaf"``, ``"a view of a leaf"``
+    (neither may change in place), else ``"recorded"``."""
+    if x.is_leaf:
+        return "a leaf"
+    return "a view of a leaf" if x._base is not None and x._base.is_leaf else "recorded"
+
+
 def needs_grad(x: Any) -> bool:
     """Whether a result computed from ``x`` should join the autograd graph now."""
     return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()

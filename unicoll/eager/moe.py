@@ -16,7 +16,6 @@ docs/semantics.md.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace, device
 
-from ..arrays import describe, library_of, place_of
+from ..arrays import describe, description_of, library_of, place_of
 from ..backends.base import Backend, Pending
 from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
@@ -36,6 +35,7 @@ from ..counts import host_as, on_host
 from ..device_routing import FAULTS, DeviceRouting, device_routing, expert_major_orders
 from ..errors import bad_input, translated
 from ..group import Group
+from ..libraries.native import TORCH
 from ..routing import Handle, route
 from ..spec import IDS_EXPECTED, MOE_COMBINE, MOE_DISPATCH, MOE_REDISPATCH, Call, OpSpec, ids_out_of_range
 from ..task import Task
@@ -270,7 +270,7 @@ def _routed_on_device(
     pairs = None
     if form == EAGER_ONCE:
         code = 0 if weights is None else weight_code(str(weights.dtype).rsplit(".", 1)[-1])
-        usable = native if code >= 0 and library_of(native) == "torch" else None  # torch tensors only
+        usable = native if code >= 0 and description_of(native) is TORCH else None  # its kernels are torch's
         moved = bool({"moe_dispatch", "moe_combine"} & call.backend.capabilities.moe)
         mode = once_mode(MOE_DISPATCH.name, call.W, ids.shape[1], usable, moved)
         if mode != OFF:
@@ -285,7 +285,7 @@ def _routed_on_device(
 
 def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
     """The router's ids as a native array on x's device (``native``: x as the backend moves it)."""
-    ids = backend.to_native(topk_idx) if library_of(topk_idx) != "numpy" else topk_idx
+    ids = topk_idx if description_of(topk_idx).device(topk_idx) == "cpu" else backend.to_native(topk_idx)
     if library_of(ids) == library_of(native) and place_of(ids) == place_of(native):
         return ids
     xp = array_namespace(native)
@@ -558,8 +558,8 @@ def sum_slots(backend: Backend, back: Any, slot_rows: np.ndarray, k: int, weight
         return backend.take_rows(back, slot_rows)
     if slot_rows.size * row_bytes(back) < FROM_BYTES:  # small: one gather costs less than k
         return sum_at_once(back, host_as(slot_rows, back), tokens, k, weights, kept)
-    slots, library = np.ascontiguousarray(slot_rows.reshape(tokens, k).T), library_of(back)
-    dtype = _sum_dtype(library, back, weights)
+    slots, description = np.ascontiguousarray(slot_rows.reshape(tokens, k).T), description_of(back)
+    dtype = _sum_dtype(back, weights)
     apart = dtype != back.dtype  # summed in a wider dtype, then rounded into the result
     out, out_lent = _scratch_as(backend, back, tokens, dtype) if apart else (backend.empty_rows(back, tokens), None)
     rows, rows_lent = backend.scratch_rows(back, tokens)
@@ -570,7 +570,7 @@ def sum_slots(backend: Backend, back: Any, slot_rows: np.ndarray, k: int, weight
                 continue
             backend.take_rows(back, slot, rows)
             column = None if weights is None else _slot_weights(weights, kept, j, back.ndim)
-            _accumulate(library, out, rows, column, first=j == 0)
+            description.accumulate(out, rows, column, j == 0)
     finally:
         backend.give_back(rows_lent)
     if not apart:
@@ -581,17 +581,13 @@ def sum_slots(backend: Backend, back: Any, slot_rows: np.ndarray, k: int, weight
     return result
 
 
-def _sum_dtype(library: str, back: Any, weights: Any) -> Any:
+def _sum_dtype(back: Any, weights: Any) -> Any:
     """The dtype :func:`sum_slots` sums in (see there)."""
     xp = array_namespace(back)
     dtype = back.dtype if weights is None else xp.result_type(back, weights)
-    if weights is not None and xp.isdtype(dtype, "real floating") and _itemsize(library, dtype) == 2:
+    if weights is not None and xp.isdtype(dtype, "real floating") and xp.finfo(dtype).bits == 16:
         return xp.float32
     return dtype
-
-
-def _itemsize(library: str, dtype: Any) -> int:
-    return dtype.itemsize if library == "torch" else np.dtype(dtype).itemsize
 
 
 def _scratch_as(backend: Backend, like: Any, rows: int, dtype: Any) -> tuple[Any, np.ndarray | None]:
@@ -610,40 +606,12 @@ def _slot_weights(weights: Any, kept: Any, j: int, ndim: int) -> Any:
     return column.reshape(column.shape[0], *([1] * (ndim - 1)))
 
 
-def _accumulate(library: str, out: Any, rows: Any, column: Any, first: bool) -> None:
-    """``out = rows * column`` (``first``) or ``out += rows * column`` in place; column None is 1.
-    ``rows`` may be overwritten."""
-    if library == "torch":
-        import torch  # loaded already: the rows are tensors
-
-        if first:
-            torch.mul(rows, column, out=out)
-        elif column is None:
-            out.add_(rows)
-        else:
-            out.addcmul_(rows, column)
-        return
-    ufuncs = np if library == "numpy" else importlib.import_module("cupy")
-    if first:
-        ufuncs.multiply(rows, column, out=out)
-        return
-    if column is not None:
-        if rows.dtype == out.dtype:
-            ufuncs.multiply(rows, column, out=rows)
-        else:
-            rows = rows * column
-    ufuncs.add(out, rows, out=out)
-
-
 def records_gradient(*arrays: Any) -> bool:
     """Whether a result made from ``arrays`` joins torch's autograd graph (one of them, a tensor,
     needs a gradient); None entries are skipped."""
     for array in arrays:
-        if array is not None and library_of(array) == "torch" and array.requires_grad:
-            from .autograd import needs_grad
-
-            if needs_grad(array):
-                return True
+        if array is not None and description_of(array).needs_grad(array):
+            return True
     return False
 
 
@@ -687,10 +655,8 @@ def sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, ke
     torch's autograd follows, and torch.compile traces: the compiled moe.combine sums with it);
     the result has back's dtype."""
     trailing = tuple(back.shape[1:])
-    library = library_of(back)
-    rows = (back.index_select(0, slot_rows) if library == "torch" else back.take(slot_rows, axis=0)).reshape(
-        tokens, k, *trailing
-    )
+    description = description_of(back)
+    rows = description.take_rows(back, slot_rows).reshape(tokens, k, *trailing)
     if weights is None:
         out = rows.reshape(tokens, *trailing) if k == 1 else rows.sum(1)
     else:
@@ -698,17 +664,5 @@ def sum_at_once(back: Any, slot_rows: Any, tokens: int, k: int, weights: Any, ke
             xp = array_namespace(weights)
             weights = xp.where(kept, weights, xp.zeros_like(weights))
         flat = rows.reshape(tokens, k, math.prod(trailing))
-        out = _matmul(weights.reshape(tokens, 1, k), flat).reshape(tokens, *trailing)
-    if out.dtype == back.dtype:
-        return out
-    return out.to(back.dtype) if library == "torch" else out.astype(back.dtype)
-
-
-def _matmul(a: Any, b: Any) -> Any:
-    """Batched ``a @ b`` in the promoted dtype of the two (torch does not promote by itself)."""
-    if library_of(a) != "torch":
-        return a @ b
-    import torch  # loaded already: a is a tensor
-
-    common = torch.promote_types(a.dtype, b.dtype)
-    return torch.bmm(a.to(common), b.to(common))
+        out = description.matmul(weights.reshape(tokens, 1, k), flat).reshape(tokens, *trailing)
+    return out if out.dtype == back.dtype else description.astype(out, back.dtype)

@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import library_of
+from ..arrays import description_of
 from ..backends.base import Backend, Pending, issued
 from ..backends.host import host_view
 from ..backends.layout import MoePlan
 from ..backends.once import WEIGHT_DTYPES, Expansion, Incoming, Outgoing, bounds, meta_bytes, read_meta
 from ..counts import host_as
 from ..group import Group
+from ..libraries.native import TORCH
 
 
 @dataclass(eq=False)
@@ -198,7 +199,7 @@ def combine(
 
 def as_torch(a: Any) -> Any:
     """A host native array as a torch tensor over the same memory."""
-    if library_of(a) == "torch":
+    if description_of(a) is TORCH:
         return a
     import torch  # the sums below are torch's on every host backend
 
@@ -212,7 +213,7 @@ def _flat(t: Any) -> Any:
 
 def as_native(t: Any, like: Any) -> Any:
     """A torch result as ``like``'s library (a numpy array shares its memory)."""
-    return t if library_of(like) == "torch" else t.numpy()
+    return t if description_of(like) is TORCH else t.numpy()
 
 
 def sum_dtype(rows_dtype: Any, weights_dtype: Any) -> Any:

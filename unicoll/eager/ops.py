@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace
 
-from ..arrays import describe, library_of, overlaps
+from ..arrays import describe, description_of, library_of, overlaps
 from ..backends.base import Backend, Pending
 from ..backends.layout import MoePlan
 from ..check import call_number, verify, verify_backward
@@ -80,14 +80,15 @@ def _now(op: str, call: Call, issue: Callable[..., Pending], *args: Any) -> Any:
 
 def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """How to finish an operator that allocated its output: back to x's library, with autograd
-    whose backward collective reports failures like the forward one."""
-    library = library_of(x)
-    if library == "torch" and x.requires_grad:  # autograd (and torch) only imported when needed
-        from .autograd import attach, needs_grad
+    whose backward collective reports failures like the forward one (the eager floor's autograd
+    is torch's: a joined library's arrays arrive as torch tensors, :mod:`unicoll.carry`)."""
+    description = description_of(x)
+    library = description.name
+    if description.needs_grad(x):
+        from .autograd import attach  # autograd (and torch) only imported when needed
 
-        if needs_grad(x):
-            backend, guarded = call.backend, _guarded(op, call, backward)
-            return lambda result: attach(x, backend.from_native(result, "torch"), guarded)
+        backend, guarded = call.backend, _guarded(op, call, backward)
+        return lambda result: attach(x, backend.from_native(result, library), guarded)
     return lambda result: call.backend.from_native(result, library)
 
 
@@ -95,13 +96,13 @@ def _functional_linked(op: str, call: Call, x: Any, backward: Callable[[Any], An
     """:func:`_functional` for a dispatch, whose handle later joins combine's rows to it:
     finishes as ``(result, link)``, the link (:func:`~unicoll.eager.autograd.attach_linked`)
     None where no gradient is recorded."""
-    library = library_of(x)
-    if library == "torch" and x.requires_grad:
-        from .autograd import attach_linked, needs_grad
+    description = description_of(x)
+    library = description.name
+    if description.needs_grad(x):
+        from .autograd import attach_linked
 
-        if needs_grad(x):
-            backend, guarded = call.backend, _guarded(op, call, backward)
-            return lambda result: attach_linked(x, backend.from_native(result, "torch"), guarded)
+        backend, guarded = call.backend, _guarded(op, call, backward)
+        return lambda result: attach_linked(x, backend.from_native(result, library), guarded)
     return lambda result: (call.backend.from_native(result, library), None)
 
 
@@ -231,34 +232,28 @@ def autograd_state(x: Any) -> str:
     """How autograd sees a result computed from ``x``: ``"none"`` (not recorded: not a tensor
     that requires grad, or grad mode off), ``"a leaf"`` or ``"a view of a leaf"`` (which
     cannot change in place), else ``"recorded"``."""
-    if library_of(x) != "torch" or not x.requires_grad:
+    description = description_of(x)
+    if description is None or not description.needs_grad(x):
         return "none"
-    from .autograd import needs_grad
+    from .autograd import recorded_state
 
-    if not needs_grad(x):
-        return "none"
-    if x.is_leaf:
-        return "a leaf"
-    return "a view of a leaf" if x._base is not None and x._base.is_leaf else "recorded"
+    return recorded_state(x)
 
 
 def _written(op: str, param: str, out: Any) -> None:
     """Before anything is sent: refuse an output array autograd would have to record (a torch
     tensor that requires grad, with grad mode on: an output filled in place records no
-    gradient), and move the version counter of a torch tensor this call will write, as torch's
+    gradient), and move the version counter of a tensor this call will write, as torch's
     own in-place operators do, so that a backward pass that saved it raises instead of reading
     the new values."""
-    if library_of(out) != "torch":
-        return
-    import torch
-
-    if out.requires_grad and torch.is_grad_enabled():
+    description = description_of(out)
+    if description.needs_grad(out):
         expected = (
             "a tensor that does not require grad (an output filled in place records no gradient; "
             "pass None for a result that does)"
         )
         raise bad_input(op, param, expected, f"{describe(out)} that requires grad")
-    torch.autograd.graph.increment_version(out)
+    description.mark_written(out)
 
 
 def _fillable_list(op: str, param: str, entries: list) -> None:
@@ -786,7 +781,9 @@ def exchange_counts(local_count: Counts, group: Group | None = None) -> Any:
         # a copy: a remembered call's counts are read-only, and a transport may wrap them in a tensor
         received = backend.exchange_ints(call.local_count.copy(), grp)
     description = NATIVE.get(library_of(local_count))  # a sequence of ints: the numpy array
-    return received if description is None else description.from_host(received, local_count, local_count.dtype)
+    if description is None:
+        return received
+    return description.from_host(received, description.place(local_count), local_count.dtype)
 
 
 @dataclass

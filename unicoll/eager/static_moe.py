@@ -25,7 +25,7 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from .. import runtime
-from ..arrays import library_of
+from ..arrays import description_of, library_of
 from ..backends.base import Backend, Pending
 from ..backends.blocks import StaticLayout, counts_heard, weighted_sum
 from ..backends.host import row_bytes
@@ -33,6 +33,7 @@ from ..check import call_number, count_call, verify
 from ..counts import host_as, on_host
 from ..errors import bad_input, translated
 from ..group import Group
+from ..libraries.native import TORCH
 from ..routing import static_route
 from ..spec import MOE_COMBINE_STATIC, MOE_DISPATCH_STATIC, MOE_REDISPATCH_STATIC, Call
 from ..static_layout import Arrived, StaticHandle, static_layout
@@ -253,7 +254,7 @@ def _dispatch(call: Call, arguments: dict[str, Any]) -> Any:
 def _sends_once(call: Call, native_x: Any, topk_idx: Any) -> bool:
     """Whether a device backend's static dispatch sends each token once per rank: on torch
     tensors, where :func:`unicoll.once_blocks.chosen` says so."""
-    if call.max_tokens_per_rank is None or library_of(native_x) != "torch":
+    if call.max_tokens_per_rank is None or description_of(native_x) is not TORCH:
         return False
     from ..once_blocks import chosen
 

@@ -27,6 +27,7 @@ from .description import ArrayLibrary, Library
 from .native import NATIVE, NON_NATIVE
 
 __all__ = [
+    "NATIVE",
     "NON_NATIVE",
     "ArrayLibrary",
     "Library",

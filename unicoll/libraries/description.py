@@ -15,7 +15,17 @@ def _on_one_device(x: Any) -> int:
 
 
 def _never_written(x: Any) -> None:
-    """Nothing to record: the library's arrays are never written in place."""
+    """Nothing to record: the library's arrays are never written in place, or it has no autograd."""
+
+
+def _none_traced(arrays: list[Any]) -> bool:
+    """False: the library has no compiler whose tracing a call could meet."""
+    return False
+
+
+def _never(x: Any) -> bool:
+    """False: the library has no autograd (numpy, cupy)."""
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +47,15 @@ class Library:
     """``"cpu"`` or ``"cuda"``: where an array's memory lives."""
     place: Callable[[Any], Any]
     """Where an array lives, precisely enough to tell two devices apart (None on the host)."""
+    needs_grad: Callable[[Any], bool] = _never
+    """Whether a result computed from an array joins the library's autograd now (a torch
+    tensor that requires grad with grad mode on; for JAX: a tracer, under ``jax.grad``)."""
+    is_leaf: Callable[[Any], bool] = _never
+    """Whether an array that needs a gradient is a leaf (which its autograd never lets change in place)."""
+    mark_written: Callable[[Any], None] = _never_written
+    """Record in the library's autograd that an operator writes the array in place (its
+    version counter, as the library's own in-place operators move it), so a backward pass
+    that saved the array raises instead of using the new values."""
 
     def label(self) -> str:
         """How messages name an array of the library before its dtype and shape
@@ -70,11 +89,6 @@ class ArrayLibrary(Library):
     ``like`` (one of the call's arrays of this library), sharing memory where the library allows."""
     writable: bool
     """Whether its arrays can be filled in place (JAX's cannot: operators hand back new ones)."""
-    needs_grad: Callable[[Any], bool]
-    """Whether a result computed from an array joins this library's autograd now (for JAX: it
-    is a tracer, under ``jax.grad``)."""
-    is_leaf: Callable[[Any], bool]
-    """Whether an array that needs a gradient is a leaf (which its autograd never lets change in place)."""
     differentiate: Callable[[Callable[[list[Any]], tuple[list[Any], Callable]], list[Any], str], list[Any]]
     """Run a call in the library's autograd (see the class docstring)."""
     grad_hint: str
@@ -82,10 +96,13 @@ class ArrayLibrary(Library):
     device_count: Callable[[Any], int] = _on_one_device
     """How many devices an array's memory spans: more than one (a sharded JAX array) is refused,
     since one torch tensor cannot carry it."""
-    mark_written: Callable[[Any], None] = _never_written
-    """Record in the library's autograd that an operator writes the array in place (its
-    version counter, as the library's own in-place operators move it), so a backward pass
-    that saved the array raises instead of using the new values."""
+    is_traced: Callable[[list[Any]], bool] = _none_traced
+    """Whether any of a call's arrays is abstract, traced by the library's compiler (a tracer of
+    ``jax.jit``): the call then runs as that compiler's form (for JAX, :mod:`unicoll.compiled.jax_static`)."""
+    grad_transform: str | None = None
+    """The transformation that traces the library's gradients (``"jax.grad"``), whose traced
+    values cannot wait in a Task: a call that records a gradient must be synchronous. None where
+    the library records gradients as the call runs (Paddle)."""
 
     def label(self) -> str:
         """Messages name a joined library's array by its type: ``"paddle.Tensor int64 (4,) on cpu"``."""

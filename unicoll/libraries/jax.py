@@ -102,6 +102,23 @@ def _is_leaf(x: Any) -> bool:
     return False  # JAX's arrays never change in place: an in-place operator hands back a new array
 
 
+def _is_traced(arrays: list[Any]) -> bool:
+    """Whether any of ``arrays`` is a tracer of ``jax.jit`` (abstract: no value to read)."""
+    jax = _jax()
+    return any(isinstance(a, jax.core.Tracer) and _abstract(a) for a in arrays)
+
+
+def _abstract(tracer: Any) -> bool:
+    """Whether ``tracer`` has no concrete value (jax.jit's, not jax.grad's over an array)."""
+    import jax.extend.core
+
+    try:
+        jax.extend.core.concrete_or_error(None, tracer)
+    except _jax().errors.ConcretizationTypeError:
+        return True
+    return False
+
+
 def _differentiate(run: Callable[[list[Any]], tuple[list[Any], Callable]], inputs: list[Any], op: str) -> list[Any]:
     """``run`` in a ``jax.custom_vjp``: its forward rule runs it on the concrete values of
     ``inputs`` (tracers under ``jax.grad``) and keeps its backward for the backward rule, which
@@ -188,6 +205,8 @@ JAX = ArrayLibrary(
     differentiate=_differentiate,
     grad_hint="outside jax.grad",
     device_count=_device_count,
+    is_traced=_is_traced,
+    grad_transform="jax.grad",
 )
 """JAX's ``jax.Array``, eagerly and under ``jax.grad``; inside ``jax.jit``, the static-shape MoE
 operators (:mod:`unicoll.compiled.jax_static`)."""

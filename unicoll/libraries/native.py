@@ -1,5 +1,5 @@
 """numpy, torch and cupy described (:class:`NativeLibrary`): the libraries whose arrays the
-transports move, told apart, named, read and compared by their descriptions here, as Paddle's
+transports move, told apart, named, read, compared, copied, moved and summed by their descriptions here, as Paddle's
 and JAX's are by theirs. None of them is imported here: a description reads its library from
 ``sys.modules``, which holds it once the caller has one of its arrays."""
 
@@ -37,12 +37,23 @@ class NativeLibrary(Library):
     """An array as a numpy array on the host (copied off a device, which waits for the work
     queued before it; detached from autograd)."""
     from_host: Callable[[np.ndarray, Any, Any], Any]
-    """``from_host(a, like, dtype)``: the numpy array ``a`` as this library's array on the
-    device of ``like`` (one of its arrays), of ``dtype`` (``like``'s kind of dtype; None keeps
-    ``a``'s), sharing ``a``'s memory where no copy is needed."""
+    """``from_host(a, place, dtype)``: the numpy array ``a`` as this library's array at
+    ``place`` (a :attr:`place` of one of its arrays), of ``dtype`` (the library's kind of
+    dtype; None keeps ``a``'s), sharing ``a``'s memory where no copy is needed."""
     from_dlpack: Callable[[Any, Any], Any]
-    """``from_dlpack(a, like)``: a device array of another library as this library's, over the
-    same memory, on ``like``'s device."""
+    """``from_dlpack(a, place)``: a device array of another library as this library's, over the
+    same memory, at ``place``."""
+    take_rows: Callable[[Any, Any], Any]
+    """``take_rows(a, index)``: the rows of ``a`` at ``index`` (an int array of the library on
+    a's device), recorded by the library's autograd where it has one."""
+    astype: Callable[[Any, Any], Any]
+    """``astype(a, dtype)``: ``a`` as ``dtype`` (a new array), recorded by the autograd."""
+    matmul: Callable[[Any, Any], Any]
+    """``matmul(a, b)``: the batched product ``a @ b`` in the promoted dtype of the two."""
+    accumulate: Callable[[Any, Any, Any, bool], None]
+    """``accumulate(out, rows, column, first)``: ``out = rows * column`` (``first``) or
+    ``out += rows * column``, in place, in out's dtype; ``column`` None is 1, and ``rows`` may
+    be overwritten."""
 
     def device_key(self, x: Any) -> Any:
         """The array's :attr:`cache_key` (a cupy ``Device`` is unhashable: its place cannot be one)."""
@@ -89,21 +100,66 @@ def _torch_to_host(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if x.device.type != "cpu" else x.detach().numpy()
 
 
-def _torch_from_host(a: np.ndarray, like: Any, dtype: Any) -> Any:
-    """A numpy array as a torch tensor on ``like``'s device, of ``dtype`` (None: a's)."""
-    return sys.modules["torch"].from_numpy(a).to(device=like.device, dtype=dtype)
+def _torch_from_host(a: np.ndarray, place: Any, dtype: Any) -> Any:
+    """A numpy array as a torch tensor on the device ``place``, of ``dtype`` (None: a's)."""
+    return sys.modules["torch"].from_numpy(a).to(device=place, dtype=dtype)
 
 
-def _cupy_from_host(a: np.ndarray, like: Any, dtype: Any) -> Any:
-    """A numpy array as a cupy array on ``like``'s device, of ``dtype`` (None: a's)."""
-    with like.device:
+def _cupy_from_host(a: np.ndarray, place: Any, dtype: Any) -> Any:
+    """A numpy array as a cupy array on the device ``place``, of ``dtype`` (None: a's)."""
+    with place:
         return sys.modules["cupy"].asarray(a, dtype=dtype)
 
 
-def _cupy_from_dlpack(a: Any, like: Any) -> Any:
-    """A device array of another library as a cupy array, on ``like``'s device."""
-    with like.device:
+def _cupy_from_dlpack(a: Any, place: Any) -> Any:
+    """A device array of another library as a cupy array, on the device ``place``."""
+    with place:
         return sys.modules["cupy"].from_dlpack(a)
+
+
+def _torch_needs_grad(x: Any) -> bool:
+    """Whether torch records a gradient for a result computed from the tensor now."""
+    return x.requires_grad and sys.modules["torch"].is_grad_enabled()
+
+
+def _torch_mark_written(x: Any) -> None:
+    """Move the tensor's version counter, as torch's own in-place operators do."""
+    sys.modules["torch"].autograd.graph.increment_version(x)
+
+
+def _torch_matmul(a: Any, b: Any) -> Any:
+    """Batched ``a @ b`` in the promoted dtype (torch's bmm does not promote by itself)."""
+    torch = sys.modules["torch"]
+    common = torch.promote_types(a.dtype, b.dtype)
+    return torch.bmm(a.to(common), b.to(common))
+
+
+def _torch_accumulate(out: Any, rows: Any, column: Any, first: bool) -> None:
+    """:attr:`NativeLibrary.accumulate` by torch's operators with ``out=`` and in place."""
+    if first:
+        sys.modules["torch"].mul(rows, column, out=out)
+    elif column is None:
+        out.add_(rows)
+    else:
+        out.addcmul_(rows, column)
+
+
+def _ufunc_accumulate(module: str) -> Callable[[Any, Any, Any, bool], None]:
+    """:attr:`NativeLibrary.accumulate` by the ufuncs of ``module`` (numpy's, cupy's)."""
+
+    def accumulate(out: Any, rows: Any, column: Any, first: bool) -> None:
+        ufuncs = sys.modules[module]
+        if first:
+            ufuncs.multiply(rows, column, out=out)
+            return
+        if column is not None:
+            if rows.dtype == out.dtype:
+                ufuncs.multiply(rows, column, out=rows)
+            else:
+                rows = rows * column
+        ufuncs.add(out, rows, out=out)
+
+    return accumulate
 
 
 def _is_instance_of(module: str, attribute: str) -> Callable[[type], bool]:
@@ -129,8 +185,12 @@ NUMPY = NativeLibrary(
     overlaps=lambda a, b: bool(np.may_share_memory(a, b)),
     copy=lambda x: x.copy(),
     to_host=lambda x: x,
-    from_host=lambda a, like, dtype: a if dtype is None else a.astype(dtype, copy=False),
-    from_dlpack=lambda a, like: np.from_dlpack(a),
+    from_host=lambda a, place, dtype: a if dtype is None else a.astype(dtype, copy=False),
+    from_dlpack=lambda a, place: np.from_dlpack(a),
+    take_rows=lambda a, index: a.take(index, axis=0),
+    astype=lambda a, dtype: a.astype(dtype),
+    matmul=lambda a, b: a @ b,
+    accumulate=_ufunc_accumulate("numpy"),
 )
 """numpy's ``ndarray`` (and its scalars), on the host."""
 
@@ -148,7 +208,14 @@ TORCH = NativeLibrary(
     copy=lambda x: x.clone(),
     to_host=_torch_to_host,
     from_host=_torch_from_host,
-    from_dlpack=lambda a, like: sys.modules["torch"].from_dlpack(a),
+    from_dlpack=lambda a, place: sys.modules["torch"].from_dlpack(a),
+    take_rows=lambda a, index: a.index_select(0, index),
+    astype=lambda a, dtype: a.to(dtype),
+    matmul=_torch_matmul,
+    accumulate=_torch_accumulate,
+    needs_grad=_torch_needs_grad,
+    is_leaf=lambda x: x.is_leaf,
+    mark_written=_torch_mark_written,
 )
 """torch's ``Tensor``, on the CPU or a CUDA device."""
 
@@ -167,6 +234,10 @@ CUPY = NativeLibrary(
     to_host=lambda x: x.get(),
     from_host=_cupy_from_host,
     from_dlpack=_cupy_from_dlpack,
+    take_rows=lambda a, index: a.take(index, axis=0),
+    astype=lambda a, dtype: a.astype(dtype),
+    matmul=lambda a, b: a @ b,
+    accumulate=_ufunc_accumulate("cupy"),
 )
 """cupy's ``ndarray``, on a CUDA device."""
 
