@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .arrays import describe, description_of, device_kind, is_fillable, kind_of, known_kind, library_of, named_type
+from .arrays import describe, description_of, device_kind, is_fillable, kind_of, library_of, named_type
 from .backends.base import REDUCE_OPS
-from .counts import INT_DTYPES, as_counts, expert_ids, on_host
+from .counts import as_counts, expert_ids, on_host
 from .errors import bad_input
-from .libraries import NATIVE, NON_NATIVE, array_types
+from .libraries import NON_NATIVE, array_types
+from .libraries.native import NativeLibrary
 from .routing import Handle
 from .static_layout import StaticHandle
 
@@ -201,18 +202,30 @@ def _read_flag(op: str, param: str, value: Any, caps: Capabilities, backend: str
 # -- signatures: what a reader's verdict depends on --------------------------------------------
 
 
+_native_by_type: dict[type, NativeLibrary] = {}
+
+
+def _native(x: Any) -> NativeLibrary | None:
+    """The description of the library of ``x`` where the transports move its arrays (numpy,
+    torch, cupy), else None; learned once per type, which the signatures then look up inline
+    (they run on every call)."""
+    description = description_of(x)
+    if not isinstance(description, NativeLibrary):
+        return None
+    _native_by_type[type(x)] = description
+    return description
+
+
 def _sign_array(x: Any) -> Any:
-    description = description_of(x)  # what the reader checks, without looking the kind up
-    return None if description is None else (description.name, x.dtype, description.device_key(x), x.shape)
+    description = _native_by_type.get(type(x)) or _native(x)
+    return None if description is None else (description.name, description.signature(x))
 
 
 def _sign_optional_output(x: Any) -> Any:
     if x is None:
         return ()
-    description = description_of(x)
-    if description is None:
-        return None
-    return (description.name, x.dtype, description.device_key(x), x.shape, description.fillable(x))
+    description = _native_by_type.get(type(x)) or _native(x)
+    return None if description is None else (description.name, description.signature(x), description.fillable(x))
 
 
 def _sign_gather_output(value: Any) -> Any:
@@ -225,10 +238,11 @@ def _sign_counts(value: Any) -> Any:
     kind = type(value)
     if kind is list or kind is tuple:
         return (kind, tuple(value), tuple(map(type, value)))
-    array = known_kind(value)
-    if array is None or array.device != "cpu" or array.dtype not in INT_DTYPES or array.library not in NATIVE:
-        return None  # counts on a GPU (reading them waits for it), of a dtype the reader refuses, or carried
-    return (array, value.shape, NATIVE[array.library].to_host(value).tobytes())
+    description = _native_by_type.get(kind) or _native(value)
+    held = None if description is None else description.host_bytes(value)
+    if held is None:
+        return None  # counts on a GPU (reading them waits for it), of floats, or not an array
+    return (description.name, value.dtype, value.shape, held)
 
 
 def _sign_flag(value: Any) -> Any:

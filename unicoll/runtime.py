@@ -54,11 +54,12 @@ class _State:
     handshake: bool
     #: The validator's memory of the calls it accepted in this session (unicoll.memory).
     memory: CallMemory = field(default_factory=CallMemory)
+    compare: bool = field(init=False)
+    """Whether the ranks compare their calls before moving data: the handshake, or check mode
+    (a field, not a property: every call reads it twice)."""
 
-    @property
-    def compare(self) -> bool:
-        """Whether the ranks compare their calls before moving data: the handshake, or check mode."""
-        return self.check or self.handshake
+    def __post_init__(self) -> None:
+        self.compare = self.check or self.handshake
 
 
 _state: _State | None = None

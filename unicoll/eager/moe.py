@@ -610,8 +610,10 @@ def records_gradient(*arrays: Any) -> bool:
     """Whether a result made from ``arrays`` joins torch's autograd graph (one of them, a tensor,
     needs a gradient); None entries are skipped."""
     for array in arrays:
-        if array is not None and description_of(array).needs_grad(array):
-            return True
+        if array is not None:
+            description = description_of(array)
+            if description.autograd and description.needs_grad(array):
+                return True
     return False
 
 

@@ -84,7 +84,7 @@ def _functional(op: str, call: Call, x: Any, backward: Callable[[Any], Any]) -> 
     is torch's: a joined library's arrays arrive as torch tensors, :mod:`unicoll.carry`)."""
     description = description_of(x)
     library = description.name
-    if description.needs_grad(x):
+    if description.autograd and description.needs_grad(x):
         from .autograd import attach  # autograd (and torch) only imported when needed
 
         backend, guarded = call.backend, _guarded(op, call, backward)
@@ -98,7 +98,7 @@ def _functional_linked(op: str, call: Call, x: Any, backward: Callable[[Any], An
     None where no gradient is recorded."""
     description = description_of(x)
     library = description.name
-    if description.needs_grad(x):
+    if description.autograd and description.needs_grad(x):
         from .autograd import attach_linked
 
         backend, guarded = call.backend, _guarded(op, call, backward)
@@ -233,7 +233,7 @@ def autograd_state(x: Any) -> str:
     that requires grad, or grad mode off), ``"a leaf"`` or ``"a view of a leaf"`` (which
     cannot change in place), else ``"recorded"``."""
     description = description_of(x)
-    if description is None or not description.needs_grad(x):
+    if description is None or not (description.autograd and description.needs_grad(x)):
         return "none"
     from .autograd import recorded_state
 
@@ -247,6 +247,8 @@ def _written(op: str, param: str, out: Any) -> None:
     own in-place operators do, so that a backward pass that saved it raises instead of reading
     the new values."""
     description = description_of(out)
+    if not description.autograd:
+        return
     if description.needs_grad(out):
         expected = (
             "a tensor that does not require grad (an output filled in place records no gradient; "
@@ -631,7 +633,9 @@ def _in_place_collective(
     tensor = arguments["tensor"]
     recorded = _recorded(spec.name, tensor, reduction, True, compiled) and compiled is None
     if not recorded:  # a recorded change moves the version counter as autograd records it
-        _written(spec.name, "tensor", tensor)
+        description = description_of(tensor)  # no gradient: _recorded said so, or this is the op's copy
+        if description.autograd:
+            description.mark_written(tensor)
 
     def issue() -> Pending:
         if call.compare:

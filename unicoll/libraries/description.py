@@ -47,6 +47,9 @@ class Library:
     """``"cpu"`` or ``"cuda"``: where an array's memory lives."""
     place: Callable[[Any], Any]
     """Where an array lives, precisely enough to tell two devices apart (None on the host)."""
+    autograd: bool = False
+    """Whether the library records gradients (torch, Paddle, JAX): where it does not, the
+    front end asks none of the three questions below (a check of a flag on every call, not a call)."""
     needs_grad: Callable[[Any], bool] = _never
     """Whether a result computed from an array joins the library's autograd now (a torch
     tensor that requires grad with grad mode on; for JAX: a tracer, under ``jax.grad``)."""

@@ -200,6 +200,7 @@ JAX = ArrayLibrary(
     to_torch=_to_torch,
     from_torch=_from_torch,
     writable=False,
+    autograd=True,
     needs_grad=_needs_grad,
     is_leaf=_is_leaf,
     differentiate=_differentiate,

@@ -29,6 +29,12 @@ class NativeLibrary(Library):
     """The part of an array's kind (beside its type and dtype) that tells its device apart, hashable."""
     fillable: Callable[[Any], bool]
     """Whether an array can receive data in place (C-contiguous, and writable where the library says)."""
+    signature: Callable[[Any], tuple]
+    """What the memory of accepted calls keys an array on beside its library: its dtype (byte
+    order included), device and shape, all that a check of an input array reads (hashable)."""
+    host_bytes: Callable[[Any], bytes | None]
+    """An integer array's bytes where the host holds them (None for one on a device, where
+    reading them would wait for it, or of floats): what the memory keys counts on."""
     overlaps: Callable[[Any, Any], bool]
     """Whether two of its arrays may share memory (their byte spans intersect)."""
     copy: Callable[[Any], Any]
@@ -117,6 +123,11 @@ def _cupy_from_dlpack(a: Any, place: Any) -> Any:
         return sys.modules["cupy"].from_dlpack(a)
 
 
+def _torch_host_bytes(x: Any) -> bytes | None:
+    """A host integer tensor's bytes; None for one on a device or of floats (bfloat16 has no numpy twin)."""
+    return x.numpy().tobytes() if x.device.type == "cpu" and not x.dtype.is_floating_point else None
+
+
 def _torch_needs_grad(x: Any) -> bool:
     """Whether torch records a gradient for a result computed from the tensor now."""
     return x.requires_grad and sys.modules["torch"].is_grad_enabled()
@@ -182,6 +193,8 @@ NUMPY = NativeLibrary(
     place=lambda x: None,
     cache_key=lambda x: None,
     fillable=lambda x: bool(x.flags.c_contiguous and x.flags.writeable),
+    signature=lambda x: (x.dtype, x.shape),
+    host_bytes=lambda x: x.tobytes(),
     overlaps=lambda a, b: bool(np.may_share_memory(a, b)),
     copy=lambda x: x.copy(),
     to_host=lambda x: x,
@@ -203,7 +216,9 @@ TORCH = NativeLibrary(
     device=lambda x: x.device.type,
     place=lambda x: x.device,
     cache_key=lambda x: x.device,
-    fillable=lambda x: bool(x.is_contiguous()),
+    fillable=lambda x: x.is_contiguous(),
+    signature=lambda x: (x.dtype, x.device, x.shape),
+    host_bytes=_torch_host_bytes,
     overlaps=_torch_overlaps,
     copy=lambda x: x.clone(),
     to_host=_torch_to_host,
@@ -213,6 +228,7 @@ TORCH = NativeLibrary(
     astype=lambda a, dtype: a.to(dtype),
     matmul=_torch_matmul,
     accumulate=_torch_accumulate,
+    autograd=True,
     needs_grad=_torch_needs_grad,
     is_leaf=lambda x: x.is_leaf,
     mark_written=_torch_mark_written,
@@ -229,6 +245,8 @@ CUPY = NativeLibrary(
     place=lambda x: x.device,
     cache_key=lambda x: None,  # cupy's Device is unhashable; the dtype and type tell the kind
     fillable=lambda x: bool(x.flags.c_contiguous),
+    signature=lambda x: (x.dtype, x.shape),  # its Device does not hash; the check reads the kind "cuda"
+    host_bytes=lambda x: None,
     overlaps=_cupy_overlaps,
     copy=lambda x: x.copy(),
     to_host=lambda x: x.get(),

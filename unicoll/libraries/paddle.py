@@ -130,6 +130,7 @@ PADDLE = ArrayLibrary(
     to_torch=_to_torch,
     from_torch=_from_torch,
     writable=True,
+    autograd=True,
     needs_grad=_needs_grad,
     is_leaf=_is_leaf,
     mark_written=_mark_written,
