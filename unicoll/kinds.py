@@ -241,7 +241,7 @@ def _sign_counts(value: Any) -> Any:
     description = _native_by_type.get(kind) or _native(value)
     held = None if description is None else description.host_bytes(value)
     if held is None:
-        return None  # counts on a GPU (reading them waits for it), of floats, or not an array
+        return None  # counts on a GPU (reading them waits for it), torch floats, or not an array
     return (description.name, value.dtype, value.shape, held)
 
 

@@ -33,8 +33,9 @@ class NativeLibrary(Library):
     """What the memory of accepted calls keys an array on beside its library: its dtype (byte
     order included), device and shape, all that a check of an input array reads (hashable)."""
     host_bytes: Callable[[Any], bytes | None]
-    """An integer array's bytes where the host holds them (None for one on a device, where
-    reading them would wait for it, or of floats): what the memory keys counts on."""
+    """A counts array's bytes where the host holds them: what the memory keys counts on. None
+    for an array on a device (reading it would wait for the device) and for torch's floats
+    (bfloat16 has no numpy twin); the reader refuses floats, so no call with them is kept."""
     overlaps: Callable[[Any, Any], bool]
     """Whether two of its arrays may share memory (their byte spans intersect)."""
     copy: Callable[[Any], Any]
