@@ -21,8 +21,6 @@ DTYPES: tuple[str, ...] = (
 )  # fmt: skip
 
 
-_library_by_type: dict[type, str | None] = {}
-
 CARRIER = "torch"
 """The library whose tensors carry a joined library's arrays through a call."""
 
@@ -52,18 +50,17 @@ def library_of(x: Any) -> str | None:
     """Return ``"numpy"``, ``"torch"`` or ``"cupy"`` for an array of that library, a joined
     library's name (``"paddle"``, ``"jax"``) for one of its arrays, else None.
 
-    The answer is cached per type: the front end asks on every call. While torch.compile
-    traces, the cache is not read (:func:`_traced`).
+    The answer is read from the descriptions cached per type (:func:`description_of`'s): the
+    front end asks on every call. While torch.compile traces, the cache is not read
+    (:func:`_traced`).
     """
-    kind = type(x)
     if _DYNAMO in sys.modules and _traced(x):
-        return "torch"
+        return TORCH.name
     try:
-        return _library_by_type[kind]
+        description = _description_by_type[type(x)]
     except KeyError:
-        pass
-    library = _library_by_type[kind] = library_of_type(kind)
-    return library
+        description = _learned(type(x))
+    return None if description is None else description.name
 
 
 def _traced(x: Any) -> bool:
@@ -141,10 +138,9 @@ def named_type(x: Any) -> str:
     return array_type(lib if origin is None else library_of(origin))
 
 
-def is_fillable(x: Any, library: str | None = None) -> bool:
-    """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy.
-    ``library``: ``x``'s, where the caller knows it already."""
-    return (described(library) if library else description_of(x)).fillable(x)
+def is_fillable(x: Any) -> bool:
+    """Whether ``x`` can receive data in place: C-contiguous, and writable for numpy."""
+    return description_of(x).fillable(x)
 
 
 def overlaps(a: Any, b: Any) -> bool:
@@ -162,13 +158,18 @@ _description_by_type: dict[type, Library | None] = {}
 
 def description_of(x: Any) -> Library | None:
     """The description of the library of ``x`` (:mod:`unicoll.libraries`), None for a value of
-    no known library. Cached per type, as :func:`library_of` is (the front end asks it of
-    every array, on every call), and not read while torch.compile traces a tensor."""
+    no known library. Cached per type (the front end asks it, or :func:`library_of`, of every
+    array, on every call), and not read while torch.compile traces a tensor."""
     if _DYNAMO in sys.modules and _traced(x):
         return TORCH
     try:
         return _description_by_type[type(x)]
     except KeyError:
-        library = library_of_type(type(x))
-        description = _description_by_type[type(x)] = None if library is None else described(library)
-        return description
+        return _learned(type(x))
+
+
+def _learned(kind: type) -> Library | None:
+    """The description of the library whose array type ``kind`` is (None for none), now cached."""
+    library = library_of_type(kind)
+    description = _description_by_type[kind] = None if library is None else described(library)
+    return description

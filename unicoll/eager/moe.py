@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from array_api_compat import array_namespace, device
 
-from ..arrays import describe, description_of, library_of, place_of
+from ..arrays import describe, description_of, device_kind, library_of, place_of
 from ..backends.base import Backend, Pending
 from ..backends.blocks import with_zero_row
 from ..backends.host import row_bytes
@@ -285,7 +285,7 @@ def _routed_on_device(
 
 def _ids_on(backend: Backend, topk_idx: Any, native: Any) -> Any:
     """The router's ids as a native array on x's device (``native``: x as the backend moves it)."""
-    ids = topk_idx if description_of(topk_idx).device(topk_idx) == "cpu" else backend.to_native(topk_idx)
+    ids = topk_idx if device_kind(topk_idx) == "cpu" else backend.to_native(topk_idx)
     if library_of(ids) == library_of(native) and place_of(ids) == place_of(native):
         return ids
     xp = array_namespace(native)
