@@ -1,12 +1,52 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the bytecode that the suite's processes share."""
 
 from __future__ import annotations
 
+import compileall
+import contextlib
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import unicoll as uc
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPILED = ("unicoll", "backends", "tests", "examples", "tools")
+"""The repository's folders of Python source that the suite's processes import or run."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Where the interpreter may not write bytecode (``PYTHONDONTWRITEBYTECODE``, as on CI), each
+    new interpreter the suite starts (some 250 ranks, launchers and examples) compiles the
+    repository's source again: compile it once, into the usual (git-ignored) ``__pycache__``
+    folders, and remove what this session wrote when it ends. (A cache folder of its own,
+    ``PYTHONPYCACHEPREFIX``, would not do: the interpreters would look there for the installed
+    packages' bytecode too, and compile torch's.)"""
+    if not sys.dont_write_bytecode:
+        return
+    before = set(_bytecode())
+    for folder in COMPILED:
+        compileall.compile_dir(ROOT / folder, quiet=1)
+    config.stash[_WRITTEN] = sorted(set(_bytecode()) - before)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the bytecode this session wrote (and the folders it left empty)."""
+    for path in config.stash.get(_WRITTEN, []):
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # only when empty
+
+
+def _bytecode() -> Iterator[Path]:
+    """The bytecode files beside the repository's source."""
+    for folder in COMPILED:
+        yield from (ROOT / folder).rglob("__pycache__/*.pyc")
+
+
+_WRITTEN = pytest.StashKey[list]()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ expert, a group-limited router), Qwen3-MoE and OLMoE. In bfloat16, ExpertParalle
 rounding="model" is bit-equal to the model's own experts code (eager and batched_mm). The
 dynamic mode compiled, with a rank whose experts get no rows, equals eager; a whole Mixtral
 compiled with ``fullgraph=True`` in the static mode is bit-equal to eager with one compile
-over three batches. Skipped where transformers is not installed."""
+over three batches (on gloo). Skipped where transformers is not installed."""
 
 from __future__ import annotations
 
@@ -144,15 +144,20 @@ def _dynamic_compiled(rank: int) -> list[float]:
     return [(a - b).abs().max().item() for a, b in zip(*results)]
 
 
-def _world(rank: int) -> dict:
-    return {"compiled": _compiled(rank), "dynamic compiled": _dynamic_compiled(rank),
+def _world(rank: int, whole_model_compiled: bool) -> dict:
+    report = {"compiled": _compiled(rank)} if whole_model_compiled else {}  # first, as it always ran
+    return {**report, "dynamic compiled": _dynamic_compiled(rank),
             **{case: _train(rank, *case) for case in CASES},
             **{case: _rounded(rank, *case) for case in ROUNDED}}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def reports(request) -> list[dict]:
-    return uc.testing.spawn(_world, 2, backend=request.param, timeout=240)
+    """Each backend's world. The whole model compiled runs on gloo only: its graph is the same on
+    every backend (the transport is called at run time, by the eager operators the custom ops
+    call, which the dynamic mode compiled also runs on mpi), and its compile costs each rank
+    about 7 s of CPU time."""
+    return uc.testing.spawn(_world, 2, request.param == "gloo", backend=request.param, timeout=240)
 
 
 def test_the_dynamic_mode_compiled_with_a_rank_without_rows_equals_eager(reports) -> None:
@@ -175,4 +180,6 @@ def test_expert_parallel_training_equals_the_single_process(reports, name: str, 
 
 
 def test_a_whole_model_compiles_with_fullgraph_in_the_static_mode_once_equal_to_eager(reports) -> None:
+    if "compiled" not in reports[0]:
+        pytest.skip("the whole model compiled runs on gloo only (see the reports fixture)")
     assert [report["compiled"] for report in reports] == [(0.0, 1)] * 2
