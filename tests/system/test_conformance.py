@@ -1,6 +1,6 @@
 """The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks (4 with the handshake
-off, gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time;
-Paddle and JAX in gloo's worlds of 2 and 3. A backend that cannot run here is skipped with the
+off, gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time
+(mpi's of 2 and 3 in the session's shared MPI jobs); Paddle and JAX in gloo's worlds of 2 and 3. A backend that cannot run here is skipped with the
 reason."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.conformance import JOINED, Worlds, assert_all_passed, by_operator, cases, run_cases
+from helpers.several import SESSION, Case, share
 from unicoll import registry
 
 CPU_BACKENDS = ("gloo", "mpi")
@@ -63,13 +64,23 @@ def test_every_operator_and_variant_runs_with_each_joined_library() -> None:
             assert settings == {(True, False), (False, True), (True, True), (False, False)}, (backend, w)
 
 
+IN_SHARED_JOBS = {
+    w: share("mpi", w, [Case(f"conformance: mpi W{w}", run_cases, (MATRIX["mpi", w],))], timeout=240)
+    for w in (2, 3)
+    if FACTORIES["mpi"].probe() is None
+}
+"""mpi's worlds of 2 and 3 run in the session's shared MPI jobs (helpers/several.py), which
+every test of mpi starts anyway: two MPI jobs fewer, five interpreters that each took about
+2.5 s of CPU time to start."""
+
+
 @pytest.fixture(scope="module")
 def worlds() -> Worlds:
-    """Every usable world, started at once, two at a time, the largest first."""
+    """Every other usable world, started at once, two at a time, the largest first."""
     started = Worlds(parallel=2)
     for w in sorted(WORLD_SIZES, reverse=True):
         for backend in CPU_BACKENDS:
-            if FACTORIES[backend].probe() is None:
+            if FACTORIES[backend].probe() is None and not (backend == "mpi" and w in IN_SHARED_JOBS):
                 started.start((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w))
     return started
 
@@ -77,6 +88,8 @@ def worlds() -> Worlds:
 @pytest.mark.parametrize(("backend", "w", "group"), list(_params()))
 def test_conformance(backend, w, group, worlds) -> None:
     """Every case of one operator on one world; a failure names each case that failed."""
-    assert_all_passed(
-        worlds.outcomes((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w)), group
-    )
+    if backend == "mpi" and w in IN_SHARED_JOBS:
+        per_rank = SESSION.results(IN_SHARED_JOBS[w], f"conformance: mpi W{w}")
+    else:
+        per_rank = worlds.outcomes((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w))
+    assert_all_passed(per_rank, group)
