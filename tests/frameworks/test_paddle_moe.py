@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import unicoll as uc
+from helpers.several import SESSION, Case, share
+from unicoll.backends.mpi.mpi import MpiFactory
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("paddle") is None, reason="paddle is not installed (pip install 'unicoll[paddle]')"
@@ -123,9 +125,19 @@ def _layer(rank: int) -> dict:
     return {gate_type: _one_gate(rank, gate_type) for gate_type in GATES}
 
 
+LAYERS = {
+    backend: share(backend, 2, [Case("paddle_moe: layer", _layer)])
+    for backend in ("gloo", "mpi")
+    if backend == "gloo" or MpiFactory().probe() is None
+}
+"""The layer runs in the session's shared worlds of 2 (helpers/several.py): an MPI job fewer."""
+
+
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_paddle_moe_layer_equals_dense(backend):
-    results = uc.testing.spawn(_layer, 2, backend=backend, timeout=120)
+    if backend not in LAYERS:
+        pytest.skip(f"backend mpi is not usable here: {MpiFactory().probe()}")
+    results = SESSION.results(LAYERS[backend], "paddle_moe: layer")
     for gate_type, (kept, _) in results[0].items():
         assert all(r[gate_type][0] == kept for r in results), gate_type  # the ranks agree on the counts
     kept, _ = results[0]["gshard"]
