@@ -1,7 +1,7 @@
 """The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks (4 with the handshake
 off, gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time
-(mpi's of 2 and 3 in the session's shared MPI jobs); Paddle and JAX in gloo's worlds of 2 and 3. A backend that cannot run here is skipped with the
-reason."""
+(mpi's of 2 and 3 in the session's shared MPI jobs); Paddle and JAX in gloo's worlds of 2 and
+3. A backend that cannot run here is skipped with the reason."""
 
 from __future__ import annotations
 
