@@ -125,18 +125,18 @@ def _layer(rank: int) -> dict:
     return {gate_type: _one_gate(rank, gate_type) for gate_type in GATES}
 
 
+MPI_REASON = MpiFactory().probe()
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
 LAYERS = {
     backend: share(backend, 2, [Case("paddle_moe: layer", _layer)])
     for backend in ("gloo", "mpi")
-    if backend == "gloo" or MpiFactory().probe() is None
+    if backend == "gloo" or MPI_REASON is None
 }
 """The layer runs in the session's shared worlds of 2 (helpers/several.py): an MPI job fewer."""
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_paddle_moe_layer_equals_dense(backend):
-    if backend not in LAYERS:
-        pytest.skip(f"backend mpi is not usable here: {MpiFactory().probe()}")
     results = SESSION.results(LAYERS[backend], "paddle_moe: layer")
     for gate_type, (kept, _) in results[0].items():
         assert all(r[gate_type][0] == kept for r in results), gate_type  # the ranks agree on the counts
