@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import compileall
 import contextlib
+import multiprocessing
+import os
 import sys
 from collections.abc import Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
 
 import unicoll as uc
+from unicoll.testing.spawn import PRELOAD
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPILED = ("unicoll", "backends", "tests", "examples", "tools")
@@ -18,6 +22,39 @@ COMPILED = ("unicoll", "backends", "tests", "examples", "tools")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Compile the repository's bytecode once where the interpreter may not write it, and
+    start the forkserver that spawned worlds fork from."""
+    _compile_bytecode(config)
+    _start_a_warm_forkserver()
+
+
+WARM = "helpers.warm_compile"
+"""What the suite's forkserver imports beside :data:`unicoll.testing.spawn.PRELOAD`."""
+
+
+def _start_a_warm_forkserver() -> None:
+    """Start the server that :func:`unicoll.testing.spawn` forks its ranks from, now and with
+    :data:`WARM` among what it imports: a rank's first ``torch.compile`` then costs 0.1 s of
+    CPU time instead of 2 (docs/performance.md). ``spawn`` names the server's imports only for
+    the server it starts, and none is started while one runs; this one starts while pytest
+    collects, on the other core. Python 3.11's server does not apply the ``sys.path`` it is
+    handed, so ``tests/`` reaches it through ``PYTHONPATH``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, WARM])
+    tests = str(Path(__file__).resolve().parent)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, before) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def _compile_bytecode(config: pytest.Config) -> None:
     """Where the interpreter may not write bytecode (``PYTHONDONTWRITEBYTECODE``, as on CI), each
     new interpreter the suite starts (some 250 ranks, launchers and examples) compiles the
     repository's source again: compile it once, into the usual (git-ignored) ``__pycache__``

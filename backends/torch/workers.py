@@ -8,10 +8,11 @@ which in C++ (a destructor that may not throw) aborts the whole process: ``termi
 without an active exception`` and SIGABRT, after the program had printed its results.
 
 Destroying the process group joins its workers, but torch keeps a group alive after
-``destroy_process_group`` in any process that imported ``torch._dynamo`` (``torch.optim``
-does), so its workers run until the process exits. :func:`settle`, run by ``finalize()``,
-gives such workers the interpreter's lock until they are all asleep (waiting for work), so
-none is left holding a transfer when the program ends. Linux only: elsewhere it does nothing.
+``destroy_process_group`` in a process that imported ``torch._dynamo`` (``torch.optim`` does)
+while the group existed (docs/compile.md), so its workers run until the process exits.
+:func:`settle`, run by ``finalize()``, gives such workers the interpreter's lock until they are
+all asleep (waiting for work), so none is left holding a transfer when the program ends.
+Linux only: elsewhere it does nothing.
 """
 
 from __future__ import annotations

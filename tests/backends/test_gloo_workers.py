@@ -65,8 +65,8 @@ def test_settle_returns_at_once_without_workers() -> None:
 
 
 def workers_after_finalize(rank: int) -> list[str]:
-    """The gloo workers' states after finalize() in a process that imported torch._dynamo,
-    which keeps the world's process group (and its workers) alive."""
+    """The gloo workers' states after finalize() in a process that imported torch._dynamo while
+    the session ran, which keeps the world's process group (and its workers) alive."""
     import torch
     import torch._dynamo  # noqa: F401
 
@@ -77,7 +77,8 @@ def workers_after_finalize(rank: int) -> list[str]:
 
 
 def test_finalize_leaves_the_workers_asleep() -> None:
-    for states in uc.testing.spawn(workers_after_finalize, 2, backend="gloo"):
+    """(Fresh interpreters: the suite's forkserver has Dynamo loaded already, tests/conftest.py.)"""
+    for states in uc.testing.spawn(workers_after_finalize, 2, backend="gloo", start_method="spawn"):
         assert states == ["S", "S"]  # alive (torch keeps the group) and asleep, holding no transfer
 
 

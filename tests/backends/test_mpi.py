@@ -57,7 +57,7 @@ def absent_peer(rank: int) -> list:
     """Rank 1 skips the collectives; rank 0 must get timeouts, not hang."""
     x = np.arange(8.0).reshape(4, 2)
     if rank == 1:
-        time.sleep(5.5)
+        time.sleep(3.5)  # past rank 0's six timeouts: 4 x 0.5 s, 2 x 0.25 s
         return []
     seen = []
     calls = (lambda: uc.all_gather(None, x), lambda: uc.barrier(), lambda: uc.new_group([0]), lambda: uc.all_reduce(x))
@@ -70,12 +70,12 @@ def absent_peer(rank: int) -> list:
     assert not task.is_completed()
     start = time.monotonic()
     with pytest.raises(uc.CollectiveTimeoutError) as info:
-        task.wait(timeout=0.5)
+        task.wait(timeout=0.25)
     seen.append((str(info.value), time.monotonic() - start))
     task = uc.broadcast(x, 1, sync_op=False)
     start = time.monotonic()
     with pytest.raises(uc.CollectiveTimeoutError) as info:
-        task.wait(timeout=0.5)
+        task.wait(timeout=0.25)
     seen.append((str(info.value), time.monotonic() - start))
     return seen
 
@@ -83,10 +83,10 @@ def absent_peer(rank: int) -> list:
 def test_a_peer_that_never_calls_times_out() -> None:
     # the handshake off: the asynchronous calls' Tasks are what is timed (with it, the call itself
     # waits for the peer's record: tests/processes/test_faults.py)
-    env = {"UNICOLL_TIMEOUT": "1", "UNICOLL_HANDSHAKE": "0"}
+    env = {"UNICOLL_TIMEOUT": "0.5", "UNICOLL_HANDSHAKE": "0"}
     seen, _ = uc.testing.spawn(absent_peer, 2, backend="mpi", env=env, timeout=60)
     ops = ["all_gather", "barrier", "new_group", "all_reduce", "alltoall_single", "broadcast"]
-    for (message, seconds), op, bound in zip(seen, ops, (1, 1, 1, 1, 0.5, 0.5), strict=True):
+    for (message, seconds), op, bound in zip(seen, ops, (0.5, 0.5, 0.5, 0.5, 0.25, 0.25), strict=True):
         assert message.startswith(f"{op} on Group(ranks=[0, 1]): did not complete within the timeout of {bound:g} s")
         assert "mpi:" in message and "timed out" in message
         assert bound - 0.1 < seconds < bound + 1

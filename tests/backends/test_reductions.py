@@ -1,9 +1,9 @@
 """all_reduce, reduce_scatter and broadcast at their edges, on gloo and mpi (one world of 3 each):
 integer and float16 overflow, bool, empty arrays, a 0-d loss, an output inside its input, a zero
-block, a group of one, broadcast's src as a position in the group, and torch's rules for in-place
-changes.
+block, a group of one, broadcast's src as a position in the group, torch's rules for in-place
+changes, and float max and min with NaN and signed zeros.
 
-The edges run in the session's shared world of 3 ranks of each backend (helpers/several.py)."""
+The cases run in the session's shared world of 3 ranks of each backend (helpers/several.py)."""
 
 from __future__ import annotations
 
@@ -73,12 +73,9 @@ def edges(rank: int) -> dict:
     return got
 
 
-EDGES = {backend: share(backend, 3, [Case("reductions: edges", edges)]) for backend in ("gloo", "mpi")}
-
-
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_edges(backend: str) -> None:
-    results = SESSION.results(EDGES[backend], "reductions: edges")
+    results = SESSION.results(WORLDS[backend], "reductions: edges")
     for rank, got in enumerate(results):
         assert got["int8 sum wraps"] == [44, 44]  # 300 - 256, as numpy's int8 sums
         assert got["uint8 prod wraps"] == [87, 87]  # 343 - 256
@@ -129,6 +126,13 @@ def _as(a: np.ndarray, dtype: str, library: str) -> torch.Tensor | np.ndarray:
     return t if library == "torch" else t.numpy()
 
 
+def _uneven(world: int) -> list[int]:
+    """The uneven reduce_scatter's split sizes: 3, 0, 1, 2 on 4 ranks, 6 rows on any."""
+    splits = [3, 0, 1, 2][:world]
+    splits[-1] += 6 - sum(splits)
+    return splits
+
+
 def float_extremes(rank: int) -> dict:
     """Float max and min with NaN and signed zeros: all_reduce (also as a Task) and
     reduce_scatter (even and uneven), numpy and torch, on the world and a sub-group; the
@@ -146,12 +150,20 @@ def float_extremes(rank: int) -> dict:
                 got[("task", *key)] = _bits(uc.all_reduce(array(_rows(rank, world, 2)), op, sync_op=False).wait())
                 x = array(_rows(rank, world, 2 * world))
                 got[("reduce_scatter", *key)] = _bits(uc.reduce_scatter(None, x, op))
-                splits = [3, 0, 1, 2][:world]
+                splits = _uneven(world)
                 x = array(_rows(rank, world, 6))
                 got[("uneven", *key)] = _bits(uc.reduce_scatter(None, x, op, split_sizes=splits))
                 if rank in (1, world - 1):
                     got[("pair", *key)] = _bits(uc.all_reduce(array(_rows(rank, world, 1)), op, group=pair))
     return got
+
+
+W = 3
+"""The session's shared worlds (helpers/several.py) of W ranks run this module's cases."""
+WORLDS = {
+    backend: share(backend, W, [Case("reductions: edges", edges), Case("reductions: float extremes", float_extremes)])
+    for backend in ("gloo", "mpi")
+}
 
 
 def _expected(kind: str, dtype: str, op: str, world: int) -> list[list[int]]:
@@ -163,7 +175,7 @@ def _expected(kind: str, dtype: str, op: str, world: int) -> list[list[int]]:
     if kind == "reduce_scatter":
         results = reference.reduce_scatter(xs, op)
     elif kind == "uneven":
-        results = reference.reduce_scatter(xs, op, [3, 0, 1, 2][:world])
+        results = reference.reduce_scatter(xs, op, _uneven(world))
     else:
         results = reference.all_reduce(xs, op)
     converted = [torch.from_numpy(y).to(getattr(torch, dtype)) for y in results]
@@ -174,8 +186,8 @@ def _expected(kind: str, dtype: str, op: str, world: int) -> list[list[int]]:
 def test_float_max_min_propagate_nan_alike_on_every_rank(backend: str) -> None:
     """NaN on any rank gives NaN on every rank, -0 < +0, and every rank gets the same bits,
     which are the reference's (before: mpi gave ranks different answers, gloo dropped NaN)."""
-    world = 4
-    results = uc.testing.spawn(float_extremes, world, backend=backend)
+    world = W
+    results = SESSION.results(WORLDS[backend], "reductions: float extremes")
     assert len(results[1]) == 7 * 2 * 5  # (dtype, library) pairs x (max, min) x kinds of call
     for key in results[1]:
         kind, dtype, op, _ = key

@@ -790,9 +790,12 @@ def compiled_world(rank: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
-def compiled_reports(request) -> list[dict]:
-    return uc.testing.spawn(compiled_world, 2, backend=request.param, timeout=240)
+@pytest.fixture(scope="module")
+def compiled_reports() -> list[dict]:
+    """On gloo only: compiled code reaches the backend through the eager operators and the once
+    layout that the eager cases above run on mpi too, and a compiled Mixtral runs over mpi in
+    tests/frameworks/test_hf_expert_parallel.py."""
+    return uc.testing.spawn(compiled_world, 2, backend="gloo", timeout=240)
 
 
 def test_a_compiled_step_sends_each_token_once_per_rank_with_eager_s_results(compiled_reports) -> None:

@@ -331,8 +331,10 @@ def init_again_after_compiling(rank: int) -> list[int]:
 def test_init_again_after_compiling() -> None:
     """Rank 0's store socket is shut down at finalize, whatever keeps the store alive: the new
     session listens on the same port (before, rank 0 got "Address already in use" and the
-    others timed out)."""
-    assert uc.testing.spawn(init_again_after_compiling, 2, backend="gloo", timeout=120) == [[40, 41]] * 2
+    others timed out). Fresh interpreters: the suite's forkserver has Dynamo loaded already
+    (tests/conftest.py)."""
+    ranks = uc.testing.spawn(init_again_after_compiling, 2, backend="gloo", timeout=120, start_method="spawn")
+    assert ranks == [[40, 41]] * 2
 
 
 def _shared_results(key: tuple, name: str) -> list:

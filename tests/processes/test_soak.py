@@ -20,7 +20,7 @@ import torch
 import unicoll as uc
 from unicoll import memory, runtime
 
-STEPS, WARMUP = 150, 20
+STEPS, WARMUP = 100, 20
 TOKENS, HIDDEN, EXPERTS = 4096, 256, 4
 GROWTH_LIMIT = 64 * 2**20
 
