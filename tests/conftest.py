@@ -28,15 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
     _start_a_warm_forkserver()
 
 
-WARM = "helpers.warm_compile"
+WARM = "helpers.warm_server"
 """What the suite's forkserver imports beside :data:`unicoll.testing.spawn.PRELOAD`."""
 
 
 def _start_a_warm_forkserver() -> None:
     """Start the server that :func:`unicoll.testing.spawn` forks its ranks from, now and with
-    :data:`WARM` among what it imports: a rank's first ``torch.compile`` then costs 0.1 s of
-    CPU time instead of 2 (docs/performance.md). ``spawn`` names the server's imports only for
-    the server it starts, and none is started while one runs; this one starts while pytest
+    :data:`WARM` among what it imports: one compile run and Paddle and JAX loaded there, once,
+    instead of in each rank (helpers/warm_server.py). ``spawn`` names the server's imports only
+    for a server it starts itself, and starts none while one runs; this one starts while pytest
     collects, on the other core. Python 3.11's server does not apply the ``sys.path`` it is
     handed, so ``tests/`` reaches it through ``PYTHONPATH``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,21 +35,101 @@ gpu_check = _load_helper()
 without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU steps' skips without a GPU")
 
 
-def _kit(out: Path, *args: str, seconds: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
-    if seconds is not None:
-        env["GPU_CHECK_SECONDS"] = str(seconds)
-    return subprocess.run(["bash", str(KIT), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+SAMPLE = (
+    "import pytest\n"
+    "def test_passes(): pass\n"
+    "def test_fails(): assert False\n"
+    "@pytest.mark.parametrize('n', [1, 2])\n"
+    "def test_skips(n): pytest.skip('torch-nccl: no CUDA device')\n"
+    "def test_skips_otherwise(): pytest.skip('cupy-nccl: no cupy')\n"
+    "@pytest.fixture\n"
+    "def broken(): raise RuntimeError('fixture')\n"
+    "def test_errors(broken): pass\n"
+)
+"""A test module whose pytest run the kit's JUnit reader counts."""
+
+EXAMPLE_RUNS = {"moe_dispatch.py": "--iters", "train_moe.py": "--steps"}
+"""Each example the kit runs on a GPU backend, with the option that shortens it."""
+
+
+def _run(folder: Path, name: str) -> tuple[list[str], dict[str, str], Path]:
+    """Run ``name``'s command, environment and working directory: the kit's (``OUT`` is
+    ``folder``), and the real runs whose output the kit reads: a pytest run, the examples and a
+    bench, on gloo."""
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(folder)}
+    if name in KIT_RUNS:
+        args, seconds = KIT_RUNS[name]
+        if seconds is not None:
+            env["GPU_CHECK_SECONDS"] = str(seconds)
+        return ["bash", str(KIT), "--no-install", *args], env, ROOT
+    if name == "pytest":
+        (folder / "test_sample.py").write_text(SAMPLE)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=junit.xml"]
+        return [*command, "test_sample.py"], env, folder
+    if name == "bench":
+        command = [sys.executable, "-m", "unicoll", "bench", "-n", "1", "--backend", "gloo", "--op", "alltoall_single"]
+        command += ["--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2", "--warmup", "0"]
+        return [*command, "--json", str(folder / "bench-gloo.json")], env, ROOT
+    example, option = name, EXAMPLE_RUNS[name]
+    command = [sys.executable, "-m", "unicoll", "run", "-n", "1", f"examples/{example}", "--backend", "gloo"]
+    return [*command, option, "2"], env, ROOT
+
+
+SKIPPED_STEPS = ["versions", "reorder-cupy", "example-moe-torch-nccl", "example-moe-cupy-nccl"]
+KIT_RUNS = {
+    "skips": (["--only", ",".join(SKIPPED_STEPS)], None),
+    "spent": (["--only", "versions,bench-torch-nccl"], 0),
+    "default": ([], 0),
+    "unknown step": (["--only", "versions,conformance-torch"], 0),
+}
+"""The kit's runs, by name: its arguments and its seconds (``GPU_CHECK_SECONDS``)."""
+RUNS = [*KIT_RUNS, "pytest", "bench", *EXAMPLE_RUNS]
+
+
+class Runs:
+    """The module's runs, started together (each is one process most of its time, and the
+    suite's machine has two cores), each with a folder of its own, where its output goes too;
+    :meth:`result` waits for one."""
+
+    def __init__(self, folder: Path) -> None:
+        self._started = {}
+        for name in RUNS:
+            out = folder / name.replace(" ", "-")
+            out.mkdir()
+            command, env, cwd = _run(out, name)
+            with (out / "stdout.txt").open("w") as stdout, (out / "stderr.txt").open("w") as stderr:
+                proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, cwd=cwd, env=env)
+            self._started[name] = (proc, out)
+
+    def result(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        """Run ``name``'s exit and output once it ended, and its folder."""
+        proc, out = self._started[name]
+        code = proc.wait(timeout=300)
+        output = [(out / f"{stream}.txt").read_text() for stream in ("stdout", "stderr")]
+        return subprocess.CompletedProcess(proc.args, code, *output), out
+
+    def stop(self) -> None:
+        """Kill what still runs."""
+        for proc, _ in self._started.values():
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    started = Runs(tmp_path_factory.mktemp("gpu-kit"))
+    yield started
+    started.stop()
 
 
 @without_cuda
-def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(tmp_path) -> None:
-    steps = ["versions", "reorder-cupy", "example-moe-torch-nccl", "example-moe-cupy-nccl"]
-    run = _kit(tmp_path, "--no-install", "--only", ",".join(steps))
+def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(runs: Runs) -> None:
+    run, tmp_path = runs.result("skips")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.log", "logs.tar.gz", "summary.json", "summary.txt"]
+    written = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("stdout.txt", "stderr.txt"))
+    assert written == ["gpu_check.log", "logs.tar.gz", "summary.json", "summary.txt"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [step["name"] for step in summary["steps"]] == steps
+    assert [step["name"] for step in summary["steps"]] == SKIPPED_STEPS
     versions, reorder, example, _ = summary["steps"]
     assert versions["status"] == "pass" and versions["exit_code"] == 0
     assert summary["versions"]["python"] == platform.python_version()
@@ -71,8 +152,8 @@ def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(tmp_path) -> Non
     ], log
 
 
-def test_no_step_starts_once_the_runs_seconds_are_spent(tmp_path) -> None:
-    run = _kit(tmp_path, "--no-install", "--only", "versions,bench-torch-nccl", seconds=0)
+def test_no_step_starts_once_the_runs_seconds_are_spent(runs: Runs) -> None:
+    run, tmp_path = runs.result("spent")
     assert run.returncode == 0, run.stdout + run.stderr
     steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert [(step["name"], step["status"]) for step in steps] == [
@@ -82,8 +163,8 @@ def test_no_step_starts_once_the_runs_seconds_are_spent(tmp_path) -> None:
     assert steps[0]["reason"] == "not run: the run's 0 s were spent"
 
 
-def test_the_default_run_leaves_the_later_steps_and_names_what_is_still_to_run(tmp_path) -> None:
-    run = _kit(tmp_path, "--no-install", seconds=0)
+def test_the_default_run_leaves_the_later_steps_and_names_what_is_still_to_run(runs: Runs) -> None:
+    run, tmp_path = runs.result("default")
     assert run.returncode == 0, run.stdout + run.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     reasons = {step["name"]: step["reason"] for step in summary["steps"]}
@@ -98,8 +179,8 @@ def test_the_default_run_leaves_the_later_steps_and_names_what_is_still_to_run(t
     assert run.stdout.splitlines()[-2] == f"still to run: bash tools/gpu_check.sh --only {','.join(reasons)}"
 
 
-def test_only_refuses_a_step_that_does_not_exist(tmp_path) -> None:
-    run = _kit(tmp_path, "--no-install", "--only", "versions,conformance-torch", seconds=0)
+def test_only_refuses_a_step_that_does_not_exist(runs: Runs) -> None:
+    run, _ = runs.result("unknown step")
     assert run.returncode == 2
     assert "tools/gpu_check.sh: --only names no step conformance-torch (see --help)" in run.stderr
     assert "--only names no step versions" not in run.stderr
@@ -115,21 +196,9 @@ def test_the_header_carries_an_ignored_wheel_folder() -> None:
         assert ignored.returncode == 0, f"{path} is not ignored by git"
 
 
-def test_junit_counts_from_a_real_pytest_run(tmp_path) -> None:
-    (tmp_path / "test_sample.py").write_text(
-        "import pytest\n"
-        "def test_passes(): pass\n"
-        "def test_fails(): assert False\n"
-        "@pytest.mark.parametrize('n', [1, 2])\n"
-        "def test_skips(n): pytest.skip('torch-nccl: no CUDA device')\n"
-        "def test_skips_otherwise(): pytest.skip('cupy-nccl: no cupy')\n"
-        "@pytest.fixture\n"
-        "def broken(): raise RuntimeError('fixture')\n"
-        "def test_errors(broken): pass\n"
-    )
-    xml = tmp_path / "junit.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_sample.py"]
-    subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=120)
+def test_junit_counts_from_a_real_pytest_run(runs: Runs) -> None:
+    _, out = runs.result("pytest")
+    xml = out / "junit.xml"
     assert gpu_check.junit_counts(xml) == {
         "passed": 1,
         "failed": 1,
@@ -233,48 +302,25 @@ def test_figures_and_goals_of_the_overhead_benchmark() -> None:
 
 
 @pytest.mark.parametrize(
-    ("example", "option", "result"),
+    ("example", "result"),
     [
-        (
-            "moe_dispatch.py",
-            "--iters",
-            r"moe\.dispatch \+ moe\.combine: median [\d.]+ ms over 2 iterations \(slowest rank\)",
-        ),
-        (
-            "train_moe.py",
-            "--steps",
-            r"backend gloo: 1 ranks x 2 experts, 2 Adam steps: every loss and every parameter match .*",
-        ),
+        ("moe_dispatch.py", r"moe\.dispatch \+ moe\.combine: median [\d.]+ ms over 2 iterations \(slowest rank\)"),
+        ("train_moe.py", r"backend gloo: 1 ranks x 2 experts, 2 Adam steps: every loss and every parameter match .*"),
     ],
 )
-def test_figures_of_the_examples(example, option, result) -> None:
+def test_figures_of_the_examples(runs: Runs, example: str, result: str) -> None:
     """The line each example ends with, from a real run on gloo, as the kit reads it on a GPU backend."""
-    command = [
-        sys.executable,
-        "-m",
-        "unicoll",
-        "run",
-        "-n",
-        "1",
-        f"examples/{example}",
-        "--backend",
-        "gloo",
-        option,
-        "2",
-    ]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=240)
+    run, _ = runs.result(example)
     assert run.returncode == 0, run.stdout + run.stderr
     (found,) = gpu_check.figures(Path("."), "example", run.stdout).values()
     assert re.fullmatch(result, found), found
 
 
-def test_figures_of_a_real_unicoll_bench_run(tmp_path) -> None:
+def test_figures_of_a_real_unicoll_bench_run(runs: Runs) -> None:
     """``unicoll bench --json`` on gloo, read as the kit reads a GPU backend's."""
-    command = [sys.executable, "-m", "unicoll", "bench", "-n", "1", "--backend", "gloo", "--op", "alltoall_single"]
-    command += ["--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2", "--warmup", "0"]
-    run = subprocess.run([*command, "--json", str(tmp_path / "bench-gloo.json")], capture_output=True, timeout=240)
+    run, out = runs.result("bench")
     assert run.returncode == 0, run.stderr
-    found = gpu_check.figures(tmp_path, "bench-gloo", "")
+    found = gpu_check.figures(out, "bench-gloo", "")
     assert found["baseline"] == "torch.distributed" and found["device"] == "cpu"
     assert [(row["op"], row["size_bytes"], row["correct"]) for row in found["rows"]] == [
         ("alltoall_single", 1024, True),
