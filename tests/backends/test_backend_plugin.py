@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.conformance import Worlds, assert_all_passed, by_operator, cases, run_cases
+from helpers.background import Worlds
+from helpers.conformance import assert_all_passed, by_operator, cases, run_cases
 
 SOURCE = Path(__file__).resolve().parents[2] / "examples" / "backend_plugin"
 WORLD_SIZES = (1, 2, 3)
@@ -68,7 +69,7 @@ def test_info_lists_the_installed_backend(installed: Path) -> None:
 )  # fmt: skip
 def test_conformance(w, group, worlds) -> None:
     """Every case of one operator on one world of the plugin backend; a failure names each case that failed."""
-    assert_all_passed(worlds.outcomes(w, run_cases, w, MATRIX[w], backend="pairwise", timeout=240), group)
+    assert_all_passed(worlds.results(w, run_cases, w, MATRIX[w], backend="pairwise", timeout=240), group)
 
 
 def test_the_moe_column_names_the_entry_points_the_backend_overrides(installed: Path) -> None:

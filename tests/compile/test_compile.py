@@ -22,6 +22,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import unicoll as uc
+from helpers.background import Worlds
 from helpers.gpu_backends import params
 from helpers.moe import moe_layer, moe_topk_layer, parameters, step
 from unicoll.eager.once_choice import ONCE_ENV_VAR
@@ -243,55 +244,27 @@ def two_ranks(rank: int) -> dict:
     return {"moe": moe, "moe_topk": moe_topk, "ops": each_op, **mismatches}
 
 
-@pytest.fixture(scope="module")
-def world_of_two() -> list[dict]:
-    return uc.testing.spawn(two_ranks, 2, backend="gloo", env={"UNICOLL_CHECK": "1"}, timeout=300)
+SPAWNED = {
+    "two": ((two_ranks, 2), {"backend": "gloo", "env": {"UNICOLL_CHECK": "1"}, "timeout": 300}),
+    "three": ((compiled_moe_matches_eager, 3, 3), {"backend": "gloo", "timeout": 300}),
+}
+"""The module's spawned worlds by key: ``uc.testing.spawn``'s arguments, positional and named."""
 
 
-def test_moe_layer_compiles_with_fullgraph_on_two_ranks(world_of_two) -> None:
-    for report in world_of_two:
-        assert report["moe"] == ([True] * len(TOKENS), 1)  # exact, and one graph for every routing and size
+@pytest.fixture(scope="module", autouse=True)
+def worlds() -> Worlds:
+    """The spawned worlds, started on a thread at the module's first test, one after the other,
+    while the tests that compile in this process (one core) run; the tests that read the worlds
+    come last."""
+    started = Worlds()
+    for key, (args, kwargs) in SPAWNED.items():
+        started.start(key, *args, **kwargs)
+    return started
 
 
-def test_moe_layer_written_with_unicoll_moe_compiles_with_fullgraph(world_of_two) -> None:
-    for report in world_of_two:
-        assert report["moe_topk"] == ([True] * len(TOKENS), 1)
-
-
-def test_moe_layer_compiles_with_fullgraph_on_three_ranks() -> None:
-    for report in uc.testing.spawn(compiled_moe_matches_eager, 3, 3, backend="gloo", timeout=300):
-        assert report == ([True] * len(TOKENS), 1)
-
-
-def test_check_mode_compares_the_ranks_calls_from_compiled_code(world_of_two) -> None:
-    messages = {report["mismatch"] for report in world_of_two}
-    assert len(messages) == 1 and "global_scatter: ranks disagree:" in messages.pop()
-    static = {report["static mismatch"] for report in world_of_two}
-    assert len(static) == 1, static
-    assert "moe.dispatch_static: ranks disagree: rank 1 passes expert id 4 at topk_idx[1, 0]" in static.pop()
-    combine = {report["static combine mismatch"] for report in world_of_two}
-    assert len(combine) == 1, combine
-    message = combine.pop()
-    assert message.startswith("moe.combine_static: ranks disagree: rank 0's rows have trailing shape (4, 1)"), message
-
-
-def test_every_operator_traces_without_a_break(world_of_two) -> None:
-    for report in world_of_two:
-        assert {name.split(",")[0] for name in report["ops"]["breaks"]} == set(OPS)
-        for name, (breaks, ours) in report["ops"]["breaks"].items():
-            assert breaks == 0, name
-            assert name.split(",")[0] in ours, (name, ours)
-        assert report["ops"]["same"]
-
-
-def test_compiled_gradients_are_eagers_bit_for_bit_from_the_same_backward(world_of_two) -> None:
-    """Each operator's gradient from compiled code equals eager's bit for bit (float64), and the
-    compiled backward runs the same backward functions as eager autograd, as many times."""
-    for report in world_of_two:
-        assert report["ops"]["gradients"] == dict.fromkeys(report["ops"]["gradients"], True)
-        eager_calls, compiled_calls = report["ops"]["backward calls"]
-        assert set(eager_calls) == set(BACKWARDS)
-        assert eager_calls == compiled_calls
+def _results(worlds: Worlds, key: str) -> list:
+    args, kwargs = SPAWNED[key]
+    return worlds.results(key, *args, **kwargs)
 
 
 # -- one process, a world of one ------------------------------------------------------------
@@ -597,6 +570,60 @@ def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> No
     uc.init("gloo")
     with pytest.raises(ValueError, match="group: expected a group made since the last init"):
         fn(x, group)
+
+
+# -- spawned worlds of 2 and 3 ranks --------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_two(worlds: Worlds) -> list[dict]:
+    return _results(worlds, "two")
+
+
+def test_moe_layer_compiles_with_fullgraph_on_two_ranks(world_of_two) -> None:
+    for report in world_of_two:
+        assert report["moe"] == ([True] * len(TOKENS), 1)  # exact, and one graph for every routing and size
+
+
+def test_moe_layer_written_with_unicoll_moe_compiles_with_fullgraph(world_of_two) -> None:
+    for report in world_of_two:
+        assert report["moe_topk"] == ([True] * len(TOKENS), 1)
+
+
+def test_moe_layer_compiles_with_fullgraph_on_three_ranks(worlds: Worlds) -> None:
+    for report in _results(worlds, "three"):
+        assert report == ([True] * len(TOKENS), 1)
+
+
+def test_check_mode_compares_the_ranks_calls_from_compiled_code(world_of_two) -> None:
+    messages = {report["mismatch"] for report in world_of_two}
+    assert len(messages) == 1 and "global_scatter: ranks disagree:" in messages.pop()
+    static = {report["static mismatch"] for report in world_of_two}
+    assert len(static) == 1, static
+    assert "moe.dispatch_static: ranks disagree: rank 1 passes expert id 4 at topk_idx[1, 0]" in static.pop()
+    combine = {report["static combine mismatch"] for report in world_of_two}
+    assert len(combine) == 1, combine
+    message = combine.pop()
+    assert message.startswith("moe.combine_static: ranks disagree: rank 0's rows have trailing shape (4, 1)"), message
+
+
+def test_every_operator_traces_without_a_break(world_of_two) -> None:
+    for report in world_of_two:
+        assert {name.split(",")[0] for name in report["ops"]["breaks"]} == set(OPS)
+        for name, (breaks, ours) in report["ops"]["breaks"].items():
+            assert breaks == 0, name
+            assert name.split(",")[0] in ours, (name, ours)
+        assert report["ops"]["same"]
+
+
+def test_compiled_gradients_are_eagers_bit_for_bit_from_the_same_backward(world_of_two) -> None:
+    """Each operator's gradient from compiled code equals eager's bit for bit (float64), and the
+    compiled backward runs the same backward functions as eager autograd, as many times."""
+    for report in world_of_two:
+        assert report["ops"]["gradients"] == dict.fromkeys(report["ops"]["gradients"], True)
+        eager_calls, compiled_calls = report["ops"]["backward calls"]
+        assert set(eager_calls) == set(BACKWARDS)
+        assert eager_calls == compiled_calls
 
 
 # -- CUDA -------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Hostile callers with Paddle tensors and JAX arrays, on gloo and on mpi: a soak with new
-routing every step (gradients right, resident memory flat, no handle kept), a second thread,
-outputs that alias inputs, a dropped Task, an ended session's graph and handle, and every
-operator's gradient through each library's autograd on mpi (gloo's run in test_paddle.py and
-test_jax.py). A rank that raises or exits mid-step: tests/processes/test_faults.py."""
+"""Hostile callers with Paddle tensors and JAX arrays: a soak with new routing every step
+(gradients right, resident memory flat, no handle kept), a second thread, outputs that alias
+inputs, a dropped Task and ranks that disagree in check mode, on gloo; an ended session's graph
+and handle on gloo and mpi, and every operator's gradient through each library's autograd on
+mpi (gloo's run in test_paddle.py and test_jax.py). A rank that raises or exits mid-step:
+tests/processes/test_faults.py."""
 
 from __future__ import annotations
 
@@ -25,55 +26,57 @@ pytestmark = pytest.mark.skipif(
 """(Paddle and JAX are imported by the ranks only: this process stays free of them.)"""
 
 LIBRARIES = ("paddle", "jax")
+GRADIENTS = {"paddle": paddle_gradients, "jax": jax_gradients}
 GROWTH_LIMIT = 64 * 2**20
 MPI_REASON = MpiFactory().probe()
 BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
 
 
-def _cases(backend: str) -> list[Case]:
-    cases = [Case(f"soak {library}", soak, (library,)) for library in LIBRARIES]
-    cases += [
-        Case(f"threads {library}", threads, (library, signal_path(f"threads-{backend}-{library}")))
-        for library in LIBRARIES
-    ]
-    cases.append(Case("aliasing and tasks", aliasing_and_tasks))
-    if backend == "mpi":
-        cases += [Case("paddle gradients", paddle_gradients), Case("jax gradients", jax_gradients)]
-    return cases
+ATTACKS = share(
+    "gloo",
+    2,
+    [Case(f"soak {library}", soak, (library,)) for library in LIBRARIES]
+    + [Case(f"threads {library}", threads, (library, signal_path(f"threads-{library}"))) for library in LIBRARIES]
+    + [Case("aliasing and tasks", aliasing_and_tasks)],
+    timeout=240,
+)
+"""The attacks on the carry floor, in the session's gloo world of 2 (helpers/several.py): the
+joined libraries' arrays reach every backend as torch tensors, through the same eager calls, so
+the transport plays no part in them; mpi's own hostile callers (torch, numpy) are in
+tests/processes/test_hostile_callers.py."""
 
+GRADIENTS_ON_MPI = (
+    share("mpi", 2, [Case(f"{library} gradients", gradients) for library, gradients in GRADIENTS.items()])
+    if MPI_REASON is None
+    else None
+)
+"""Every operator's gradient through each library's autograd on mpi (gloo's: test_paddle.py and
+test_jax.py): the joined libraries on a second backend, end to end."""
 
-WORLDS = {
-    backend: share(backend, 2, _cases(backend), timeout=240)
+CHECKED = {"paddle": 3, "jax": 2}
+"""The size of gloo's check-mode world of the session that attacks each library."""
+DISAGREEING = {
+    library: share("gloo", size, [Case(f"disagreement {library}", disagreement, (library,))], check=True)
+    for library, size in CHECKED.items()
+}
+
+STALE = {
+    backend: share(backend, 2, [Case("stale session", stale_session, (backend,))], last=True)
     for backend in ("gloo", "mpi")
     if backend == "gloo" or MPI_REASON is None
 }
 
-CHECKED = {"gloo": ("paddle", 3), "mpi": ("jax", 2)}
-"""Each backend's check-mode world of the session (helpers/several.py) and the library it
-attacks there (the other library's imports spared)."""
-DISAGREEING = {
-    backend: share(backend, size, [Case(f"disagreement {library}", disagreement, (library,))], check=True)
-    for backend, (library, size) in CHECKED.items()
-    if backend in WORLDS
-}
-
-STALE = {
-    backend: share(backend, 2, [Case("stale session", stale_session, (backend,))], last=True) for backend in WORLDS
-}
-
 
 @pytest.mark.parametrize("library", LIBRARIES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_soak_with_new_routing_every_step(backend: str, library: str) -> None:
-    for rank, seen in enumerate(SESSION.results(WORLDS[backend], f"soak {library}")):
+def test_a_soak_with_new_routing_every_step(library: str) -> None:
+    for rank, seen in enumerate(SESSION.results(ATTACKS, f"soak {library}")):
         assert seen["right"] > 0 and seen["handles_kept"] == 0, seen
         assert seen["growth"] < GROWTH_LIMIT, f"rank {rank}: resident memory grew by {seen['growth'] / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_second_thread_is_refused(backend: str, library: str) -> None:
-    outcomes = SESSION.results(WORLDS[backend], f"threads {library}")
+def test_a_second_thread_is_refused(library: str) -> None:
+    outcomes = SESSION.results(ATTACKS, f"threads {library}")
     assert all(seen["gathered"] == (library, [0.0, 1.0]) for seen in outcomes), outcomes
     assert outcomes[0]["main"] == (
         "RuntimeError: alltoall_single: thread 'MainThread' called it while thread 'worker' is inside all_gather; "
@@ -82,9 +85,8 @@ def test_a_second_thread_is_refused(backend: str, library: str) -> None:
     assert outcomes[0]["worker_inside"], "refused only once the worker's all_gather was over"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_aliasing_and_tasks(backend: str) -> None:
-    for rank, seen in enumerate(SESSION.results(WORLDS[backend], "aliasing and tasks")):
+def test_aliasing_and_tasks() -> None:
+    for rank, seen in enumerate(SESSION.results(ATTACKS, "aliasing and tasks")):
         assert seen == {
             "aliased_is_x": True,
             "aliased_right": True,
@@ -104,19 +106,19 @@ def test_an_ended_sessions_graph_and_handle_raise(backend: str) -> None:
 @pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_gradients_on_mpi(library: str) -> None:
-    for report in SESSION.results(WORLDS["mpi"], f"{library} gradients"):
+    for report in SESSION.results(GRADIENTS_ON_MPI, f"{library} gradients"):
         expected = {op: "ok" for op in OPS}
         if library == "paddle":
             expected = {f"{op}-{mode}": "ok" for op in OPS for mode in ("sync", "async")}
         assert report == expected
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ranks_that_disagree_get_the_same_error(backend: str) -> None:
-    """In check mode, with Paddle tensors (gloo) or JAX arrays (mpi): counts that disagree end
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_ranks_that_disagree_get_the_same_error(library: str) -> None:
+    """In check mode, with Paddle tensors (3 ranks) and JAX arrays (2): counts that disagree end
     in CrossRankMismatchError on every rank; NaN and inf survive a max; the next call is right."""
-    library, size = CHECKED[backend]
-    for seen in SESSION.results(DISAGREEING[backend], f"disagreement {library}"):
+    size = CHECKED[library]
+    for seen in SESSION.results(DISAGREEING[library], f"disagreement {library}"):
         assert seen["mismatch"] == "CrossRankMismatchError", seen
         np.testing.assert_array_equal(seen["nan max"], [np.nan, 1.0, np.inf])  # NaN equal to NaN here
         assert seen["after"] == [float(size)]

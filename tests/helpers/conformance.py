@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import traceback
 import zlib
-from collections.abc import Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-import pytest
 
 import unicoll as uc
 from unicoll import reference
@@ -96,33 +93,6 @@ class Case:
     @property
     def seed(self) -> int:
         return zlib.crc32(self.id.encode())
-
-
-class Worlds:
-    """The spawned worlds of a matrix, each started once for all its cases; a world that fails
-    fails each of its cases at once with its error, instead of being started again per case.
-
-    Worlds named to :meth:`start` beforehand run in the background, ``parallel`` at a time: one
-    world leaves a core idle about a fifth of the time (its ranks wait on each other), and the
-    matrix asserts nothing about time."""
-
-    def __init__(self, parallel: int = 1) -> None:
-        self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="world")
-        self._started: dict[Hashable, Future] = {}
-
-    def start(self, key: Hashable, *spawn_args: Any, **spawn_kwargs: Any) -> None:
-        """Start world ``key``, ``uc.testing.spawn(*spawn_args, **spawn_kwargs)`` (of
-        :func:`run_cases`), unless it was started before."""
-        if key not in self._started:
-            self._started[key] = self._pool.submit(uc.testing.spawn, *spawn_args, **spawn_kwargs)
-
-    def outcomes(self, key: Hashable, *spawn_args: Any, **spawn_kwargs: Any) -> list[dict[str, str | None]]:
-        """The per-rank outcomes of world ``key``, started here (as :meth:`start`) if it was not."""
-        self.start(key, *spawn_args, **spawn_kwargs)
-        try:
-            return self._started[key].result()
-        except Exception as exc:  # reported for every case of the world
-            pytest.fail(f"the world {key!r} that runs this case failed: {type(exc).__name__}: {exc}", pytrace=False)
 
 
 def failures(per_rank: list[dict[str, str | None]], case: Case) -> str | None:

@@ -18,7 +18,7 @@ from helpers.signals import send, wait_for
 from unicoll import carry, entry
 from unicoll.arrays import library_of
 
-SOAK_STEPS, SOAK_WARMUP = 80, 10
+SOAK_STEPS, SOAK_WARMUP = 40, 10
 TOKENS, HIDDEN, K, EXPERTS = 512, 128, 2, 2
 
 

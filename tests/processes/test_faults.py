@@ -190,7 +190,9 @@ def test_mismatched_counts_with_the_handshake_off(backend) -> None:
     assert len(more["rows"]) == 5
     assert more["rows"][:2] == [[4.0, 5.0], [6.0, 7.0]] and more["rows"][3:] == own_rows
     if backend == "gloo":
-        assert fewer == [], world.output
+        # gloo aborts rank 1 inside the call; where rank 0 had already finished both calls and
+        # left, rank 1's peer watch may see that first and raise, just before the abort lands
+        assert [r["error"] for r in fewer] in ([], ["PeerLostError"]), world.output
         assert world.codes[1] == -signal.SIGABRT, world.output
         assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in world.output
     else:

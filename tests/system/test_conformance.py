@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.conformance import JOINED, Worlds, assert_all_passed, by_operator, cases, run_cases
+from helpers.background import Worlds
+from helpers.conformance import JOINED, assert_all_passed, by_operator, cases, run_cases
 from helpers.several import SESSION, Case, share
 from unicoll import registry
 
@@ -91,5 +92,5 @@ def test_conformance(backend, w, group, worlds) -> None:
     if backend == "mpi" and w in IN_SHARED_JOBS:
         per_rank = SESSION.results(IN_SHARED_JOBS[w], f"conformance: mpi W{w}")
     else:
-        per_rank = worlds.outcomes((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w))
+        per_rank = worlds.results((backend, w), run_cases, w, MATRIX[backend, w], **_spawn_kwargs(backend, w))
     assert_all_passed(per_rank, group)

@@ -11,7 +11,8 @@ import importlib.util
 
 import pytest
 
-from helpers.conformance import Worlds, assert_passed, cases, run_cases
+from helpers.background import Worlds
+from helpers.conformance import assert_passed, cases, run_cases
 from helpers.gpu_backends import GPU_BACKENDS, marks
 from unicoll import registry
 
@@ -49,4 +50,4 @@ _worlds = Worlds()
 @pytest.mark.parametrize(("backend", "case"), list(_matrix()))
 def test_gpu_conformance(backend, case) -> None:
     matrix = _matrix_of(backend)
-    assert_passed(_worlds.outcomes(backend, run_cases, 1, matrix, "cuda", backend=backend, timeout=600), case)
+    assert_passed(_worlds.results(backend, run_cases, 1, matrix, "cuda", backend=backend, timeout=600), case)
