@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import NamedTuple
@@ -345,12 +346,25 @@ def test_wait_checks_its_timeout(backend, monkeypatch) -> None:
         uc.finalize()
 
 
-def test_init_fails_within_the_timeout_on_gloo() -> None:
-    """Two worlds of 2, one in which only rank 1 starts and one in which only rank 0 does: each
-    gets a CollectiveTimeoutError naming init and what to check, within the timeout (the
+@pytest.fixture(scope="module")
+def inits_alone() -> Iterator[dict[str, list[Started]]]:
+    """The worlds in which a rank's peer never starts init, started together (each spends its
+    time waiting out its timeout of 2 s), by backend: on gloo one in which only rank 1 starts
+    and one in which only rank 0 does, forked; on mpi one whose rank 1 never calls init."""
+    started = {"gloo": [start_ranks("init", (1,), timeout=2), start_ranks("init", (0,), timeout=2)]}
+    if MPI_REASON is None:
+        started["mpi"] = [start_world("init-absent", "mpi", timeout=2)]
+    yield started
+    for world in started.values():
+        for procs in world:
+            for proc in procs.procs:
+                proc.kill()
+
+
+def test_init_fails_within_the_timeout_on_gloo(inits_alone) -> None:
+    """Each gets a CollectiveTimeoutError naming init and what to check, within the timeout (the
     rendezvous store, the process group and the peer watch share one deadline)."""
-    worlds = [start_ranks("init", (1,), timeout=2), start_ranks("init", (0,), timeout=2)]
-    (alone,), (absent,) = (finish(procs).reports[rank] for procs, rank in zip(worlds, (1, 0)))
+    (alone,), (absent,) = (finish(procs).reports[rank] for procs, rank in zip(inits_alone["gloo"], (1, 0)))
     for rank, record in ((1, alone), (0, absent)):
         assert record["error"] == "CollectiveTimeoutError", record
         assert record["message"].startswith(
@@ -364,8 +378,9 @@ def test_init_fails_within_the_timeout_on_gloo() -> None:
 
 
 @pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
-def test_init_fails_within_the_timeout_on_mpi() -> None:
-    world = run_world("init-absent", "mpi", timeout=2)
+def test_init_fails_within_the_timeout_on_mpi(inits_alone) -> None:
+    (started,) = inits_alone["mpi"]
+    world = finish_world(started)
     (record,) = world.reports[0]
     assert record["error"] == "CollectiveTimeoutError", world.output
     assert record["message"].startswith(
