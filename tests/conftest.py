@@ -42,9 +42,8 @@ def _start_a_warm_forkserver() -> None:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return
     multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, WARM])
-    tests = str(Path(__file__).resolve().parent)
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests, before) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "tests"), before) if p)
     try:
         forkserver.ensure_running()
     finally:

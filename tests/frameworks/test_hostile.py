@@ -12,12 +12,12 @@ import importlib.util
 import numpy as np
 import pytest
 
+from helpers.cpu_backends import BACKENDS, MPI_REASON
 from helpers.frameworks import jax_gradients, paddle_gradients
 from helpers.gradients import OPS
 from helpers.joined_attacks import aliasing_and_tasks, disagreement, soak, stale_session, threads
 from helpers.several import SESSION, Case, share
 from helpers.signals import signal_path
-from unicoll.backends.mpi.mpi import MpiFactory
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("paddle") is None or importlib.util.find_spec("jax") is None,
@@ -28,8 +28,6 @@ pytestmark = pytest.mark.skipif(
 LIBRARIES = ("paddle", "jax")
 GRADIENTS = {"paddle": paddle_gradients, "jax": jax_gradients}
 GROWTH_LIMIT = 64 * 2**20
-MPI_REASON = MpiFactory().probe()
-BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
 
 
 ATTACKS = share(

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import unicoll as uc
+from helpers.cpu_backends import BACKENDS, MPI_REASON
 from helpers.several import SESSION, Case, share
-from unicoll.backends.mpi.mpi import MpiFactory
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("paddle") is None, reason="paddle is not installed (pip install 'unicoll[paddle]')"
@@ -125,8 +125,6 @@ def _layer(rank: int) -> dict:
     return {gate_type: _one_gate(rank, gate_type) for gate_type in GATES}
 
 
-MPI_REASON = MpiFactory().probe()
-BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
 LAYERS = {
     backend: share(backend, 2, [Case("paddle_moe: layer", _layer)])
     for backend in ("gloo", "mpi")

@@ -28,14 +28,12 @@ import pytest
 from faults import reporting
 
 import unicoll as uc
+from helpers.cpu_backends import BACKENDS, MPI_REASON
 from helpers.forked import start_script
-from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.launch.local import free_port, world_env
 
 SCRIPT = Path(__file__).parents[1] / "faults" / "inject.py"
 TIMEOUT = 4  # UNICOLL_TIMEOUT for these worlds, seconds
-MPI_REASON = MpiFactory().probe()
-BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}"))]
 
 
 class World(NamedTuple):
