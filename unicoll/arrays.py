@@ -38,6 +38,17 @@ _kinds: dict[tuple[type, Any, Any], ArrayKind] = {}
 _DYNAMO = "torch._dynamo"
 
 
+def dynamo_imported() -> bool:
+    """Whether ``torch._dynamo`` is imported: whether torch.compile may be tracing this call.
+
+    While Dynamo traces, the answer is a constant (True): :mod:`unicoll.compiled.traced` marks
+    this function so, because Dynamo reads ``sys.modules`` by wrapping each of its keys (a
+    traced MoE step's calls took a quarter longer to trace). The public face asks it once per
+    call; the functions here, asked several times per call, keep the lookup inline.
+    """
+    return _DYNAMO in sys.modules
+
+
 def place(a: Any) -> Any:
     """An array's device, as the array API names it; None where the array has none to give
     (numpy before 2.0, a tracer of jax.jit): the namespace's default. Read directly, not through
@@ -67,7 +78,8 @@ def _traced(x: Any) -> bool:
     """Whether Dynamo is tracing and ``x`` is a torch tensor: then :func:`library_of` answers
     without its cache, whose contents a traced read would guard on (a later eager call that
     adds a type to it would make the next call compile again)."""
-    torch = sys.modules["torch"]
+    import torch  # loaded: Dynamo is (an import statement costs Dynamo nothing, sys.modules does)
+
     return torch.compiler.is_compiling() and isinstance(x, torch.Tensor)
 
 

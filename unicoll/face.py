@@ -8,7 +8,8 @@ each call first asks whether Dynamo is tracing it: then the call goes to its tra
 registers the custom ops); else it runs eagerly behind
 ``torch.compiler.disable``, so that Dynamo, which watches every function that code it gave up
 tracing calls, never traces unicoll's internals. A program that never imports
-``torch._dynamo`` pays one lookup in ``sys.modules`` per call.
+``torch._dynamo`` pays one lookup in ``sys.modules`` per call (:func:`unicoll.arrays.dynamo_imported`,
+which Dynamo reads as a constant while it traces).
 
 Once a joined array library is imported (Paddle, JAX: :mod:`unicoll.libraries`), a call whose
 arguments hold its arrays goes to :func:`unicoll.carry.call`, which runs the operator on torch
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import carry
+from .arrays import dynamo_imported
 from .eager import moe, ops, static_moe
 from .entry import enter, exclusive_as, leave
 from .libraries import modules
@@ -43,8 +45,6 @@ __all__ = [
     "reduce_scatter",
 ]
 """The public operators ``import unicoll`` exports (``unicoll.moe`` exports the MoE ones)."""
-
-_DYNAMO = "torch._dynamo"
 
 _JOINED_MODULES = modules()
 """The modules of the joined array libraries (:func:`unicoll.libraries.modules`): a list that
@@ -68,7 +68,8 @@ def _public(name: str, eager: F, module: str) -> F:
 
     def under_dynamo(args: tuple, kwargs: dict[str, Any]) -> Any:
         nonlocal untraced
-        torch = sys.modules["torch"]
+        import torch  # loaded: Dynamo is (an import statement costs Dynamo nothing, sys.modules does)
+
         if torch.compiler.is_compiling():
             from .compiled.traced import traced_call
 
@@ -81,7 +82,7 @@ def _public(name: str, eager: F, module: str) -> F:
 
     @functools.wraps(eager)
     def operator(*args: Any, **kwargs: Any) -> Any:
-        if _DYNAMO in sys.modules:
+        if dynamo_imported():
             return under_dynamo(args, kwargs)
         for joined_module in _JOINED_MODULES:  # _holds_joined(), inlined: one frame less on every call
             if joined_module in sys.modules:

@@ -24,6 +24,7 @@ import array_api_compat.torch as xpt
 import torch
 
 from .. import once_blocks, runtime
+from ..arrays import dynamo_imported
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
 from ..eager.moe_once import sum_dtype
@@ -35,6 +36,9 @@ from ..routing import Handle, Routing
 from ..spec import SPECS, OpSpec
 from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks, static_layout
 from .custom_ops import WORLD, group_of, world_size
+
+# While Dynamo traces, it is imported: the face's test of every call reads no sys.modules then.
+torch.compiler.assume_constant_result(dynamo_imported)
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 
