@@ -361,7 +361,7 @@ if __name__ != "__main__":  # the fork test runs this file as a script, without 
         size: share(
             "gloo",
             size,
-            [Case("lifecycle: rank 0 finalizes last", init_again_while_rank_0_lags, (1.0,))],
+            [Case("lifecycle: rank 0 finalizes last", init_again_while_rank_0_lags, (0.5,))],
             timeout=90,
             last=True,
         )
