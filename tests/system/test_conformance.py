@@ -1,5 +1,5 @@
 """The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks (4 with the handshake
-off and, on mpi, torch's half; gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time
+off and torch's half; gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time
 (mpi's of 2 and 3 in the session's shared MPI jobs); Paddle and JAX in gloo's worlds of 2 and
 3. A backend that cannot run here is skipped with the reason."""
 
@@ -18,19 +18,19 @@ WORLD_SIZES = (1, 2, 3, 4)
 FACTORIES = {name: registry.registered()[name] for name in CPU_BACKENDS}
 JOINED_WORLDS = (2, 3)
 """The gloo worlds that run Paddle's and JAX's cases."""
-MPI_FOUR = ("torch",)
-"""The libraries of mpi's world of 4 ranks: its most expensive world (4 MPI ranks on this
-machine's 2 cores, 23 CPU-s for the whole matrix), where numpy's half would repeat what mpi
-proves at 1-3 ranks and gloo at 4: how numpy arrays and torch tensors are handed to a
-transport does not depend on the world size, and the torch half runs every operator, variant,
-dtype and setting at 4."""
+FOUR = ("torch",)
+"""The libraries of the worlds of 4 ranks: the most expensive worlds (4 ranks on this
+machine's 2 cores: 15 CPU-s for gloo's whole matrix, 23 for mpi's), where numpy's half would
+repeat what both backends prove at 1-3 ranks: how numpy arrays and torch tensors are handed
+to a transport does not depend on the world size, and torch's half runs every operator,
+variant, dtype and setting at 4."""
 
 
 def _in_matrix(case: conformance.Case, backend: str, w: int) -> bool:
     """Whether ``case`` runs on ``backend``'s world of ``w`` ranks (see :data:`MATRIX`)."""
     if case.library in JOINED:
         return backend == "gloo" and w in JOINED_WORLDS
-    return (backend, w) != ("mpi", 4) or case.library in MPI_FOUR
+    return w != 4 or case.library in FOUR
 
 
 MATRIX = {
@@ -42,8 +42,8 @@ MATRIX = {
 through the same eager calls on every backend: their cases run in gloo's worlds of 2 and 3
 ranks (each rank of a world that runs one imports Paddle and JAX, about 2.6 s of CPU time
 apiece; every operator and variant still runs with each library there), and
-tests/frameworks runs them on mpi too (every gradient, a soak, hostile callers). mpi's world of
-4 runs torch's half (:data:`MPI_FOUR`)."""
+tests/frameworks runs them on mpi too (every gradient, a soak, hostile callers). The worlds of
+4 run torch's half (:data:`FOUR`)."""
 
 
 def _spawn_kwargs(backend: str, w: int) -> dict:
