@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 import unicoll as uc  # noqa: E402
 from helpers.hf_models import MODELS, VOCAB, tiny  # noqa: E402
+from helpers.several import SESSION, Case, share  # noqa: E402
 
 STEPS = 3
 CASES = [(name, static) for name in MODELS for static in (False, True)]
@@ -151,13 +152,20 @@ def _world(rank: int, whole_model_compiled: bool) -> dict:
             **{case: _rounded(rank, *case) for case in ROUNDED}}  # fmt: skip
 
 
+ON_MPI = share("mpi", 2, [Case("hf: world", _world, (False,))], timeout=240)
+"""mpi's world is a case of the session's shared MPI job of 2 ranks (helpers/several.py): one
+MPI job fewer, two interpreters that each took about 2 s of CPU time to start."""
+
+
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def reports(request) -> list[dict]:
     """Each backend's world. The whole model compiled runs on gloo only: its graph is the same on
     every backend (the transport is called at run time, by the eager operators the custom ops
     call, which the dynamic mode compiled also runs on mpi), and its compile costs each rank
     about 7 s of CPU time."""
-    return uc.testing.spawn(_world, 2, request.param == "gloo", backend=request.param, timeout=240)
+    if request.param == "mpi":
+        return SESSION.results(ON_MPI, "hf: world")
+    return uc.testing.spawn(_world, 2, True, backend="gloo", timeout=240)
 
 
 def test_the_dynamic_mode_compiled_with_a_rank_without_rows_equals_eager(reports) -> None:
