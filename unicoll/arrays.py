@@ -42,9 +42,9 @@ def dynamo_imported() -> bool:
     """Whether ``torch._dynamo`` is imported: whether torch.compile may be tracing this call.
 
     While Dynamo traces, the answer is a constant (True): :mod:`unicoll.compiled.traced` marks
-    this function so, because Dynamo reads ``sys.modules`` by wrapping each of its keys (a
-    traced MoE step's calls took a quarter longer to trace). The public face asks it once per
-    call; the functions here, asked several times per call, keep the lookup inline.
+    this function so, because Dynamo reads ``sys.modules`` by wrapping each of its keys (tracing
+    each operator took about a third longer). The public face asks it once per call;
+    the functions here, asked several times per call, keep the lookup inline.
     """
     return _DYNAMO in sys.modules
 

@@ -415,7 +415,7 @@ def test_moe_dispatch_traces_without_capture_scalar_outputs(world_of_one) -> Non
 def test_the_faces_test_for_dynamo_is_a_constant_while_it_traces(world_of_one) -> None:
     """The public face asks on every call whether Dynamo is imported; while Dynamo traces, the
     answer is a constant and reads no ``sys.modules``, which Dynamo reads by wrapping each key
-    (test_compile's worlds took a quarter longer to trace before)."""
+    (this module's worlds took about a third longer to trace before)."""
     from unicoll.arrays import dynamo_imported
 
     def plus_one_if_imported(x):
