@@ -42,15 +42,9 @@ def _start_a_warm_forkserver() -> None:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return
     multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, WARM])
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "tests"), before) if p)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT / "tests"), prepend=os.pathsep)
         forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
 
 
 def _compile_bytecode(config: pytest.Config) -> None:
