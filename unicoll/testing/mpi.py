@@ -27,6 +27,7 @@ from typing import Any
 
 from ..launch import mpi as mpirun
 from ..launch.process import GRACE_S, write_atomically
+from ..runtime import finalize, get_rank, init
 from .report import Report, SpawnError, SpawnTimeout
 
 _POLL_S = 0.01
@@ -100,10 +101,8 @@ def _rank_main(job_path: str) -> None:
     mp_spawn.prepare(job["preparation"])  # so that fn's module, __main__ too, imports as it did in the parent
     fn, args = pickle.loads(job["payload"])
 
-    import unicoll
-
-    unicoll.init(job["backend"])
-    rank = unicoll.get_rank()
+    init(job["backend"])
+    rank = get_rank()
     try:
         report = Report(True, fn(rank, *args), 0.0)
     except BaseException:
@@ -112,7 +111,7 @@ def _rank_main(job_path: str) -> None:
     write_atomically(_report_path(Path(job_path).parent, rank), pickle.dumps(report))
     if not report.ok:
         os._exit(1)  # the MPI launcher stops the other ranks
-    unicoll.finalize()
+    finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     from mpi4py import MPI

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..launch.local import free_port, world_env
 from ..launch.process import GRACE_S, thread_share
+from ..runtime import finalize, init
 from .report import Report, SpawnError, SpawnTimeout
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "unicoll", "unicoll.backends.torch")
@@ -155,16 +156,14 @@ def _run_in_world(
     A failure of ``fn`` is sent before ``finalize`` runs: finalize may wait for peers that are
     themselves waiting for this rank, and the parent stops them all once it knows.
     """
-    import unicoll
-
-    unicoll.init(backend)
+    init(backend)
     try:
         return fn(rank, *args)
     except BaseException:
         _send_failure(conn)
         raise
     finally:
-        unicoll.finalize()
+        finalize()
 
 
 def _send_failure(conn: Connection) -> None:
