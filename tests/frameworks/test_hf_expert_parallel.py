@@ -1,5 +1,5 @@
-"""Hugging Face MoE models made expert-parallel by unicoll.nn.expert_parallel on 2 ranks, gloo
-and mpi: each rank trains on its own batch, and the logits, the gradients and every parameter
+"""Hugging Face MoE models made expert-parallel by unicoll.nn.expert_parallel on 2 ranks of gloo:
+each rank trains on its own batch, and the logits, the gradients and every parameter
 after three AdamW steps equal the single-process model's trained on the union of the batches
 (float64, transformers' eager experts code), in the dynamic mode (the replicated gradients
 summed while backward runs, by unicoll.nn.GradientReducer) and the static mode (summed after
@@ -8,7 +8,9 @@ expert, a group-limited router), Qwen3-MoE and OLMoE. In bfloat16, ExpertParalle
 rounding="model" is bit-equal to the model's own experts code (eager and batched_mm). The
 dynamic mode compiled, with a rank whose experts get no rows, equals eager; a whole Mixtral
 compiled with ``fullgraph=True`` in the static mode is bit-equal to eager with one compile
-over three batches (on gloo). Skipped where transformers is not installed."""
+over three batches. On mpi, Mixtral trains in the dynamic mode, its replicated gradients
+summed by mpi while backward runs (examples/expert_parallel_hf.py trains it on mpi in the static
+mode: tests/system/test_train_moe.py). Skipped where transformers is not installed."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pytest.importorskip("transformers", minversion="5.0")
 import torch  # noqa: E402
 
 import unicoll as uc  # noqa: E402
+from helpers.cpu_backends import MPI_REASON  # noqa: E402
 from helpers.hf_models import MODELS, VOCAB, tiny  # noqa: E402
 from helpers.several import SESSION, Case, share  # noqa: E402
 
@@ -145,27 +148,24 @@ def _dynamic_compiled(rank: int) -> list[float]:
     return [(a - b).abs().max().item() for a, b in zip(*results)]
 
 
-def _world(rank: int, whole_model_compiled: bool) -> dict:
-    report = {"compiled": _compiled(rank)} if whole_model_compiled else {}  # first, as it always ran
-    return {**report, "dynamic compiled": _dynamic_compiled(rank),
+def _world(rank: int) -> dict:
+    return {"compiled": _compiled(rank), "dynamic compiled": _dynamic_compiled(rank),
             **{case: _train(rank, *case) for case in CASES},
             **{case: _rounded(rank, *case) for case in ROUNDED}}  # fmt: skip
 
 
-ON_MPI = share("mpi", 2, [Case("hf: world", _world, (False,))], timeout=240)
-"""mpi's world is a case of the session's shared MPI job of 2 ranks (helpers/several.py): one
-MPI job fewer, two interpreters that each took about 2 s of CPU time to start."""
+ON_MPI = share("mpi", 2, [Case("hf: mixtral", _train, ("mixtral", False))], timeout=120)
+"""mpi's case, in the session's shared MPI job of 2 ranks (helpers/several.py): the models'
+code reaches a backend only through ExpertParallel's dispatch and combine and the reducer's
+all-reduces, the same eager calls on every backend, so one model in the dynamic mode (whose
+all-reduces run while backward runs) proves them on mpi; the other models, the rounding and
+the compiled cases run on gloo."""
 
 
-@pytest.fixture(scope="module", params=["gloo", "mpi"])
-def reports(request) -> list[dict]:
-    """Each backend's world. The whole model compiled runs on gloo only: its graph is the same on
-    every backend (the transport is called at run time, by the eager operators the custom ops
-    call, which the dynamic mode compiled also runs on mpi), and its compile costs each rank
-    about 7 s of CPU time."""
-    if request.param == "mpi":
-        return SESSION.results(ON_MPI, "hf: world")
-    return uc.testing.spawn(_world, 2, True, backend="gloo", timeout=240)
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    """gloo's world: every model in both modes, the rounding and the compiled cases."""
+    return uc.testing.spawn(_world, 2, backend="gloo", timeout=240)
 
 
 def test_the_dynamic_mode_compiled_with_a_rank_without_rows_equals_eager(reports) -> None:
@@ -188,6 +188,10 @@ def test_expert_parallel_training_equals_the_single_process(reports, name: str, 
 
 
 def test_a_whole_model_compiles_with_fullgraph_in_the_static_mode_once_equal_to_eager(reports) -> None:
-    if "compiled" not in reports[0]:
-        pytest.skip("the whole model compiled runs on gloo only (see the reports fixture)")
     assert [report["compiled"] for report in reports] == [(0.0, 1)] * 2
+
+
+@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
+def test_training_on_mpi_equals_the_single_process() -> None:
+    for worst in SESSION.results(ON_MPI, "hf: mixtral"):
+        assert max(worst.values()) < 1e-12, worst
