@@ -43,10 +43,25 @@ def dynamo_imported() -> bool:
 
     While Dynamo traces, the answer is a constant (True): :mod:`unicoll.compiled.traced` marks
     this function so, because Dynamo reads ``sys.modules`` by wrapping each of its keys (tracing
-    each operator took about a third longer). The public face asks it once per call;
-    the functions here, asked several times per call, keep the lookup inline.
+    each operator took about a third longer). The public face asks it once per call; the
+    functions here, asked of every array, ask :data:`_traced_forms` instead.
     """
     return _DYNAMO in sys.modules
+
+
+_traced_forms = False
+"""Whether :mod:`unicoll.compiled.traced` is loaded (:func:`traced_forms_loaded`). Dynamo traces
+the functions here only once it is: the public face loads it before a traced call reads
+anything here. Dynamo reads a module global as a constant, where each read of ``sys.modules``
+cost it 40 to 90 ms (it wraps every key); an eager call reads it faster than that lookup too."""
+
+
+def traced_forms_loaded() -> None:
+    """From now on, :func:`library_of` and :func:`description_of` answer a tensor that Dynamo
+    traces without reading their caches (:func:`_traced`). Called by
+    :mod:`unicoll.compiled.traced` as it loads."""
+    global _traced_forms
+    _traced_forms = True
 
 
 def place(a: Any) -> Any:
@@ -65,7 +80,7 @@ def library_of(x: Any) -> str | None:
     front end asks on every call. While torch.compile traces, the cache is not read
     (:func:`_traced`).
     """
-    if _DYNAMO in sys.modules and _traced(x):
+    if _traced_forms and _traced(x):
         return TORCH.name
     try:
         description = _description_by_type[type(x)]
@@ -78,7 +93,7 @@ def _traced(x: Any) -> bool:
     """Whether Dynamo is tracing and ``x`` is a torch tensor: then :func:`library_of` answers
     without its cache, whose contents a traced read would guard on (a later eager call that
     adds a type to it would make the next call compile again)."""
-    import torch  # loaded: Dynamo is (an import statement costs Dynamo nothing, sys.modules does)
+    import torch  # loaded: the traced forms import it (an import statement costs Dynamo nothing)
 
     return torch.compiler.is_compiling() and isinstance(x, torch.Tensor)
 
@@ -172,7 +187,7 @@ def description_of(x: Any) -> Library | None:
     """The description of the library of ``x`` (:mod:`unicoll.libraries`), None for a value of
     no known library. Cached per type (the front end asks it, or :func:`library_of`, of every
     array, on every call), and not read while torch.compile traces a tensor."""
-    if _DYNAMO in sys.modules and _traced(x):
+    if _traced_forms and _traced(x):
         return TORCH
     try:
         return _description_by_type[type(x)]

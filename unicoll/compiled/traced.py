@@ -24,7 +24,7 @@ import array_api_compat.torch as xpt
 import torch
 
 from .. import once_blocks, runtime
-from ..arrays import dynamo_imported
+from ..arrays import dynamo_imported, traced_forms_loaded
 from ..backends.layout import moe_plan
 from ..eager.moe import sum_at_once
 from ..eager.moe_once import sum_dtype
@@ -37,8 +37,10 @@ from ..spec import SPECS, OpSpec
 from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks, static_layout
 from .custom_ops import WORLD, group_of, world_size
 
-# While Dynamo traces, it is imported: the face's test of every call reads no sys.modules then.
+# While Dynamo traces, it is imported: the face's test of every call reads no sys.modules then,
+# and the array functions' test of every array reads a flag set here.
 torch.compiler.assume_constant_result(dynamo_imported)
+traced_forms_loaded()
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 
