@@ -70,7 +70,7 @@ def _start() -> tuple[subprocess.Popen[bytes], str]:
     folder = tempfile.mkdtemp(prefix="unicoll-mpi-server-")
     path = os.path.join(folder, "socket")
     server = subprocess.Popen([sys.executable, "-m", __name__, path], stdin=subprocess.PIPE)
-    atexit.register(_stop, server, folder)
+    atexit.register(_stop, os.getpid(), server, folder)
     deadline = time.monotonic() + _START_S
     while not os.path.exists(path):
         if server.poll() is not None:
@@ -83,8 +83,11 @@ def _start() -> tuple[subprocess.Popen[bytes], str]:
     return server, path
 
 
-def _stop(server: subprocess.Popen[bytes], folder: str) -> None:
-    """End the server (it kills the ranks still running) and remove its socket's folder."""
+def _stop(starter: int, server: subprocess.Popen[bytes], folder: str) -> None:
+    """End the server (it kills the ranks still running) and remove its socket's folder, in the
+    process that started it (``starter``): a forked child that exits leaves it be."""
+    if os.getpid() != starter:
+        return
     if server.stdin is not None:
         server.stdin.close()
     try:
