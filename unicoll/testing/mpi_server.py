@@ -101,6 +101,7 @@ def _stop(starter: int, server: subprocess.Popen[bytes], folder: str) -> None:
 def serve(path: str) -> None:
     """Listen at ``path`` (made visible once listening) and fork a rank for each stub that
     connects, until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the ranks and the parent, which ends this
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,6 +117,9 @@ def serve(path: str) -> None:
             if key.fileobj is listener:
                 conn, _ = listener.accept()
                 pid = _fork(conn, [listener, *ranks.values()])
+                if pid is None:
+                    conn.close()
+                    continue
                 ranks[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif key.fileobj is sys.stdin:  # the process that started this server ended
@@ -128,11 +132,19 @@ def serve(path: str) -> None:
         _reap(ranks, selector)
 
 
-def _fork(conn: socket.socket, others: list[socket.socket]) -> int:
-    """Fork the rank a stub asks for on ``conn``; return its pid. The rank closes its copies of
+def _fork(conn: socket.socket, others: list[socket.socket]) -> int | None:
+    """Fork the rank a stub asks for on ``conn``; return its pid, or None for a request that
+    did not come whole (a stub that ended as it connected). The rank closes its copies of
     ``others`` (the listener, the other stubs' connections)."""
     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
-    request = pickle.loads(message)
+    try:
+        request = pickle.loads(message)
+    except Exception:
+        request = None
+    if request is None or len(fds) != 4:
+        for fd in fds:
+            os.close(fd)
+        return None
     pid = os.fork()
     if pid == 0:
         for sock in [conn, *others]:
