@@ -2,10 +2,10 @@
 
 MPI processes join a world only when an MPI launcher starts them, so the parent writes the
 function and its arguments to a job file (pickled by the parent, read back by its own
-children: no rank ever unpickles another rank's data) and starts
-``mpiexec -n N`` (:mod:`unicoll.launch.mpi`) with each rank forked from a server that imported
-torch once (:mod:`unicoll.testing.mpi_server`) or, with ``start_method="spawn"``, a fresh
-interpreter each (``python -m unicoll.testing.mpi_rank JOB``). Each rank (:mod:`unicoll.testing.mpi_rank`) runs
+children: no rank ever unpickles another rank's data) and starts ``mpiexec -n N``
+(:mod:`unicoll.launch.mpi`), each rank forked from a server that imported torch once
+(:mod:`unicoll.testing.mpi_server`) or, with ``start_method="spawn"``, a fresh interpreter
+(``python -m unicoll.testing.mpi_rank JOB``). Each rank (:mod:`unicoll.testing.mpi_rank`) runs
 the function between ``unicoll.init`` and ``unicoll.finalize`` and writes its report next to
 the job file. Each rank is first prepared as :mod:`multiprocessing`'s spawn prepares a child
 (the parent's ``sys.path``, ``sys.argv``, working directory, and its main script imported as
