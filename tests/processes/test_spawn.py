@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import unicoll as uc
-from helpers.cpu_backends import MPI_REASON
 from unicoll.testing import SpawnError, SpawnTimeout
 
 
@@ -133,60 +132,3 @@ def test_timeout_stops_every_rank() -> None:
     with pytest.raises(SpawnTimeout, match=r"ranks \[0, 1\] had not finished after 1 s"):
         uc.testing.spawn(sleep_forever, 2, backend="gloo", timeout=1)
     assert time.monotonic() - start < 20
-
-
-def pid_and_parent(rank: int) -> tuple[int, int, str | None]:
-    return os.getpid(), os.getppid(), os.environ.get("UNICOLL_TEST_MARK")
-
-
-def _command_line(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
-
-
-@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_mpi_ranks_are_forked_from_one_server_unless_spawn_is_asked() -> None:
-    """Each MPI rank is forked from one server that imported torch once, kept for the next job
-    and given each job's environment; ``start_method="spawn"`` starts fresh interpreters."""
-    first = uc.testing.spawn(pid_and_parent, 2, backend="mpi", env={"UNICOLL_TEST_MARK": "first"})
-    again = uc.testing.spawn(pid_and_parent, 2, backend="mpi", env={"UNICOLL_TEST_MARK": "again"})
-    fresh = uc.testing.spawn(pid_and_parent, 2, backend="mpi", start_method="spawn")
-    (server,) = {parent for _, parent, _ in first + again}
-    assert "unicoll.testing.mpi_server" in _command_line(server)
-    assert [mark for _, _, mark in first + again] == ["first"] * 2 + ["again"] * 2
-    assert all(parent != server for _, parent, _ in fresh)  # hydra's proxy's, ended with the job
-
-
-def sleep_with_pid(rank: int, folder: str) -> None:
-    with open(os.path.join(folder, f"{rank}.pid"), "w") as f:
-        f.write(str(os.getpid()))
-    time.sleep(600)
-
-
-@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
-def test_a_timed_out_mpi_job_leaves_no_rank_of_the_server_running(tmp_path) -> None:
-    """The job is stopped at the timeout: mpiexec ends the processes it started, and the server
-    kills the ranks it forked for them."""
-    with pytest.raises(SpawnTimeout, match=r"ranks \[0, 1\] had not finished after 3 s"):
-        uc.testing.spawn(sleep_with_pid, 2, str(tmp_path), backend="mpi", timeout=3)
-    pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(MPI_REASON is not None, reason=f"mpi: {MPI_REASON}")
-def test_an_mpi_rank_that_exits_ends_the_job_with_an_error() -> None:
-    with pytest.raises(SpawnError, match=r"the MPI job exited with code \d+ before rank\(s\) \[0"):
-        uc.testing.spawn(die_on_rank_zero, 2, backend="mpi", timeout=60)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -49,16 +48,6 @@ def thread_share(nprocs: int) -> dict[str, str]:
     torchrun does; a value already in the environment wins. Without it every rank starts one
     OpenMP thread per core, and N ranks oversubscribe the machine and stall one another."""
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nprocs))}
-
-
-def take_thread_share() -> None:
-    """Give torch, if it was imported before ``OMP_NUM_THREADS`` was set (a rank forked from a
-    server, or one that unpickled its function first), that many threads; a library loaded
-    later reads the variable itself."""
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch = sys.modules.get("torch")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
 
 
 @contextmanager

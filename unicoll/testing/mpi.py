@@ -2,10 +2,8 @@
 
 MPI processes join a world only when an MPI launcher starts them, so the parent writes the
 function and its arguments to a job file (pickled by the parent, read back by its own
-children: no rank ever unpickles another rank's data) and starts ``mpiexec -n N``
-(:mod:`unicoll.launch.mpi`), each rank forked from a server that imported torch once
-(:mod:`unicoll.testing.mpi_server`) or, with ``start_method="spawn"``, a fresh interpreter
-(``python -m unicoll.testing.mpi_rank JOB``). Each rank (:mod:`unicoll.testing.mpi_rank`) runs
+children: no rank ever unpickles another rank's data) and starts
+``mpiexec -n N python -m unicoll.testing.mpi JOB`` (:mod:`unicoll.launch.mpi`). Each rank runs
 the function between ``unicoll.init`` and ``unicoll.finalize`` and writes its report next to
 the job file. Each rank is first prepared as :mod:`multiprocessing`'s spawn prepares a child
 (the parent's ``sys.path``, ``sys.argv``, working directory, and its main script imported as
@@ -16,18 +14,20 @@ the timeout.
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from multiprocessing import spawn as mp_spawn
 from pathlib import Path
 from typing import Any
 
 from ..launch import mpi as mpirun
-from ..launch.process import GRACE_S
-from . import mpi_rank, mpi_server
-from .mpi_rank import report_path
+from ..launch.process import GRACE_S, write_atomically
+from ..runtime import finalize, get_rank, init
 from .report import Report, SpawnError, SpawnTimeout
 
 _POLL_S = 0.01
@@ -41,11 +41,8 @@ def spawn_mpi(
     backend: str | None,
     timeout: float,
     env: Mapping[str, str] | None,
-    start_method: str,
 ) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` MPI ranks; see :func:`unicoll.testing.spawn`.
-    ``start_method``: ``"forkserver"``, each rank forked from :mod:`unicoll.testing.mpi_server`;
-    ``"spawn"``, a fresh interpreter each."""
+    """Run ``fn(rank, *args)`` on ``world_size`` MPI ranks; see :func:`unicoll.testing.spawn`."""
     with tempfile.TemporaryDirectory(prefix="unicoll-spawn-") as tmp:
         job = Path(tmp) / "job.pkl"
         payload = pickle.dumps((fn, args))  # fails here, in the parent, for what cannot travel
@@ -53,11 +50,7 @@ def spawn_mpi(
         del preparation["name"]  # the rank is known only once MPI has started
         del preparation["authkey"]  # no multiprocessing connection to authenticate (and it refuses pickling)
         job.write_bytes(pickle.dumps({"preparation": preparation, "backend": backend, "payload": payload}))
-        if start_method == "forkserver":
-            argv = ["-S", mpi_server.STUB, mpi_server.address(), str(job)]
-        else:
-            argv = ["-m", mpi_rank.__name__, str(job)]
-        proc = mpirun.start(world_size, argv, env=env)
+        proc = mpirun.start(world_size, ["-m", __name__, str(job)], env=env)
         try:
             results = _collect(proc, Path(tmp), world_size, timeout)
             proc.wait(GRACE_S)
@@ -66,13 +59,17 @@ def spawn_mpi(
             mpirun.stop(proc)
 
 
+def _report_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.pkl"
+
+
 def _collect(proc: Any, directory: Path, world_size: int, timeout: float) -> list[Any]:
     """Every rank's result by rank; raise for the first rank to fail, or after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     reports: dict[int, Report] = {}
     while True:
         for rank in range(world_size):
-            path = report_path(directory, rank)
+            path = _report_path(directory, rank)
             if rank not in reports and path.exists():
                 reports[rank] = pickle.loads(path.read_bytes())
         failures = [(report.failed_at, rank) for rank, report in reports.items() if not report.ok]
@@ -84,7 +81,7 @@ def _collect(proc: Any, directory: Path, world_size: int, timeout: float) -> lis
         if not missing:
             return [reports[rank].value for rank in range(world_size)]
         code = proc.poll()
-        if code is not None and not any(report_path(directory, rank).exists() for rank in missing):
+        if code is not None and not any(_report_path(directory, rank).exists() for rank in missing):
             raise SpawnError(
                 f"spawn: the MPI job exited with code {code} before rank(s) {missing} reported a result "
                 "(see its output above)",
@@ -96,3 +93,32 @@ def _collect(proc: Any, directory: Path, world_size: int, timeout: float) -> lis
                 f"spawn: ranks {missing} had not finished after {timeout} s; killed every rank", ranks=missing
             )
         time.sleep(_POLL_S)
+
+
+def _rank_main(job_path: str) -> None:
+    """Entry point of a rank: load the job, run it in the world, write this rank's report."""
+    job = pickle.loads(Path(job_path).read_bytes())
+    mp_spawn.prepare(job["preparation"])  # so that fn's module, __main__ too, imports as it did in the parent
+    fn, args = pickle.loads(job["payload"])
+
+    init(job["backend"])
+    rank = get_rank()
+    try:
+        report = Report(True, fn(rank, *args), 0.0)
+    except BaseException:
+        report = Report(False, traceback.format_exc(), time.time())
+    # Report before finalize: finalize may wait for peers that wait for this rank.
+    write_atomically(_report_path(Path(job_path).parent, rank), pickle.dumps(report))
+    if not report.ok:
+        os._exit(1)  # the MPI launcher stops the other ranks
+    finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from mpi4py import MPI
+
+    MPI.Finalize()
+    os._exit(0)  # skip the interpreter's teardown, which takes about a second with torch loaded
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])

@@ -22,7 +22,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..launch.local import free_port, world_env
-from ..launch.process import GRACE_S, take_thread_share, thread_share
+from ..launch.process import GRACE_S, thread_share
 from ..runtime import finalize, init
 from .report import Report, SpawnError, SpawnTimeout
 
@@ -62,9 +62,8 @@ def spawn(
 
     When the backend is ``mpi`` (``backend``, else ``UNICOLL_BACKEND`` from ``env`` or this
     process), the ranks are an MPI job started by mpiexec, which sets the rank and world
-    size; ``env`` is added to their environment. With ``"forkserver"`` each rank is forked from
-    a server of unicoll's that imported torch once (:mod:`unicoll.testing.mpi_server`), with
-    ``"spawn"`` it is a fresh interpreter.
+    size; ``env`` is added to their environment (and ``start_method`` does not apply: each
+    rank is a fresh interpreter).
 
     Raises :class:`SpawnError` for the first rank (in time) that raised or died, after
     stopping the others, and :class:`SpawnTimeout` when ranks are still running after
@@ -81,7 +80,7 @@ def spawn(
     if (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi":
         from .mpi import spawn_mpi
 
-        return spawn_mpi(fn, world_size, args, backend, timeout, env, start_method)
+        return spawn_mpi(fn, world_size, args, backend, timeout, env)
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # read once, when the server starts
@@ -123,7 +122,7 @@ def _child_main(
     try:
         os.environ.clear()  # a rank forked from the server has the server's: this call's instead
         os.environ.update(env)
-        take_thread_share()
+        _take_thread_share()
         result = _run_in_world(conn, fn, rank, args, backend)
         # Plain pickle, not the Connection's ForkingPickler: torch registers reducers there
         # that share tensors through this process, which exits right after sending.
@@ -138,6 +137,15 @@ def _child_main(
     # Skip the interpreter's teardown, which takes about a second with torch loaded; the
     # world is finalized and everything the rank printed is flushed.
     os._exit(0)
+
+
+def _take_thread_share() -> None:
+    """Give torch, which unpickling ``fn`` may have loaded before ``OMP_NUM_THREADS`` was set
+    here, that many threads (a library loaded later reads the variable itself)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _run_in_world(
