@@ -42,7 +42,7 @@ MATRIX = {
 through the same eager calls on every backend: their cases run in gloo's worlds of 2 and 3
 ranks (each rank of a world that runs one imports Paddle and JAX, about 2.6 s of CPU time
 apiece; every operator and variant still runs with each library there), and
-tests/frameworks runs them on mpi too (every gradient, a soak, hostile callers). The worlds of
+tests/frameworks runs Paddle's MoE layer on mpi (test_paddle_moe.py). The worlds of
 4 run torch's half (:data:`FOUR`)."""
 
 
