@@ -20,6 +20,7 @@ from .errors import (
     CollectiveTimeoutError,
     CommunicationError,
     CrossRankMismatchError,
+    IntegrityError,
     NotInitializedError,
     PeerLostError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommunicationError",
     "CrossRankMismatchError",
+    "IntegrityError",
     "Group",
     "NotInitializedError",
     "PeerLostError",

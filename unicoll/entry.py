@@ -48,6 +48,12 @@ def leave() -> None:
     _lock.release()
 
 
+def current_operator() -> str:
+    """The operator whose collective a thread is inside now (``""`` when none is): what a
+    backend's own errors and checks name."""
+    return _holder[0] if _lock.locked() else ""
+
+
 def exclusive_as(op: str) -> Callable[[F], F]:
     """A decorator: the function run between :func:`enter` and :func:`leave` for ``op`` (the
     name its errors give: ``"moe.dispatch"``, or the operator an internal entry point serves)."""

@@ -45,6 +45,13 @@ class CollectiveTimeoutError(CommunicationError, TimeoutError):
     """A collective did not complete within the configured timeout."""
 
 
+class IntegrityError(CommunicationError):
+    """Verification (``init(verify=...)``) found that a block arrived different from what its
+    sender sent, or a reduction's result inconsistent with its inputs; the message names the
+    operator, the group, the call, and the sending and receiving ranks. Raised on every rank
+    of the group alike."""
+
+
 class CrossRankMismatchError(ValueError):
     """Check mode found arguments that disagree between ranks (raised on every rank)."""
 

@@ -34,6 +34,7 @@ from .errors import NotInitializedError, translated
 from .group import Group
 from .memory import CallMemory
 from .session import end_session
+from .verify import VerifiedBackend, verify_setting
 
 TIMEOUT_ENV_VAR = "UNICOLL_TIMEOUT"
 CHECK_ENV_VAR = "UNICOLL_CHECK"
@@ -129,6 +130,7 @@ def init(
     timeout: float | None = None,
     check: bool | None = None,
     handshake: bool | None = None,
+    verify: bool | float | None = None,
 ) -> None:
     """Join the job: start the backend and the world group.
 
@@ -139,7 +141,10 @@ def init(
     :class:`~unicoll.CrossRankMismatchError` instead of a crash or wrong rows (default
     ``$UNICOLL_HANDSHAKE``, else on for the host backends, gloo and mpi, and off for the GPU
     backends). ``check``: the handshake on every backend, and the issuing threads' names and
-    the static mode's expert ids compared too (default ``$UNICOLL_CHECK``, off). On the torch backends an
+    the static mode's expert ids compared too (default ``$UNICOLL_CHECK``, off). ``verify``: the
+    share of calls whose data is checked end to end, checksums of every block sent and
+    received compared across the ranks (True or 1: every call; 0.01: one in a hundred; default
+    ``$UNICOLL_VERIFY``, else off; see docs/reliability.md). On the torch backends an
     already initialized torch.distributed default group is adopted; otherwise the default
     group is created, so raw torch.distributed calls work beside unicoll.
 
@@ -158,11 +163,14 @@ def init(
     seconds = _timeout_setting(timeout)
     checking = bool(_switch_setting("check", check, CHECK_ENV_VAR, "0"))
     shaking = _switch_setting("handshake", handshake, HANDSHAKE_ENV_VAR, "the backend's default")
+    rate = verify_setting(verify)
     name = registry.resolve(backend)
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if not 0 <= rank < world_size:
         raise ValueError(f"unicoll.init: $RANK: expected 0 <= RANK < WORLD_SIZE ({world_size}), got {rank}")
     started = registry.registered()[name](rank=rank, world_size=world_size, timeout=seconds)
+    if rate > 0:
+        started = VerifiedBackend(started, rate, seconds)
     world = Group(tuple(range(started.world_size)), None, started.rank, next(_sessions))
     _state = _State(started, world, seconds, checking, started.host_memory if shaking is None else shaking)
     atexit.register(finalize)  # a process that exits without finalize() still shuts down cleanly

@@ -20,7 +20,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundations",
         ("unicoll.errors", "unicoll.arrays", "unicoll.session", "unicoll.group", "unicoll.forking",
          "unicoll.cache", "unicoll.memory", "unicoll.workspace", "unicoll.counts", "unicoll.reference",
-         "unicoll.libraries", "unicoll.libraries.*"),
+         "unicoll.libraries", "unicoll.libraries.*", "unicoll.checksums"),
     ),
     (
         "transports",
@@ -43,7 +43,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "unicoll.backends.cupy.nccl", "unicoll.registry", "unicoll.backends"),
     ),
     ("the lock", ("unicoll.entry",)),
-    ("the session", ("unicoll.runtime", "unicoll.validate", "unicoll.task")),
+    ("the session", ("unicoll.runtime", "unicoll.validate", "unicoll.task", "unicoll.verify")),
     ("eager", ("unicoll.eager", "unicoll.eager.*")),
     ("compile", ("unicoll.compiled", "unicoll.compiled.*")),
     ("carry", ("unicoll.carry",)),

@@ -5,6 +5,7 @@ and JAX's are by theirs. None of them is imported here: a description reads its 
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class NativeLibrary(Library):
     """``accumulate(out, rows, column, first)``: ``out = rows * column`` (``first``) or
     ``out += rows * column``, in place, in out's dtype; ``column`` None is 1, and ``rows`` may
     be overwritten."""
+    row_words: Callable[[Any], Any]
+    """``row_words(a)``: the rows of a C-contiguous array (along its first axis) as a 2-D array
+    of signed integer words over the same memory: int64 where a row's bytes allow, else the
+    widest of int32, int16, int8 that divides them (the bits as they are, NaN payloads included)."""
 
     def device_key(self, x: Any) -> Any:
         """The array's :attr:`cache_key` (a cupy ``Device`` is unhashable: its place cannot be one)."""
@@ -186,6 +191,28 @@ def _ufunc_accumulate(module: str) -> Callable[[Any, Any, Any, bool], None]:
     return accumulate
 
 
+def _word_bytes(row_bytes: int) -> int:
+    """The widest word, up to 8 bytes, that divides a row of ``row_bytes`` bytes (1 for none)."""
+    return next(word for word in (8, 4, 2, 1) if row_bytes % word == 0)
+
+
+def _ndarray_row_words(a: Any) -> Any:
+    """:attr:`NativeLibrary.row_words` of a numpy or cupy array."""
+    rows, per_row = (a.shape[0], math.prod(a.shape[1:])) if a.ndim else (1, 1)
+    word = _word_bytes(a.itemsize * per_row)
+    return a.reshape(rows, per_row).view(np.uint8).view(np.dtype(f"int{8 * word}"))
+
+
+def _torch_row_words(a: Any) -> Any:
+    """:attr:`NativeLibrary.row_words` of a torch tensor."""
+    torch = sys.modules["torch"]
+    rows, per_row = (a.shape[0], math.prod(a.shape[1:])) if a.dim() else (1, 1)
+    if a.numel() == 0:  # no bytes to view (torch refuses a view of empty rows with other strides)
+        return torch.zeros((rows, 0), dtype=torch.int64, device=a.device)
+    words = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[_word_bytes(a.element_size() * per_row)]
+    return a.detach().reshape(rows, per_row).view(torch.uint8).view(words)
+
+
 def _is_instance_of(module: str, attribute: str) -> Callable[[type], bool]:
     """Whether a type is ``module.attribute`` or a subclass, once ``module`` is imported."""
 
@@ -217,6 +244,7 @@ NUMPY = NativeLibrary(
     astype=lambda a, dtype: a.astype(dtype),
     matmul=lambda a, b: a @ b,
     accumulate=_ufunc_accumulate("numpy"),
+    row_words=_ndarray_row_words,
 )
 """numpy's ``ndarray`` (and its scalars), on the host."""
 
@@ -241,6 +269,7 @@ TORCH = NativeLibrary(
     astype=lambda a, dtype: a.to(dtype),
     matmul=_torch_matmul,
     accumulate=_torch_accumulate,
+    row_words=_torch_row_words,
     autograd=True,
     needs_grad=_torch_needs_grad,
     is_leaf=lambda x: x.is_leaf,
@@ -269,6 +298,7 @@ CUPY = NativeLibrary(
     astype=lambda a, dtype: a.astype(dtype),
     matmul=lambda a, b: a @ b,
     accumulate=_ufunc_accumulate("cupy"),
+    row_words=_ndarray_row_words,
 )
 """cupy's ``ndarray``, on a CUDA device."""
 

@@ -1,0 +1,202 @@
+"""Verification (``init(verify=...)``) on real worlds of 2 ranks, gloo and mpi: clean calls give
+the unverified results, and a block that a transport changed (helpers/corrupting.py, a plugin
+backend) raises the same IntegrityError on every rank, naming the operator, the ranks and
+the call, whatever the kind of corruption, the operator, the direction (forward, backward)
+or the way the call completes (at once, a Task)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import unicoll as uc
+from helpers import corrupting
+from helpers.cpu_backends import BACKENDS
+from helpers.several import SESSION, Case, share
+
+W = 2
+
+
+def _init(base: str, verify: float = 1.0) -> None:
+    """A new session on ``base`` behind the corrupting transport, verified at ``verify``."""
+    uc.finalize()
+    corrupting.register()
+    uc.init(f"corrupting-{base}", verify=verify)
+
+
+def _back_to(base: str) -> None:
+    """The world's own session again, for the cases after this one."""
+    assert not corrupting.armed()
+    uc.finalize()
+    uc.init(base)
+
+
+def _outcome(fn) -> str:
+    """``"ok"``, or the IntegrityError's message (any other exception propagates)."""
+    try:
+        fn()
+    except uc.IntegrityError as exc:
+        return str(exc)
+    return "ok"
+
+
+def _rows(rank: int) -> torch.Tensor:
+    """Four rows of 3 floats per rank, a NaN among them (two rows to each peer)."""
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * rank
+    x[0, 1] = float("nan")
+    x[2, 1] = float("nan")
+    return x
+
+
+def _clean_calls(rank: int, base: str) -> dict:
+    """Every operator, both MoE modes and their backward passes under verification: the
+    results as plain ones."""
+    _init(base)
+    x = _rows(rank)
+    ids = torch.tensor([[0, 3], [1, 2], [3, -1], [2, 0]])
+    weights = torch.full((4, 2), 0.5)
+    results = {
+        "alltoall_single": uc.alltoall_single(None, x).tolist(),
+        "task": uc.alltoall_single(None, x, sync_op=False).wait().tolist(),
+        "all_gather": uc.all_gather(None, x[: rank + 1]).tolist(),
+        "all_reduce": uc.all_reduce(torch.ones(5) * (rank + 1)).tolist(),
+        "avg": uc.all_reduce(torch.full((3, 2), 0.1 * (rank + 1), dtype=torch.float64), op="avg").tolist(),
+        "ints": uc.all_reduce(np.full(4, 2**62, dtype=np.int64)).tolist(),
+        "reduce_scatter": uc.reduce_scatter(None, torch.arange(4.0) + rank).tolist(),
+        "broadcast": uc.broadcast(x.clone(), 1).tolist(),
+    }
+    y = torch.randn(4, 3, requires_grad=True, generator=torch.Generator().manual_seed(rank))
+    rows, _, handle = uc.moe.dispatch(y, ids, weights, experts_per_rank=2)
+    uc.moe.combine(rows * 2, handle).sum().backward()
+    results["dynamic grad"] = y.grad.tolist()
+    y.grad = None
+    blocks, _, static = uc.moe.dispatch_static(y, ids, weights, experts_per_rank=2, capacity=4)
+    uc.moe.combine_static(blocks * 2, static).sum().backward()
+    results["static grad"] = y.grad.tolist()
+    _back_to(base)
+    return results
+
+
+def _plain(rank: int) -> dict:
+    """What :func:`_clean_calls` computes, by hand."""
+    peer = 1 - rank
+    mine, theirs = _rows(rank), _rows(peer)
+    exchanged = [mine, theirs] if rank == 0 else [theirs, mine]
+    return {
+        "alltoall_single": torch.cat([exchanged[0][2 * rank : 2 * rank + 2], exchanged[1][2 * rank : 2 * rank + 2]]),
+        "all_gather": torch.cat([_rows(0)[:1], _rows(1)[:2]]),
+        "broadcast": _rows(1),
+    }
+
+
+def _corrupted(rank: int, base: str) -> dict:
+    """Each kind of corruption on each operator and direction; the outcome on this rank."""
+    _init(base)
+    x = _rows(rank)
+    outcomes = {}
+    for kind in corrupting.KINDS:
+        corrupting.arm(kind, source=0, receiver=1)
+        outcomes[f"alltoall_single: {kind}"] = _outcome(lambda: uc.alltoall_single(None, x))
+    outcomes["after the errors"] = uc.alltoall_single(None, x).tolist()
+    corrupting.arm("bit", source=0, receiver=1)
+    task = uc.alltoall_single(None, x, sync_op=False)
+    outcomes["task"] = _outcome(task.wait)
+    corrupting.arm("bit", source=0, receiver=0)
+    outcomes["all_gather"] = _outcome(lambda: uc.all_gather(None, x))
+    corrupting.arm("bit", source=1, receiver=0)
+    outcomes["broadcast"] = _outcome(lambda: uc.broadcast(x.clone(), 1))
+    corrupting.arm("bit", source=0, receiver=1)
+    outcomes["all_reduce"] = _outcome(lambda: uc.all_reduce(torch.arange(8.0)))
+    ids = torch.tensor([[0, 3], [1, 2], [3, -1], [2, 0]])
+    weights = torch.full((4, 2), 0.5)
+    y = (torch.arange(12.0).reshape(4, 3) + 10 * rank).requires_grad_()
+    corrupting.arm("swapped rows", source=1, receiver=0)
+    outcomes["moe.dispatch"] = _outcome(lambda: uc.moe.dispatch(y, ids, weights, experts_per_rank=2))
+    rows, _, handle = uc.moe.dispatch(y, ids, weights, experts_per_rank=2)
+    combined = uc.moe.combine(rows * 2, handle)
+    corrupting.arm("zeros", source=0, receiver=1)
+    outcomes["backward"] = _outcome(lambda: combined.sum().backward())
+    corrupting.arm("bit", source=1, receiver=0)
+    outcomes["moe.dispatch_static"] = _outcome(
+        lambda: uc.moe.dispatch_static(y, ids, weights, experts_per_rank=2, capacity=4)
+    )
+    _back_to(base)
+    return outcomes
+
+
+def _sampled(rank: int, base: str) -> list:
+    """At a share of 0.5, calls 0, 2, 4 are checked (the same on every rank), 1 and 3 are not."""
+    _init(base, verify=0.5)
+    x = _rows(rank)
+    seen = []
+    for _ in range(4):
+        corrupting.arm("bit", source=0, receiver=1)
+        seen.append(_outcome(lambda: uc.alltoall_single(None, x)) != "ok")
+    _back_to(base)
+    return seen
+
+
+CASES = ("clean calls", "corrupted", "sampled")
+WORLDS = {
+    backend: share(
+        backend,
+        W,
+        [Case(f"integrity: {name}", fn, (backend,)) for name, fn in zip(CASES, (_clean_calls, _corrupted, _sampled))],
+        last=True,
+    )
+    for backend in ("gloo", "mpi")
+}
+
+
+def _results(backend: str, name: str) -> list:
+    return SESSION.results(WORLDS[backend], f"integrity: {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verified_calls_give_the_plain_results(backend: str) -> None:
+    results = _results(backend, "clean calls")
+    for rank, got in enumerate(results):
+        plain = _plain(rank)
+        for name in ("alltoall_single", "all_gather", "broadcast"):
+            assert torch.equal(torch.tensor(got[name]).nan_to_num(-1), plain[name].nan_to_num(-1)), name
+        assert torch.equal(torch.tensor(got["task"]).nan_to_num(-1), plain["alltoall_single"].nan_to_num(-1))
+        assert got["all_reduce"] == [3.0] * 5
+        assert np.allclose(got["avg"], 0.15)
+        assert got["ints"] == [-(2**63)] * 4  # wrapped, as the transport sums them
+        assert got["reduce_scatter"] == [[1.0, 3.0], [5.0, 7.0]][rank]
+    for got in results:  # each token's gradient: 2 * 0.5 per kept slot
+        assert got["dynamic grad"] == [[2.0] * 3, [2.0] * 3, [1.0] * 3, [2.0] * 3]
+        assert got["static grad"] == got["dynamic grad"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_kind_of_corruption_raises_on_every_rank(backend: str) -> None:
+    results = _results(backend, "corrupted")
+    for kind in corrupting.KINDS:
+        messages = [got[f"alltoall_single: {kind}"] for got in results]
+        assert messages[0] == messages[1] != "ok", kind  # the same error on both ranks
+        assert "alltoall_single on Group(ranks=[0, 1])" in messages[0]
+        assert "the block rank 0 sent to rank 1 arrived different" in messages[0]
+        assert ", call " in messages[0]
+    for rank, got in enumerate(results):  # the session goes on after the errors, with the right rows
+        after = torch.tensor(got["after the errors"]).nan_to_num(-1)
+        assert torch.equal(after, _plain(rank)["alltoall_single"].nan_to_num(-1))
+    for name, says in {
+        "task": "rank 0 sent to rank 1",
+        "all_gather": "rank 0 sent to rank 0",
+        "broadcast": "rank 1 sent to rank 0",
+        "all_reduce": "rank 1's result differs from rank 0's",
+        "moe.dispatch": "moe.dispatch on",
+        "backward": "(backward)",
+        "moe.dispatch_static": "moe.dispatch_static on",
+    }.items():
+        messages = [got[name] for got in results]
+        assert messages[0] == messages[1] != "ok", name
+        assert says in messages[0], (name, messages[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_sample_is_the_same_calls_on_every_rank(backend: str) -> None:
+    results = _results(backend, "sampled")
+    assert results[0] == results[1] == [True, False, True, False]
