@@ -168,10 +168,11 @@ class VerifiedBackend(Backend):
         calc_stream: bool = False,
     ) -> Pending:
         record = self._record(group, _MOVED)
+        if record is not None:
+            record.sent = block_checksums(x, in_splits)
         pending = self.inner.alltoall_single(out, x, out_splits, in_splits, group, async_op, calc_stream)
         if record is None:
             return pending
-        record.sent = block_checksums(x, in_splits)
         return self._checked(pending, record, lambda result: block_checksums(result, out_splits))
 
     def global_scatter(
@@ -339,9 +340,17 @@ class VerifiedBackend(Backend):
         """``pending`` whose finish compares ``record`` and what ``received(result)`` computes
         with every rank's, and raises :class:`~unicoll.IntegrityError` before returning."""
 
+        failed: list[IntegrityError] = []
+
         def finish() -> Any:
+            if failed:  # a Task waited for again after its check failed: the same error, no new exchange
+                raise failed[0]
             result = pending.finish()
-            self._compare(record, received(_result_array(result)))
+            try:
+                self._compare(record, received(_result_array(result)))
+            except IntegrityError as exc:
+                failed.append(exc)
+                raise
             return result
 
         return Pending(pending.works, finish)
@@ -451,14 +460,21 @@ class _CheckedWork:
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``, run by the first call only (a Task may wait for its work again)."""
-    ran = False
+    """``fn``, run by the first call only (a Task may wait for its work again); a later call
+    raises the IntegrityError the first one raised, if it raised one."""
+    ran: list[IntegrityError | None] = []
 
     def run() -> None:
-        nonlocal ran
-        if not ran:
-            ran = True
+        if ran:
+            if ran[0] is not None:
+                raise ran[0]
+            return
+        try:
             fn()
+        except IntegrityError as exc:
+            ran.append(exc)
+            raise
+        ran.append(None)
 
     return run
 

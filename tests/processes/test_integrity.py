@@ -102,6 +102,7 @@ def _corrupted(rank: int, base: str) -> dict:
     corrupting.arm("bit", source=0, receiver=1)
     task = uc.alltoall_single(None, x, sync_op=False)
     outcomes["task"] = _outcome(task.wait)
+    outcomes["task again"] = _outcome(task.wait)  # the same error, not the rows
     corrupting.arm("bit", source=0, receiver=0)
     outcomes["all_gather"] = _outcome(lambda: uc.all_gather(None, x))
     corrupting.arm("bit", source=1, receiver=0)
@@ -184,6 +185,7 @@ def test_each_kind_of_corruption_raises_on_every_rank(backend: str) -> None:
         assert torch.equal(after, _plain(rank)["alltoall_single"].nan_to_num(-1))
     for name, says in {
         "task": "rank 0 sent to rank 1",
+        "task again": "rank 0 sent to rank 1",
         "all_gather": "rank 0 sent to rank 0",
         "broadcast": "rank 1 sent to rank 0",
         "all_reduce": "rank 1's result differs from rank 0's",
