@@ -35,6 +35,7 @@ from array_api_compat import array_namespace, device
 
 from .arrays import description_of
 from .backends.base import Backend, Pending, Work
+from .backends.wrapped import Wrapped
 from .checksums import block_checksums, row_values, weighted_blocks
 from .entry import current_operator
 from .errors import IntegrityError, translated
@@ -112,17 +113,12 @@ class _Record:
     """A broadcast's source position."""
 
 
-class VerifiedBackend(Backend):
+class VerifiedBackend(Wrapped):
     """``inner`` with its operators checked as the module says, on the calls ``rate`` samples."""
 
     def __init__(self, inner: Backend, rate: float, timeout: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rate = rate
-        self.name = inner.name
-        self.capabilities = inner.capabilities
-        self.rank = inner.rank
-        self.world_size = inner.world_size
-        self.workspace = inner.workspace
         self._timeout = timeout
         self._calls: weakref.WeakKeyDictionary[Group, int] = weakref.WeakKeyDictionary()
 
@@ -377,19 +373,7 @@ class VerifiedBackend(Backend):
                 "the data that arrived is not what was sent"
             )
 
-    # -- everything else: the inner backend's -------------------------------------------
-
-    def to_native(self, x: Any) -> Any:
-        return self.inner.to_native(x)
-
-    def from_native(self, t: Any, library: str) -> Any:
-        return self.inner.from_native(t, library)
-
-    def empty_rows(self, like: Any, rows: int) -> Any:
-        return self.inner.empty_rows(like, rows)
-
-    def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
-        return self.inner.take_rows(x, index, out)
+    # -- the rest of the inner backend's, which the base class would compose instead ----
 
     def scratch_rows(self, like: Any, rows: int) -> tuple[Any, np.ndarray | None]:
         return self.inner.scratch_rows(like, rows)
@@ -399,16 +383,6 @@ class VerifiedBackend(Backend):
 
     def give_back(self, *buffers: np.ndarray | None) -> None:
         self.inner.give_back(*buffers)
-
-    def new_group(self, ranks: Sequence[int]) -> Any:
-        return self.inner.new_group(ranks)
-
-    def barrier(self, group: Group) -> None:
-        self.inner.barrier(group)
-
-    @property
-    def host_memory(self) -> bool:
-        return self.inner.host_memory
 
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         return self.inner.all_gather_even(out, x, group, async_op, calc_stream)
@@ -423,21 +397,6 @@ class VerifiedBackend(Backend):
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
         return self.inner.bcast(x, src, group, async_op, calc_stream)
-
-    def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
-        return self.inner.exchange_ints(values, group)
-
-    def exchange_native_ints(self, values: Any, group: Group) -> Any:
-        return self.inner.exchange_native_ints(values, group)
-
-    def read_ints(self, values: Any) -> np.ndarray:
-        return self.inner.read_ints(values)
-
-    def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
-        return self.inner.gather_ints(values, group)
-
-    def finalize(self) -> None:
-        self.inner.finalize()
 
     def abandon(self) -> None:
         self.inner.abandon()
@@ -514,9 +473,8 @@ def _mismatch(record: _Record, everyone: np.ndarray) -> str | None:
         )
     sent, received = everyone[:, 3 : 3 + world], everyone[:, 3 + world : 3 + 2 * world]
     if record.kind in (_MOVED, _BROADCAST):
-        pairs = [(s, d) for s in range(world) for d in range(world)]
-        if record.kind == _BROADCAST:
-            pairs = [(record.src, d) for d in range(world)]
+        sources = [record.src] if record.kind == _BROADCAST else range(world)
+        pairs = [(s, d) for s in sources for d in range(world)]
         wrong = [(s, d) for s, d in pairs if sent[s, d] != received[d, s]]
         if not wrong:
             return None

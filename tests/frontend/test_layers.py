@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "transports",
         ("unicoll.backends.base", "unicoll.backends.blocks", "unicoll.backends.host", "unicoll.backends.layout",
          "unicoll.backends.float_keys", "unicoll.backends.once",
-         "unicoll.backends.rendezvous", "unicoll.backends.stub", "unicoll.backends.torch",
+         "unicoll.backends.rendezvous", "unicoll.backends.stub", "unicoll.backends.wrapped", "unicoll.backends.torch",
          "unicoll.backends.torch.compat", "unicoll.backends.torch.errors", "unicoll.backends.torch.gloo_world",
          "unicoll.backends.torch.liveness",
          "unicoll.backends.torch.transport", "unicoll.backends.torch.workers", "unicoll.backends.mpi",

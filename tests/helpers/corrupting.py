@@ -19,6 +19,7 @@ import numpy as np
 import unicoll as uc
 from unicoll.backends.base import Backend, Work
 from unicoll.backends.host import host_view
+from unicoll.backends.wrapped import Wrapped
 
 KINDS = ("bit", "other rank", "swapped rows", "zeros", "nan bits")
 """How a block is changed: one bit flipped; the block of another source rank in its place; its
@@ -66,16 +67,12 @@ def _corrupt(rows: np.ndarray, others: np.ndarray | None, kind: str) -> None:
         words[nans[0]] ^= 1
 
 
-class Corrupting(Backend):
+class Corrupting(Wrapped):
     """``inner``, whose transfers change one block after :func:`arm`."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.name = "corrupting-" + inner.name
-        self.capabilities = inner.capabilities
-        self.rank = inner.rank
-        self.world_size = inner.world_size
-        self.workspace = inner.workspace
 
     def _after(self, out: Any, splits: Sequence[int], group: Any) -> None:
         """Corrupt ``out``'s block from the armed source, when this rank is the armed receiver."""
@@ -123,37 +120,6 @@ class Corrupting(Backend):
         self.inner.bcast(x, src, group, False)
         self._after(x, [x.shape[0] if r == src else 0 for r in range(group.world_size)], group)
         return None if not async_op else _Done()
-
-    def to_native(self, x: Any) -> Any:
-        return self.inner.to_native(x)
-
-    def from_native(self, t: Any, library: str) -> Any:
-        return self.inner.from_native(t, library)
-
-    def empty_rows(self, like: Any, rows: int) -> Any:
-        return self.inner.empty_rows(like, rows)
-
-    def take_rows(self, x: Any, index: np.ndarray, out: Any | None = None) -> Any:
-        return self.inner.take_rows(x, index, out)
-
-    def new_group(self, ranks: Sequence[int]) -> Any:
-        return self.inner.new_group(ranks)
-
-    def barrier(self, group: Any) -> None:
-        self.inner.barrier(group)
-
-    @property
-    def host_memory(self) -> bool:
-        return self.inner.host_memory
-
-    def exchange_ints(self, values: np.ndarray, group: Any) -> np.ndarray:
-        return self.inner.exchange_ints(values, group)
-
-    def gather_ints(self, values: np.ndarray, group: Any) -> np.ndarray:
-        return self.inner.gather_ints(values, group)
-
-    def finalize(self) -> None:
-        self.inner.finalize()
 
 
 class _Done:
