@@ -8,11 +8,15 @@ call of an operator on the backend's seam (the one the front end calls: ``alltoa
 composed from them, and the backward passes call them too) is numbered on its group, and the
 calls the rate samples (from the number: the same calls on every rank) are checked: each rank
 computes the checksum of every block it sends (per destination) before the transfer and of
-every block it receives after it (:mod:`unicoll.checksums`, where the rows are), reads them in
-one copy, and the ranks all-gather them in one exchange of ``5 + 4 W`` int64 per rank. Every
-rank then compares every pair, so a block that arrived different raises the same
-:class:`~unicoll.IntegrityError` on every rank, before the result is returned (for a Task, in
-``wait()``).
+every block it receives after it (:mod:`unicoll.checksums`, where the rows are), and the ranks
+all-gather them where the rows are, in one exchange of ``5 + 4 W`` int64 per rank, on a group
+of the checks' own with the same members (made with the world at ``init`` and with every
+:func:`~unicoll.new_group`), so that no check can ever pair with another call's transfer. Each
+rank reads the gathered records in one copy and compares every pair, so a block that arrived
+different raises the same :class:`~unicoll.IntegrityError` on every rank, before the result is
+returned (for a Task, in ``wait()``). A Task's check starts at its wait, or at the rank's next
+call that blocks, in the order the calls were issued (:meth:`VerifiedBackend._settle`): the
+ranks may wait for their tasks in any order.
 
 A reduction's result is no copy of what was sent: a checked ``all_reduce`` compares each
 rank's result bits with every other rank's (all must hold the same), and, for ``sum`` and
@@ -25,7 +29,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,12 +44,12 @@ from .backends.base import Backend, Pending, Work
 from .backends.wrapped import Wrapped
 from .checksums import block_checksums, row_values, weighted_blocks
 from .entry import current_operator
-from .errors import IntegrityError, translated
+from .errors import IntegrityError, TransportError, TransportTimeoutError, reported, translated
+from .group import Group
 
 if TYPE_CHECKING:
     from .backends.blocks import StaticLayout
     from .backends.layout import MoePlan, Routing
-    from .group import Group
 
 VERIFY_ENV_VAR = "UNICOLL_VERIFY"
 
@@ -121,9 +127,43 @@ class VerifiedBackend(Wrapped):
         self.rate = rate
         self._timeout = timeout
         self._calls: weakref.WeakKeyDictionary[Group, int] = weakref.WeakKeyDictionary()
+        self._checks: weakref.WeakKeyDictionary[Group, Group] = weakref.WeakKeyDictionary()
+        self._world_checks = inner.new_group(tuple(range(inner.world_size)))
+        self._unseen: list[tuple[Any, Any]] = []
+        """The handles :meth:`new_group` made on this rank, each with its checks' handle, until
+        a call on the group links them (:meth:`_checks_of`)."""
+        self._open: deque[_Check] = deque()
+        """The checks whose exchange is not issued yet, in the order their calls were issued."""
+        self._lock = threading.Lock()
 
-    def _record(self, group: Group, kind: int) -> _Record | None:
-        """Number this call on ``group``; its record when it is one to verify, else None."""
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        """The inner backend's group of ``ranks``, and a second one for its checks' exchanges."""
+        self._settle()
+        handle = self.inner.new_group(ranks)
+        checks = self.inner.new_group(ranks)
+        if self.rank in ranks:
+            self._unseen.append((handle, checks))
+        return handle
+
+    def _checks_of(self, group: Group) -> Group:
+        """The group the checks of ``group``'s calls exchange their records on: the same
+        members, a transport group of its own."""
+        checks = self._checks.get(group)
+        if checks is None:
+            handle = group.handle
+            if handle is None:
+                made = self._world_checks
+            else:
+                place = next(i for i, (seen, _) in enumerate(self._unseen) if seen is handle)
+                made = self._unseen.pop(place)[1]
+            checks = self._checks[group] = Group(group.ranks, made, self.rank, group.session)
+        return checks
+
+    def _record(self, group: Group, kind: int, async_op: bool) -> _Record | None:
+        """Number this call on ``group``; its record when it is one to verify, else None. A
+        call that blocks starts the open checks first (:meth:`_settle`)."""
+        if not async_op:
+            self._settle()
         number = self._calls.get(group, 0)
         self._calls[group] = number + 1
         if not sampled(number, self.rate):
@@ -142,16 +182,17 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Work | None:
-        record = self._record(group, _MOVED)
+        record = self._record(group, _MOVED, async_op)
         if record is None:
             return self.inner.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
         record.sent = block_checksums(x, in_splits)
         work = self.inner.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
-        check = _once(lambda: self._compare(record, block_checksums(out, out_splits)))
+        moved = Pending(() if work is None else (work,), lambda: out)
+        pending = self._opened(moved, record, lambda result: block_checksums(result, out_splits))
         if work is None:
-            check()
+            pending.finish()
             return None
-        return _CheckedWork(work, check)
+        return pending.works[0]
 
     def alltoall_single(
         self,
@@ -163,13 +204,13 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        record = self._record(group, _MOVED)
+        record = self._record(group, _MOVED, async_op)
         if record is not None:
             record.sent = block_checksums(x, in_splits)
         pending = self.inner.alltoall_single(out, x, out_splits, in_splits, group, async_op, calc_stream)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: block_checksums(result, out_splits))
+        return self._opened(pending, record, lambda result: block_checksums(result, out_splits))
 
     def global_scatter(
         self,
@@ -180,13 +221,13 @@ class VerifiedBackend(Wrapped):
         calc_stream: bool = False,
         rows: np.ndarray | None = None,
     ) -> Pending:
-        record = self._record(group, _MOVED)
+        record = self._record(group, _MOVED, async_op)
         if record is not None:
             record.sent = block_checksums(x, plan.send, rows)
         pending = self.inner.global_scatter(x, plan, group, async_op, calc_stream, rows)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: block_checksums(result, plan.recv, plan.to_rank_major))
+        return self._opened(pending, record, lambda result: block_checksums(result, plan.recv, plan.to_rank_major))
 
     def global_gather(
         self,
@@ -197,13 +238,13 @@ class VerifiedBackend(Wrapped):
         calc_stream: bool = False,
         out: Any | None = None,
     ) -> Pending:
-        record = self._record(group, _MOVED)
+        record = self._record(group, _MOVED, async_op)
         if record is not None:
             record.sent = block_checksums(x, plan.recv, plan.to_rank_major)
         pending = self.inner.global_gather(x, plan, group, async_op, calc_stream, out)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: block_checksums(result, plan.send))
+        return self._opened(pending, record, lambda result: block_checksums(result, plan.send))
 
     def all_gather(
         self,
@@ -214,17 +255,17 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        record = self._record(group, _MOVED)
+        record = self._record(group, _MOVED, async_op)
         if record is not None:
             xp = array_namespace(x)
             record.sent = xp.concat([block_checksums(x, [x.shape[0]])] * group.world_size)
         pending = self.inner.all_gather(out, x, rows, group, async_op, calc_stream)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: block_checksums(result, list(rows)))
+        return self._opened(pending, record, lambda result: block_checksums(result, list(rows)))
 
     def broadcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        record = self._record(group, _BROADCAST)
+        record = self._record(group, _BROADCAST, async_op)
         if record is not None:
             xp, world = array_namespace(x), group.world_size
             mine = block_checksums(x, [_rows(x)])
@@ -233,16 +274,16 @@ class VerifiedBackend(Wrapped):
         pending = self.inner.broadcast(x, src, group, async_op, calc_stream)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: _placed(block_checksums(result, [_rows(result)]), src))
+        return self._opened(pending, record, lambda result: _placed(block_checksums(result, [_rows(result)]), src))
 
     def all_reduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        record = self._record(group, _REDUCED)
+        record = self._record(group, _REDUCED, async_op)
         if record is not None:
             self._note_inputs(record, x, [_rows(x)], op)
         pending = self.inner.all_reduce(x, op, group, async_op, calc_stream)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: self._reduced(record, result, [_rows(result)]))
+        return self._opened(pending, record, lambda result: self._reduced(record, result, [_rows(result)]))
 
     def reduce_scatter(
         self,
@@ -254,13 +295,13 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        record = self._record(group, _SCATTERED)
+        record = self._record(group, _SCATTERED, async_op)
         if record is not None:
             self._note_inputs(record, x, list(rows), op)
         pending = self.inner.reduce_scatter(out, x, op, rows, group, async_op, calc_stream)
         if record is None:
             return pending
-        return self._checked(pending, record, lambda result: self._reduced(record, result, [_rows(result)]))
+        return self._opened(pending, record, lambda result: self._reduced(record, result, [_rows(result)]))
 
     # -- how a call is checked ------------------------------------------------------------
 
@@ -270,6 +311,8 @@ class VerifiedBackend(Wrapped):
         """The inner backend's own when it moves tokens itself (unchecked), else composed
         from the checked :meth:`global_scatter`."""
         if "moe_dispatch" in self.capabilities.moe:
+            if not async_op:
+                self._settle()
             return self.inner.moe_dispatch(x, routing, plan, group, async_op, calc_stream)
         return super().moe_dispatch(x, routing, plan, group, async_op, calc_stream)
 
@@ -285,6 +328,8 @@ class VerifiedBackend(Wrapped):
     ) -> Pending:
         """As :meth:`moe_dispatch`, from the checked :meth:`global_gather`."""
         if "moe_combine" in self.capabilities.moe:
+            if not async_op:
+                self._settle()
             return self.inner.moe_combine(y, routing, plan, group, async_op, calc_stream, out)
         return super().moe_combine(y, routing, plan, group, async_op, calc_stream, out)
 
@@ -299,6 +344,8 @@ class VerifiedBackend(Wrapped):
     ) -> Pending:
         """As :meth:`moe_dispatch`, from the checked operators the static mode is composed of."""
         if "moe_dispatch_static" in self.capabilities.moe:
+            if not async_op:
+                self._settle()
             return self.inner.moe_dispatch_static(x, layout, group, async_op, calc_stream, valid)
         return super().moe_dispatch_static(x, layout, group, async_op, calc_stream, valid)
 
@@ -307,6 +354,8 @@ class VerifiedBackend(Wrapped):
     ) -> Pending:
         """As :meth:`moe_dispatch_static`."""
         if "moe_combine_static" in self.capabilities.moe:
+            if not async_op:
+                self._settle()
             return self.inner.moe_combine_static(y, layout, valid, group, async_op, calc_stream)
         return super().moe_combine_static(y, layout, valid, group, async_op, calc_stream)
 
@@ -332,46 +381,80 @@ class VerifiedBackend(Wrapped):
         projection = weighted_blocks(row_values(result), splits)
         return xp.concat([bits, _as_int64(projection)])
 
-    def _checked(self, pending: Pending, record: _Record, received: Callable[[Any], Any]) -> Pending:
-        """``pending`` whose finish compares ``record`` and what ``received(result)`` computes
-        with every rank's, and raises :class:`~unicoll.IntegrityError` before returning."""
+    # -- the checks, from the call's issue to its verdict ------------------------------------
 
-        failed: list[IntegrityError] = []
+    def _opened(self, pending: Pending, record: _Record, received: Callable[[Any], Any]) -> Pending:
+        """``pending``, checked: its finish (or, when it has transfers in flight, their wait)
+        gives the verdict of :meth:`_conclude`, with ``received(result)`` the native int64
+        checksums of what arrived."""
+        check = _Check(record, pending, received)
+        self._open.append(check)
+        finish = lambda: self._conclude(check, self._timeout)  # noqa: E731
+        return Pending((_CheckWork(self, check),) if pending.works else (), finish)
 
-        def finish() -> Any:
-            if failed:  # a Task waited for again after its check failed: the same error, no new exchange
-                raise failed[0]
-            result = pending.finish()
-            try:
-                self._compare(record, received(_result_array(result)))
-            except IntegrityError as exc:
-                failed.append(exc)
-                raise
-            return result
+    def _settle(self) -> None:
+        """Start every open check (wait for its transfers, issue its exchange), before this rank
+        blocks on a call that communicates: so no rank blocks while a peer's wait for an earlier
+        task waits for this rank's exchange of it. A check's failure here is kept for its own
+        wait."""
+        if self._open:
+            self._start_through(None, self._timeout)
 
-        return Pending(pending.works, finish)
+    def _start_through(self, check: _Check | None, timeout: float) -> None:
+        """Start the open checks in the order their calls were issued (so every rank issues
+        the exchanges on each group in the same order, whatever order it waits in), up to
+        ``check`` (all of them when None). A check whose start fails keeps the failure for its
+        verdict; one whose transfers are not done within a ``timeout`` shorter than ``init``'s
+        stays open, and the TransportTimeoutError propagates (the task may be waited for again)."""
+        with self._lock:
+            while self._open and not (check is not None and check.started):
+                first = self._open[0]
+                try:
+                    self._start(first, timeout)
+                except TransportError as exc:
+                    if isinstance(exc, TransportTimeoutError) and timeout < self._timeout:
+                        raise
 
-    def _compare(self, record: _Record, received: Any) -> None:
-        """Exchange ``record`` with ``received`` (native int64) and raise for any mismatch."""
-        group, world = record.group, record.group.world_size
-        xp = array_namespace(received)
-        where = device(received)
-        sent = record.sent if record.sent is not None else xp.zeros(world, dtype=xp.int64, device=where)
-        parts = [sent, xp.reshape(received, (-1,))]
-        if record.inputs is not None:
-            parts.append(xp.reshape(_as_int64(record.inputs), (-1,)))
-        ours = self.inner.read_ints(xp.concat(parts))
-        values = np.zeros(_RECORD_INTS + 4 * world, dtype=np.int64)
-        values[0], values[1], values[2] = record.number, record.kind, world
-        values[3 : 3 + ours.size] = ours
-        with translated(f"{record.op} (verification)", group, self._timeout):
-            everyone = self.inner.gather_ints(values, group)
-        problem = _mismatch(record, everyone)
-        if problem is not None:
-            raise IntegrityError(
-                f"{record.op} on {group}, call {record.number} (verified): {problem}; "
-                "the data that arrived is not what was sent"
-            )
+                    first.failure = reported(exc, first.record.op, first.record.group, timeout)
+                except Exception as exc:  # a failure of the call's own finish: raised at its wait
+                    first.failure = exc
+                first.started = True
+                self._open.popleft()
+
+    def _start(self, check: _Check, timeout: float) -> None:
+        """Wait for ``check``'s transfers, finish its result, and issue the all-gather of its
+        record (``5 + 4 W`` native int64 per rank, on the checks' group) without waiting."""
+        record, pending = check.record, check.pending
+        for work in pending.works:
+            work.wait(timeout)
+        check.result = pending.finish()
+        ours = _record_values(record, check.received(_result_array(check.result)))
+        everyone = self.inner.empty_rows(ours, record.group.world_size * ours.shape[0])
+        check.exchange = self.inner.all_gather_even(everyone, ours, self._checks_of(record.group), True)
+        check.arrays = (ours, everyone)
+        check.pending = check.received = None
+        check.started = True
+
+    def _conclude(self, check: _Check, timeout: float) -> Any:
+        """``check``'s verdict: its result, or :class:`~unicoll.IntegrityError` when any pair
+        of ranks disagrees (raised again whenever it is asked again)."""
+        self._start_through(check, timeout)
+        record = check.record
+        if check.failure is None and not check.judged:
+            with translated(f"{record.op} (verification of call {record.number})", record.group, timeout):
+                if check.exchange is not None:
+                    check.exchange.wait(timeout)
+            everyone = self.inner.read_ints(check.arrays[1]).reshape(record.group.world_size, -1)
+            check.arrays, check.exchange, check.judged = (), None, True
+            problem = _mismatch(record, everyone)
+            if problem is not None:
+                check.failure = IntegrityError(
+                    f"{record.op} on {record.group}, call {record.number} (verified): {problem}; "
+                    "the data that arrived is not what was sent"
+                )
+        if check.failure is not None:
+            raise check.failure
+        return check.result
 
     # -- the rest of the inner backend's, which the base class would compose instead ----
 
@@ -384,58 +467,112 @@ class VerifiedBackend(Wrapped):
     def give_back(self, *buffers: np.ndarray | None) -> None:
         self.inner.give_back(*buffers)
 
+    # The inner backend's transfers that are no operator of the seam: each that blocks starts
+    # the open checks first, as the seam's operators do (:meth:`_settle`).
+
     def all_gather_even(self, out: Any, x: Any, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        if not async_op:
+            self._settle()
         return self.inner.all_gather_even(out, x, group, async_op, calc_stream)
 
     def allreduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        if not async_op:
+            self._settle()
         return self.inner.allreduce(x, op, group, async_op, calc_stream)
 
     def reduce_scatter_even(
         self, out: Any, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False
     ) -> Work | None:
+        if not async_op:
+            self._settle()
         return self.inner.reduce_scatter_even(out, x, op, group, async_op, calc_stream)
 
     def bcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Work | None:
+        if not async_op:
+            self._settle()
         return self.inner.bcast(x, src, group, async_op, calc_stream)
 
+    def barrier(self, group: Group) -> None:
+        self._settle()
+        self.inner.barrier(group)
+
+    def exchange_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        self._settle()
+        return self.inner.exchange_ints(values, group)
+
+    def exchange_native_ints(self, values: Any, group: Group) -> Any:
+        self._settle()
+        return self.inner.exchange_native_ints(values, group)
+
+    def gather_ints(self, values: np.ndarray, group: Group) -> np.ndarray:
+        self._settle()
+        return self.inner.gather_ints(values, group)
+
+    def finalize(self) -> None:
+        self._open.clear()
+        self.inner.finalize()
+
     def abandon(self) -> None:
+        self._open.clear()
         self.inner.abandon()
 
 
-class _CheckedWork:
-    """A transfer in flight whose ``wait`` also runs the call's check, once it has completed."""
+class _Check:
+    """One verified call, from its issue (:meth:`VerifiedBackend._opened`) to its verdict."""
 
-    def __init__(self, work: Work, check: Callable[[], None]) -> None:
-        self._work = work
+    def __init__(self, record: _Record, pending: Pending, received: Callable[[Any], Any]) -> None:
+        self.record = record
+        self.pending: Pending | None = pending
+        self.received: Callable[[Any], Any] | None = received
+        self.result: Any = None
+        self.started = False
+        """Whether its transfers are done and its exchange issued (or its start failed)."""
+        self.exchange: Work | None = None
+        self.arrays: tuple[Any, ...] = ()
+        """This rank's record and the gathered ones, alive while the exchange is in flight."""
+        self.judged = False
+        self.failure: BaseException | None = None
+
+
+class _CheckWork:
+    """The work of a checked call with transfers in flight: waiting for it starts the checks
+    issued before it and its own, waits for its exchange and gives the verdict."""
+
+    def __init__(self, backend: VerifiedBackend, check: _Check) -> None:
+        self._backend = backend
         self._check = check
 
-    def wait(self, timeout: float) -> Any:
-        done = self._work.wait(timeout)
-        self._check()
-        return done
+    def wait(self, timeout: float) -> None:
+        self._backend._conclude(self._check, timeout)
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        """Whether :meth:`wait` will not block: the transfers of this check and of the open
+        ones before it are done (its exchange is then issued here), and its exchange too."""
+        check = self._check
+        if not check.started:
+            for earlier in self._backend._open:
+                if not all(work.is_completed() for work in earlier.pending.works):
+                    return False
+                if earlier is check:
+                    break
+            self._backend._start_through(check, self._backend._timeout)
+        return check.exchange is None or check.exchange.is_completed()
 
 
-def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``, run by the first call only (a Task may wait for its work again); a later call
-    raises the IntegrityError the first one raised, if it raised one."""
-    ran: list[IntegrityError | None] = []
-
-    def run() -> None:
-        if ran:
-            if ran[0] is not None:
-                raise ran[0]
-            return
-        try:
-            fn()
-        except IntegrityError as exc:
-            ran.append(exc)
-            raise
-        ran.append(None)
-
-    return run
+def _record_values(record: _Record, received: Any) -> Any:
+    """This rank's record of a verified call as ``5 + 4 W`` native int64, where ``received``
+    (the checksums of what arrived) is: the call's number, what it checks and the group's size,
+    the checksums sent, those received, and a reduction's projections of its inputs."""
+    xp, where, world = array_namespace(received), device(received), record.group.world_size
+    sent = record.sent if record.sent is not None else xp.zeros(world, dtype=xp.int64, device=where)
+    parts = [sent, xp.reshape(received, (-1,))]
+    if record.inputs is not None:
+        parts.append(xp.reshape(_as_int64(record.inputs), (-1,)))
+    ours = xp.concat(parts)
+    values = xp.zeros(_RECORD_INTS + 4 * world, dtype=xp.int64, device=where)
+    values[0], values[1], values[2] = record.number, record.kind, world
+    values[3 : 3 + ours.shape[0]] = ours
+    return values
 
 
 def _rows(x: Any) -> int:
@@ -468,8 +605,8 @@ def _mismatch(record: _Record, everyone: np.ndarray) -> str | None:
     if len(set(numbers.tolist())) > 1 or len(set(kinds.tolist())) > 1:
         calls = ", ".join(f"rank {r}: call {n}" for r, n in enumerate(numbers.tolist()))
         return (
-            f"the ranks verified different calls ({calls}); tasks must be waited for in the same order on every "
-            "rank while verification is on"
+            f"the ranks verified different calls ({calls}); every rank must issue the same calls on a group, in "
+            "the same order"
         )
     sent, received = everyone[:, 3 : 3 + world], everyone[:, 3 + world : 3 + 2 * world]
     if record.kind in (_MOVED, _BROADCAST):

@@ -6,6 +6,8 @@ or the way the call completes (at once, a Task)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -126,6 +128,40 @@ def _corrupted(rank: int, base: str) -> dict:
     return outcomes
 
 
+def _orders(rank: int, base: str) -> dict:
+    """Tasks waited for in other orders and at other places on the two ranks (legal without
+    verification): the checks' exchanges pair up all the same (their own group, issued in the
+    calls' order), so every result is the verified one; a dropped task, a polled one, and a
+    corrupted one whose check began at a later call and raised at its wait."""
+    _init(base)
+    x = _rows(rank)
+    got = {}
+    moved, summed = uc.alltoall_single(None, x, sync_op=False), uc.all_reduce(torch.ones(3) * (rank + 1), sync_op=False)
+    first, second = (moved, summed) if rank == 0 else (summed, moved)
+    first.wait(), second.wait()
+    got["other orders"] = [moved.wait().tolist(), summed.wait().tolist()]
+    pair = uc.new_group([0, 1])
+    for name, group in (("before and after a call", None), ("across groups", pair)):
+        task = uc.alltoall_single(None, x, sync_op=False)
+        early = task.wait() if rank == 0 else None
+        reduced = uc.all_reduce(torch.ones(2), group=group)
+        late = task.wait() if rank == 1 else early
+        got[name] = [late.tolist(), reduced.tolist()]
+    uc.alltoall_single(None, x, sync_op=False)  # dropped
+    got["after a dropped task"] = uc.alltoall_single(None, x).tolist()
+    polled = uc.alltoall_single(None, x, sync_op=False)
+    deadline = time.monotonic() + 60
+    while not polled.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    got["polled"] = polled.wait(timeout=0).tolist()
+    corrupting.arm("bit", source=0, receiver=1)
+    corrupted = uc.alltoall_single(None, x, sync_op=False)
+    uc.barrier()  # starts the check
+    got["checked at a later call"] = _outcome(corrupted.wait)
+    _back_to(base)
+    return got
+
+
 def _sampled(rank: int, base: str) -> list:
     """At a share of 0.5, calls 0, 2, 4 are checked (the same on every rank), 1 and 3 are not."""
     _init(base, verify=0.5)
@@ -138,12 +174,15 @@ def _sampled(rank: int, base: str) -> list:
     return seen
 
 
-CASES = ("clean calls", "corrupted", "sampled")
+CASES = ("clean calls", "corrupted", "orders", "sampled")
 WORLDS = {
     backend: share(
         backend,
         W,
-        [Case(f"integrity: {name}", fn, (backend,)) for name, fn in zip(CASES, (_clean_calls, _corrupted, _sampled))],
+        [
+            Case(f"integrity: {name}", fn, (backend,))
+            for name, fn in zip(CASES, (_clean_calls, _corrupted, _orders, _sampled))
+        ],
         last=True,
     )
     for backend in ("gloo", "mpi")
@@ -196,6 +235,23 @@ def test_each_kind_of_corruption_raises_on_every_rank(backend: str) -> None:
         messages = [got[name] for got in results]
         assert messages[0] == messages[1] != "ok", name
         assert says in messages[0], (name, messages[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tasks_waited_in_other_orders_and_places_are_checked(backend: str) -> None:
+    results = _results(backend, "orders")
+    for rank, got in enumerate(results):
+        moved = _plain(rank)["alltoall_single"].nan_to_num(-1)
+        assert torch.equal(torch.tensor(got["other orders"][0]).nan_to_num(-1), moved)
+        assert got["other orders"][1] == [3.0] * 3
+        for name in ("before and after a call", "across groups"):
+            assert torch.equal(torch.tensor(got[name][0]).nan_to_num(-1), moved), name
+            assert got[name][1] == [2.0, 2.0], name
+        for name in ("after a dropped task", "polled"):
+            assert torch.equal(torch.tensor(got[name]).nan_to_num(-1), moved), name
+    messages = [got["checked at a later call"] for got in results]
+    assert messages[0] == messages[1] != "ok"
+    assert "the block rank 0 sent to rank 1 arrived different" in messages[0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
