@@ -12,11 +12,14 @@ its weight; a block of zeros sums to zero; NaN's payload bits count like any oth
 the same word sum swapped, and words moved within a row, are not seen.
 
 A projection is the same weighted sum of the rows' values (in float64, or int64 for integers),
-linear in the array: the projection of a sum is the sum of the projections, to rounding.
+linear in the array: the projection of a sum is the sum of the projections, to rounding. A
+magnitude bounds the projection of the values' magnitudes (each row's length times its largest
+one), which sets how much rounding a sum may bring.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,26 +36,58 @@ def row_hashes(x: Any) -> Any:
     return xp.sum(words, axis=1, dtype=xp.int64)
 
 
-def row_values(x: Any, absolute: bool = False) -> Any:
-    """Each row's values summed (float64 for floats, int64 for integers and bools; with
-    ``absolute``, their magnitudes): ``(rows,)``, of x's library, on its device."""
+def row_values(x: Any) -> Any:
+    """Each row's values summed (float64 for floats, int64 for integers and bools, wrapping):
+    ``(rows,)``, of x's library, on its device. On the host the values are summed in float64
+    as they are read, without a float64 copy of the array."""
+    host = _host_numbers(x)
+    if host is not None:
+        rows = _as_rows(host)
+        total = np.float64 if rows.dtype.kind == "f" else np.int64
+        if rows.shape[1] < _BUFFERED:  # narrow rows: numpy's buffered reduction is slower than a copy
+            rows = rows.astype(total)
+        return _native_like(x, np.add.reduce(rows, axis=1, dtype=total))
     xp = array_namespace(x)
-    rows = xp.reshape(x, (x.shape[0] if x.ndim else 1, -1))
-    floating = xp.isdtype(x.dtype, "real floating")
-    values = xp.astype(rows, xp.float64 if floating else xp.int64)
-    return xp.sum(xp.abs(values) if absolute else values, axis=1)
+    rows = _as_rows(x)
+    return xp.sum(xp.astype(rows, xp.float64 if xp.isdtype(x.dtype, "real floating") else xp.int64), axis=1)
+
+
+def row_magnitudes(x: Any) -> Any:
+    """A bound on each row's sum of magnitudes, for a floating ``x``: the row's length times
+    its largest magnitude (float64, ``(rows,)``, of x's library, on its device; read in two
+    passes without a copy on the host)."""
+    host = _host_numbers(x)
+    if host is not None:
+        rows = _as_rows(host)
+        if rows.shape[1] == 0:
+            return _native_like(x, np.zeros(rows.shape[0]))
+        largest = np.maximum(np.maximum.reduce(rows, axis=1), -np.minimum.reduce(rows, axis=1))
+        return _native_like(x, largest.astype(np.float64) * rows.shape[1])
+    xp = array_namespace(x)
+    rows = _as_rows(x)
+    if rows.shape[1] == 0:
+        return xp.zeros(rows.shape[0], dtype=xp.float64, device=device(x))
+    return xp.astype(xp.max(xp.abs(rows), axis=1), xp.float64) * rows.shape[1]
 
 
 def weighted_blocks(per_row: Any, splits: Sequence[int], order: Any | None = None) -> Any:
     """For each block of ``splits[c]`` consecutive rows (of ``per_row[order]`` when ``order`` is
     given: an int index on ``per_row``'s device or the host), ``sum((2 j + 1) * per_row[j])``
     with ``j`` the row's place in its block, in ``per_row``'s dtype (int64 wraps)."""
+    counts = np.asarray(splits, dtype=np.int64)
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    host = _host_numbers(per_row)
+    if host is not None:
+        if order is not None:
+            host = host[description_of(order).to_host(order)]
+        places = np.arange(host.shape[0], dtype=np.int64) - np.repeat(starts, counts)
+        running = np.concatenate([np.zeros(1, host.dtype), np.cumsum((2 * places + 1) * host)])
+        return _native_like(per_row, running[ends] - running[starts])
     xp = array_namespace(per_row)
     where = device(per_row)
     if order is not None:
         per_row = xp.take(per_row, xp.asarray(order, device=where), axis=0)
-    ends = np.cumsum(np.asarray(splits, dtype=np.int64))
-    starts = ends - np.asarray(splits, dtype=np.int64)
     # With g the row's place in the whole array and s its block's first row:
     # sum((2 (g - s) + 1) h_g) = sum((2 g + 1) h_g) - 2 s sum(h_g), from two running sums.
     places = xp.arange(per_row.shape[0], dtype=per_row.dtype, device=where)
@@ -69,3 +104,33 @@ def block_checksums(x: Any, splits: Sequence[int], order: Any | None = None) -> 
     """The checksum of each block of x's rows (int64, ``(len(splits),)``): the rows in
     ``order`` when given, ``splits[c]`` consecutive ones in block c."""
     return weighted_blocks(row_hashes(x), splits, order)
+
+
+def _as_rows(x: Any) -> Any:
+    """``x`` as a 2-D array of its rows (a 0-d array is one row of one value)."""
+    if not x.ndim:
+        return array_namespace(x).reshape(x, (1, 1))
+    return array_namespace(x).reshape(x, (x.shape[0], math.prod(x.shape[1:])))
+
+
+_BUFFERED = 16
+"""Rows narrower than this are copied to float64 (int64) before they are summed on the host."""
+
+
+def _host_numbers(x: Any) -> np.ndarray | None:
+    """``x`` as a numpy array over the same memory when it is on the host in a dtype numpy
+    has (not bfloat16), else None (the array API path then runs where x is)."""
+    if isinstance(x, np.ndarray):
+        return x
+    described = description_of(x)
+    if described is None or described.device(x) != "cpu" or described.dtype(x) == "bfloat16":
+        return None
+    return described.to_host(x)
+
+
+def _native_like(x: Any, values: np.ndarray) -> Any:
+    """Host ``values`` as an array of x's library on x's device (a view where it can be)."""
+    if isinstance(x, np.ndarray):
+        return values
+    described = description_of(x)
+    return described.from_host(values, described.place(x), None)

@@ -42,7 +42,7 @@ from array_api_compat import array_namespace, device
 from .arrays import description_of
 from .backends.base import Backend, Pending, Work
 from .backends.wrapped import Wrapped
-from .checksums import block_checksums, row_values, weighted_blocks
+from .checksums import block_checksums, row_magnitudes, row_values, weighted_blocks
 from .entry import current_operator
 from .errors import IntegrityError, TransportError, TransportTimeoutError, reported, translated
 from .group import Group
@@ -113,6 +113,8 @@ class _Record:
     """A reduction's dtype (its rounding sets the tolerance of a sum)."""
     rows: int = 0
     """A reduction's rows (the rounding of the float64 projections grows with them)."""
+    columns: int = 0
+    """The values in each of a floating reduction's rows (each row's float64 sum rounds too)."""
     reduction: str = ""
     """A reduction's operation (``"sum"``, ``"avg"``, ...)."""
     src: int = 0
@@ -367,9 +369,13 @@ class VerifiedBackend(Wrapped):
         record.reduction = op
         if op in ("sum", "avg") and record.dtype != "bool":
             projections = weighted_blocks(row_values(x), splits)
-            magnitudes = weighted_blocks(row_values(x, absolute=True), splits)
             xp = array_namespace(projections)
-            record.inputs = xp.stack([projections, xp.astype(magnitudes, projections.dtype)])
+            if record.dtype in _ROUNDING:
+                record.columns = math.prod(x.shape[1:]) if x.ndim else 1
+                magnitudes = weighted_blocks(row_magnitudes(x), splits)
+            else:  # integers: compared exactly, modulo their width
+                magnitudes = xp.zeros_like(projections)
+            record.inputs = xp.stack([projections, magnitudes])
 
     def _reduced(self, record: _Record, result: Any, splits: list[int]) -> Any:
         """After a reduction: the result's bit checksum, then its projection (0 where the
@@ -651,7 +657,8 @@ def _reduction_mismatch(record: _Record, everyone: np.ndarray) -> str | None:
                 expected, magnitude = expected / world, magnitude / world
             if not (np.isfinite(expected) and np.isfinite(got)):
                 continue  # an overflow or a NaN of the data's own: nothing to compare
-            tolerance = ((world + 2) * _ROUNDING[record.dtype] + (record.rows + world) * 2.0**-52) * magnitude
+            float64_sums = record.rows + record.columns + world
+            tolerance = ((world + 2) * _ROUNDING[record.dtype] + float64_sums * 2.0**-52) * magnitude
             if abs(got - expected) <= tolerance:
                 continue
             return (

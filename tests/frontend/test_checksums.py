@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from unicoll.checksums import block_checksums, row_values, weighted_blocks
+from unicoll.checksums import block_checksums, row_magnitudes, row_values, weighted_blocks
 from unicoll.verify import sampled, verify_setting
 
 DTYPES = [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.bool_]
@@ -106,3 +106,36 @@ def test_the_sample_follows_the_call_number() -> None:
     assert all(sampled(n, 1.0) for n in range(10))
     assert not any(sampled(n, 0.0) for n in range(10))
     assert [n for n in range(7) if sampled(n, 0.5)] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.int64, np.bool_])
+@pytest.mark.parametrize("shape", [(6, 5), (7,), (4, 40), (0, 3), (3, 0), ()])
+def test_the_host_path_and_the_array_api_path_agree(dtype, shape, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the host the sums run in numpy over the same memory; elsewhere (a device) through
+    the array API: the same values, for numpy and torch, every shape (no rows, empty rows, 0-d)."""
+    from unicoll import checksums
+
+    a = np.asarray((_rows(np.float64, shape, 3) // 8).astype(dtype))  # small integers: every sum is exact
+    splits = [a.shape[0] // 2, a.shape[0] - a.shape[0] // 2] if a.ndim else [1]
+    order = np.arange(a.shape[0] if a.ndim else 1)[::-1].copy()
+
+    def computed(x) -> list:
+        values = [checksums.row_values(x), checksums.weighted_blocks(checksums.row_values(x), splits, order)]
+        if np.dtype(dtype).kind == "f":
+            values.append(checksums.row_magnitudes(x))
+        values.append(checksums.block_checksums(x, splits, order))
+        return [np.asarray(v).tolist() for v in values]
+
+    host = [computed(x) for x in (a, torch.from_numpy(a.copy()))]
+    monkeypatch.setattr(checksums, "_host_numbers", lambda x: None)
+    through_the_api = [computed(x) for x in (a, torch.from_numpy(a.copy()))]
+    assert host[0] == host[1] == through_the_api[0] == through_the_api[1]
+
+
+def test_magnitudes_bound_the_sums_of_magnitudes() -> None:
+    x = _rows(np.float32, (5, 7), 4)
+    bound = np.asarray(row_magnitudes(torch.from_numpy(x)))
+    assert (bound >= np.abs(x).astype(np.float64).sum(axis=1)).all()
+    assert np.array_equal(bound, 7 * np.abs(x).max(axis=1).astype(np.float64))
+    bf16 = torch.from_numpy(x).to(torch.bfloat16)
+    assert (np.asarray(row_magnitudes(bf16)) >= bf16.double().abs().sum(dim=1).numpy()).all()
