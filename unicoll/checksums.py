@@ -1,8 +1,10 @@
 """Checksums of the blocks a collective moves, and projections of the arrays it reduces: what
 verification (:mod:`unicoll.verify`) compares across the ranks.
 
-Both are computed where the rows are (numpy, torch or cupy arrays, on the host or a device), in
-a few passes over the data, and come back as small arrays of that library on that device.
+Both are computed where the rows are, in a few passes over the data. The results are small
+arrays: numpy arrays for rows in host memory (numpy's, or a CPU tensor's, read in place), else
+arrays of the rows' library on their device (cupy, a CUDA tensor), so that a device's rows are
+never read by the host.
 
 A block's checksum reads its rows' bits: each row's words (:attr:`~unicoll.libraries.native.NativeLibrary.row_words`)
 are summed into one int64 ``h_j`` (wrapping), and the block's ``n`` rows into
@@ -28,43 +30,47 @@ from array_api_compat import array_namespace, device
 
 from .arrays import description_of
 
+_BUFFERED = 16
+"""Rows narrower than this are copied to float64 (int64) before they are summed on the host:
+numpy's buffered reduction of narrow rows is slower than the copy."""
+
 
 def row_hashes(x: Any) -> Any:
-    """Each row's words summed (int64, wrapping): ``(rows,)``, of x's library, on its device."""
+    """Each row's words summed (int64, wrapping): ``(rows,)``, summed by x's own library."""
     words = description_of(x).row_words(x)
     xp = array_namespace(words)
-    return xp.sum(words, axis=1, dtype=xp.int64)
+    return _on_host_if_there(xp.sum(words, axis=1, dtype=xp.int64))
 
 
 def row_values(x: Any) -> Any:
     """Each row's values summed (float64 for floats, int64 for integers and bools, wrapping):
-    ``(rows,)``, of x's library, on its device. On the host the values are summed in float64
-    as they are read, without a float64 copy of the array."""
-    host = _host_numbers(x)
+    ``(rows,)``. On the host the values are summed in float64 as they are read, without a
+    float64 copy of the array."""
+    host = host_numbers(x)
     if host is not None:
         rows = _as_rows(host)
         total = np.float64 if rows.dtype.kind == "f" else np.int64
-        if rows.shape[1] < _BUFFERED:  # narrow rows: numpy's buffered reduction is slower than a copy
+        if rows.shape[1] < _BUFFERED:
             rows = rows.astype(total)
-        return _native_like(x, np.add.reduce(rows, axis=1, dtype=total))
+        with np.errstate(all="ignore"):  # infinities and NaNs are the data's own
+            return np.add.reduce(rows, axis=1, dtype=total)
     xp = array_namespace(x)
-    rows = _as_rows(x)
-    return xp.sum(xp.astype(rows, xp.float64 if xp.isdtype(x.dtype, "real floating") else xp.int64), axis=1)
+    floating = xp.isdtype(x.dtype, "real floating")
+    return xp.sum(xp.astype(_as_rows(x), xp.float64 if floating else xp.int64), axis=1)
 
 
 def row_magnitudes(x: Any) -> Any:
     """A bound on each row's sum of magnitudes, for a floating ``x``: the row's length times
-    its largest magnitude (float64, ``(rows,)``, of x's library, on its device; read in two
-    passes without a copy on the host)."""
-    host = _host_numbers(x)
+    its largest magnitude (float64, ``(rows,)``; two passes without a copy on the host)."""
+    host = host_numbers(x)
+    rows = _as_rows(x if host is None else host)
     if host is not None:
-        rows = _as_rows(host)
         if rows.shape[1] == 0:
-            return _native_like(x, np.zeros(rows.shape[0]))
-        largest = np.maximum(np.maximum.reduce(rows, axis=1), -np.minimum.reduce(rows, axis=1))
-        return _native_like(x, largest.astype(np.float64) * rows.shape[1])
+            return np.zeros(rows.shape[0])
+        with np.errstate(all="ignore"):
+            largest = np.maximum(np.maximum.reduce(rows, axis=1), -np.minimum.reduce(rows, axis=1))
+            return largest.astype(np.float64) * rows.shape[1]
     xp = array_namespace(x)
-    rows = _as_rows(x)
     if rows.shape[1] == 0:
         return xp.zeros(rows.shape[0], dtype=xp.float64, device=device(x))
     return xp.astype(xp.max(xp.abs(rows), axis=1), xp.float64) * rows.shape[1]
@@ -74,20 +80,19 @@ def weighted_blocks(per_row: Any, splits: Sequence[int], order: Any | None = Non
     """For each block of ``splits[c]`` consecutive rows (of ``per_row[order]`` when ``order`` is
     given: an int index on ``per_row``'s device or the host), ``sum((2 j + 1) * per_row[j])``
     with ``j`` the row's place in its block, in ``per_row``'s dtype (int64 wraps)."""
-    counts = np.asarray(splits, dtype=np.int64)
-    ends = np.cumsum(counts)
-    starts = ends - counts
-    host = _host_numbers(per_row)
+    host = host_numbers(per_row)
     if host is not None:
         if order is not None:
             host = host[description_of(order).to_host(order)]
-        places = np.arange(host.shape[0], dtype=np.int64) - np.repeat(starts, counts)
-        running = np.concatenate([np.zeros(1, host.dtype), np.cumsum((2 * places + 1) * host)])
-        return _native_like(per_row, running[ends] - running[starts])
+        with np.errstate(all="ignore"):
+            return _host_weighted(host, list(splits))
     xp = array_namespace(per_row)
     where = device(per_row)
     if order is not None:
         per_row = xp.take(per_row, xp.asarray(order, device=where), axis=0)
+    counts = np.asarray(splits, dtype=np.int64)
+    ends = np.cumsum(counts)
+    starts = ends - counts
     # With g the row's place in the whole array and s its block's first row:
     # sum((2 (g - s) + 1) h_g) = sum((2 g + 1) h_g) - 2 s sum(h_g), from two running sums.
     places = xp.arange(per_row.shape[0], dtype=per_row.dtype, device=where)
@@ -106,20 +111,9 @@ def block_checksums(x: Any, splits: Sequence[int], order: Any | None = None) -> 
     return weighted_blocks(row_hashes(x), splits, order)
 
 
-def _as_rows(x: Any) -> Any:
-    """``x`` as a 2-D array of its rows (a 0-d array is one row of one value)."""
-    if not x.ndim:
-        return array_namespace(x).reshape(x, (1, 1))
-    return array_namespace(x).reshape(x, (x.shape[0], math.prod(x.shape[1:])))
-
-
-_BUFFERED = 16
-"""Rows narrower than this are copied to float64 (int64) before they are summed on the host."""
-
-
-def _host_numbers(x: Any) -> np.ndarray | None:
-    """``x`` as a numpy array over the same memory when it is on the host in a dtype numpy
-    has (not bfloat16), else None (the array API path then runs where x is)."""
+def host_numbers(x: Any) -> np.ndarray | None:
+    """``x`` as a numpy array over the same memory when it is in host memory in a dtype numpy
+    has (not bfloat16), else None."""
     if isinstance(x, np.ndarray):
         return x
     described = description_of(x)
@@ -128,9 +122,29 @@ def _host_numbers(x: Any) -> np.ndarray | None:
     return described.to_host(x)
 
 
-def _native_like(x: Any, values: np.ndarray) -> Any:
-    """Host ``values`` as an array of x's library on x's device (a view where it can be)."""
-    if isinstance(x, np.ndarray):
-        return values
-    described = description_of(x)
-    return described.from_host(values, described.place(x), None)
+def _host_weighted(per_row: np.ndarray, splits: list[int]) -> np.ndarray:
+    """:func:`weighted_blocks` of a numpy ``per_row`` in rows order: blocks of one size as one
+    product with the weights, others from two running sums."""
+    blocks = len(splits)
+    if blocks and per_row.shape[0] == blocks * splits[0] and splits.count(splits[0]) == blocks:
+        weights = np.arange(1, 2 * splits[0], 2, dtype=per_row.dtype)
+        return per_row.reshape(blocks, splits[0]) @ weights
+    counts = np.asarray(splits, dtype=np.int64)
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    places = np.arange(per_row.shape[0], dtype=np.int64) - np.repeat(starts, counts)
+    running = np.concatenate([np.zeros(1, per_row.dtype), np.cumsum((2 * places + 1) * per_row)])
+    return running[ends] - running[starts]
+
+
+def _as_rows(x: Any) -> Any:
+    """``x`` as a 2-D array of its rows (a 0-d array is one row of one value)."""
+    if not x.ndim:
+        return array_namespace(x).reshape(x, (1, 1))
+    return array_namespace(x).reshape(x, (x.shape[0], math.prod(x.shape[1:])))
+
+
+def _on_host_if_there(values: Any) -> Any:
+    """``values`` as numpy when they are in host memory, else as they are (on their device)."""
+    host = host_numbers(values)
+    return values if host is None else host

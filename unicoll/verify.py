@@ -106,9 +106,10 @@ class _Record:
     number: int
     kind: int
     sent: Any = None
-    """Native int64 ``(W,)``: the checksum of the block sent to each rank (zeros: none)."""
+    """int64 ``(W,)``, where the checksums are (:mod:`unicoll.checksums`): the checksum of the
+    block sent to each rank (zeros: none)."""
     inputs: Any = None
-    """Native float64 or int64 ``(2, W)``: each block's projection and magnitude (reductions)."""
+    """float64 or int64 ``(2, W)``: each block's projection and magnitude (reductions)."""
     dtype: str = ""
     """A reduction's dtype (its rounding sets the tolerance of a sum)."""
     rows: int = 0
@@ -259,8 +260,8 @@ class VerifiedBackend(Wrapped):
     ) -> Pending:
         record = self._record(group, _MOVED, async_op)
         if record is not None:
-            xp = array_namespace(x)
-            record.sent = xp.concat([block_checksums(x, [x.shape[0]])] * group.world_size)
+            mine = block_checksums(x, [x.shape[0]])
+            record.sent = array_namespace(mine).concat([mine] * group.world_size)
         pending = self.inner.all_gather(out, x, rows, group, async_op, calc_stream)
         if record is None:
             return pending
@@ -269,8 +270,8 @@ class VerifiedBackend(Wrapped):
     def broadcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
         record = self._record(group, _BROADCAST, async_op)
         if record is not None:
-            xp, world = array_namespace(x), group.world_size
             mine = block_checksums(x, [_rows(x)])
+            xp, world = array_namespace(mine), group.world_size
             record.src = src
             record.sent = xp.concat([mine] * world) if group.rank == src else xp.concat([mine * 0] * world)
         pending = self.inner.broadcast(x, src, group, async_op, calc_stream)
@@ -379,9 +380,9 @@ class VerifiedBackend(Wrapped):
 
     def _reduced(self, record: _Record, result: Any, splits: list[int]) -> Any:
         """After a reduction: the result's bit checksum, then its projection (0 where the
-        inputs' were not taken), as one native int64 array."""
-        xp = array_namespace(result)
+        inputs' were not taken), as one int64 array (where the checksums are)."""
         bits = block_checksums(result, splits)
+        xp = array_namespace(bits)
         if record.inputs is None:
             return xp.concat([bits, xp.zeros(1, dtype=xp.int64, device=device(bits))])
         projection = weighted_blocks(row_values(result), splits)
@@ -434,7 +435,7 @@ class VerifiedBackend(Wrapped):
         for work in pending.works:
             work.wait(timeout)
         check.result = pending.finish()
-        ours = _record_values(record, check.received(_result_array(check.result)))
+        ours = self.inner.to_native(_record_values(record, check.received(_result_array(check.result))))
         everyone = self.inner.empty_rows(ours, record.group.world_size * ours.shape[0])
         check.exchange = self.inner.all_gather_even(everyone, ours, self._checks_of(record.group), True)
         check.arrays = (ours, everyone)
@@ -566,8 +567,8 @@ class _CheckWork:
 
 
 def _record_values(record: _Record, received: Any) -> Any:
-    """This rank's record of a verified call as ``5 + 4 W`` native int64, where ``received``
-    (the checksums of what arrived) is: the call's number, what it checks and the group's size,
+    """This rank's record of a verified call as ``5 + 4 W`` int64, where ``received`` (the
+    checksums of what arrived) is (on the host for host rows): the call's number, what it checks and the group's size,
     the checksums sent, those received, and a reduction's projections of its inputs."""
     xp, where, world = array_namespace(received), device(received), record.group.world_size
     sent = record.sent if record.sent is not None else xp.zeros(world, dtype=xp.int64, device=where)
@@ -593,7 +594,7 @@ def _placed(checksum: Any, src: int) -> Any:
 
 
 def _as_int64(values: Any) -> Any:
-    """Native float64 (or int64) values as int64 of the same bits."""
+    """float64 (or int64) values as int64 of the same bits."""
     if array_namespace(values).isdtype(values.dtype, "integral"):
         return values
     return description_of(values).row_words(values).reshape(values.shape)
