@@ -83,7 +83,16 @@ _WRITTEN = pytest.StashKey[list]()
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A process that is no rank of any world: the variables ``unicoll.init`` reads unset, and
     unicoll finalized afterwards."""
-    for name in ("UNICOLL_BACKEND", "UNICOLL_TIMEOUT", "UNICOLL_CHECK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    for name in (
+        "UNICOLL_BACKEND",
+        "UNICOLL_TIMEOUT",
+        "UNICOLL_CHECK",
+        "UNICOLL_HANDSHAKE",
+        "UNICOLL_VERIFY",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
     yield
     uc.finalize()

@@ -94,6 +94,7 @@ def test_a_transfer_given_up_on_and_ended_at_exit_does_not_abort(tmp_path) -> No
         "UNICOLL_TIMEOUT": "60",  # gloo's own timeout never ends the transfer: rank 1's call does
         "UNICOLL_CHECK": "0",
         "UNICOLL_HANDSHAKE": "0",  # a comparison before the call would wait for rank 1
+        "UNICOLL_VERIFY": "0",  # and so would a check after it
     }
     ranks = [
         subprocess.Popen(

@@ -5,7 +5,8 @@ primitives; after :func:`arm`, the next transfer on the armed rank changes the b
 arrived from one source rank, in one of the ways of :data:`KINDS`, once. Its operators are the
 ones :class:`~unicoll.backends.base.Backend` composes from those primitives, so every operator
 and both MoE modes, forward and backward, reach it. It is registered through the plugin
-mechanism (:func:`unicoll.register_backend`) as ``corrupting-gloo`` and ``corrupting-mpi``.
+mechanism (:func:`unicoll.register_backend`) as ``corrupting-gloo``, ``corrupting-mpi`` and
+``corrupting-device-path`` (torch-nccl's transport driving gloo: a GPU backend's logic on the host).
 """
 
 from __future__ import annotations
@@ -148,7 +149,30 @@ class CorruptingFactory:
         return Corrupting(self._base(rank=rank, world_size=world_size, timeout=timeout))
 
 
+class CorruptingDevicePathFactory:
+    """Starts torch-nccl's transport driving gloo (a GPU backend's code path on the host,
+    :func:`helpers.gpu_backends.device_path`) wrapped in :class:`Corrupting`."""
+
+    def __init__(self) -> None:
+        from helpers.gpu_backends import device_path
+
+        self.capabilities = device_path()
+
+    def probe(self) -> None:
+        return None
+
+    def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
+        from unicoll.backends.torch.transport import TorchNcclBackend
+
+        inner = TorchNcclBackend(
+            "torch-nccl", "gloo", self.capabilities, rank=rank, world_size=world_size, timeout=timeout
+        )
+        return Corrupting(inner)
+
+
 def register() -> None:
-    """Register ``corrupting-gloo`` and ``corrupting-mpi`` (where mpi4py is installed)."""
+    """Register ``corrupting-gloo``, ``corrupting-mpi`` (where mpi4py is installed) and
+    ``corrupting-device-path``."""
     uc.register_backend("corrupting-gloo", CorruptingFactory("gloo"))
     uc.register_backend("corrupting-mpi", CorruptingFactory("mpi"))
+    uc.register_backend("corrupting-device-path", CorruptingDevicePathFactory())

@@ -1,4 +1,5 @@
-"""Verification (``init(verify=...)``) on real worlds of 2 ranks, gloo and mpi: clean calls give
+"""Verification (``init(verify=...)``) on real worlds of 2 ranks, gloo, mpi and a GPU backend's
+logic over gloo (torch-nccl's transport, its checksums through the array API): clean calls give
 the unverified results, and a block that a transport changed (helpers/corrupting.py, a plugin
 backend) raises the same IntegrityError on every rank, naming the operator, the ranks and
 the call, whatever the kind of corruption, the operator, the direction (forward, backward)
@@ -6,6 +7,8 @@ or the way the call completes (at once, a Task)."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import numpy as np
@@ -16,14 +19,24 @@ import unicoll as uc
 from helpers import corrupting
 from helpers.cpu_backends import BACKENDS
 from helpers.several import SESSION, Case, share
+from unicoll import checksums
 
 W = 2
+
+DEVICE_PATH = "device-path"
+"""torch-nccl's transport driving gloo, its checksums through the array API as on a device."""
+
+BASES = [*BACKENDS, DEVICE_PATH]
+
+_HOST_NUMBERS = checksums.host_numbers
 
 
 def _init(base: str, verify: float = 1.0) -> None:
     """A new session on ``base`` behind the corrupting transport, verified at ``verify``."""
     uc.finalize()
     corrupting.register()
+    if base == DEVICE_PATH:  # the checksums as a device runs them: no numpy view of the rows
+        checksums.host_numbers = lambda x: None
     uc.init(f"corrupting-{base}", verify=verify)
 
 
@@ -31,7 +44,8 @@ def _back_to(base: str) -> None:
     """The world's own session again, for the cases after this one."""
     assert not corrupting.armed()
     uc.finalize()
-    uc.init(base)
+    checksums.host_numbers = _HOST_NUMBERS
+    uc.init("gloo" if base == DEVICE_PATH else base)
 
 
 def _outcome(fn) -> str:
@@ -59,6 +73,7 @@ def _clean_calls(rank: int, base: str) -> dict:
     ids = torch.tensor([[0, 3], [1, 2], [3, -1], [2, 0]])
     weights = torch.full((4, 2), 0.5)
     results = {
+        "backend": uc.get_backend(),
         "alltoall_single": uc.alltoall_single(None, x).tolist(),
         "task": uc.alltoall_single(None, x, sync_op=False).wait().tolist(),
         "all_gather": uc.all_gather(None, x[: rank + 1]).tolist(),
@@ -162,6 +177,46 @@ def _orders(rank: int, base: str) -> dict:
     return got
 
 
+def _hostile(rank: int, base: str) -> dict:
+    """Verification against hostile callers: sums that overflow or hold NaN (legal, never an
+    IntegrityError), a task waited for on another thread while this one calls, a rank that
+    raises between a checked task's issue and its wait, and a forked child."""
+    _init(base)
+    got = {
+        "overflow": uc.all_reduce(torch.full((4,), 3e38)).tolist(),
+        "nan": uc.all_reduce(torch.tensor([float("nan"), 1.0])).tolist(),
+        "ints wrap": uc.all_reduce(torch.full((2,), 2**62, dtype=torch.int64)).tolist(),
+    }
+    x = _rows(rank)
+    task = uc.alltoall_single(None, x, sync_op=False)
+    waited = {}
+    thread = threading.Thread(target=lambda: waited.update(rows=task.wait()))
+    thread.start()
+    got["beside the thread"] = uc.all_reduce(torch.ones(2)).tolist()  # starts the task's check on this thread
+    thread.join(60)
+    got["waited on a thread"] = waited["rows"].tolist()
+    task = uc.alltoall_single(None, x, sync_op=False)
+    try:
+        if rank == 1:
+            raise KeyError("a bug between issue and wait")
+        task.wait()
+    except KeyError:
+        pass
+    # rank 1 never waited for it: its check starts at the next call that blocks, and rank 0's wait returned
+    got["after a rank raised"] = uc.alltoall_single(None, x).tolist()
+    pid = os.fork()
+    if pid == 0:  # the child may not touch the parent's transport: a clean error, then it exits
+        try:
+            uc.alltoall_single(None, x)
+        except RuntimeError as exc:
+            os._exit(0 if "fork" in str(exc) else 2)
+        os._exit(3)
+    got["child"] = os.waitpid(pid, 0)[1]
+    got["after the fork"] = uc.alltoall_single(None, x).tolist()
+    _back_to(base)
+    return got
+
+
 def _sampled(rank: int, base: str) -> list:
     """At a share of 0.5, calls 0, 2, 4 are checked (the same on every rank), 1 and 3 are not."""
     _init(base, verify=0.5)
@@ -174,28 +229,37 @@ def _sampled(rank: int, base: str) -> list:
     return seen
 
 
-CASES = ("clean calls", "corrupted", "orders", "sampled")
+CASES = ("clean calls", "corrupted", "orders", "hostile", "sampled")
+
+
+def _name(case: str, base: str) -> str:
+    return f"integrity: {case} ({base})"
+
+
 WORLDS = {
-    backend: share(
-        backend,
+    base: share(
+        "gloo" if base == DEVICE_PATH else base,
         W,
         [
-            Case(f"integrity: {name}", fn, (backend,))
-            for name, fn in zip(CASES, (_clean_calls, _corrupted, _orders, _sampled))
+            Case(_name(case, base), fn, (base,))
+            for case, fn in zip(CASES, (_clean_calls, _corrupted, _orders, _hostile, _sampled))
         ],
         last=True,
     )
-    for backend in ("gloo", "mpi")
+    for base in ("gloo", "mpi", DEVICE_PATH)
 }
 
 
-def _results(backend: str, name: str) -> list:
-    return SESSION.results(WORLDS[backend], f"integrity: {name}")
+def _results(base: str, case: str) -> list:
+    return SESSION.results(WORLDS[base], _name(case, base))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BASES)
 def test_verified_calls_give_the_plain_results(backend: str) -> None:
     results = _results(backend, "clean calls")
+    assert {got["backend"] for got in results} == {
+        "corrupting-torch-nccl" if backend == DEVICE_PATH else f"corrupting-{backend}"
+    }
     for rank, got in enumerate(results):
         plain = _plain(rank)
         for name in ("alltoall_single", "all_gather", "broadcast"):
@@ -210,7 +274,7 @@ def test_verified_calls_give_the_plain_results(backend: str) -> None:
         assert got["static grad"] == got["dynamic grad"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BASES)
 def test_each_kind_of_corruption_raises_on_every_rank(backend: str) -> None:
     results = _results(backend, "corrupted")
     for kind in corrupting.KINDS:
@@ -237,7 +301,7 @@ def test_each_kind_of_corruption_raises_on_every_rank(backend: str) -> None:
         assert says in messages[0], (name, messages[0])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BASES)
 def test_tasks_waited_in_other_orders_and_places_are_checked(backend: str) -> None:
     results = _results(backend, "orders")
     for rank, got in enumerate(results):
@@ -254,7 +318,21 @@ def test_tasks_waited_in_other_orders_and_places_are_checked(backend: str) -> No
     assert "the block rank 0 sent to rank 1 arrived different" in messages[0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BASES)
+def test_hostile_callers_get_the_results_or_clean_errors(backend: str) -> None:
+    results = _results(backend, "hostile")
+    for rank, got in enumerate(results):
+        moved = _plain(rank)["alltoall_single"].nan_to_num(-1)
+        assert got["overflow"] == [float("inf")] * 4
+        assert np.isnan(got["nan"][0]) and got["nan"][1] == 2.0
+        assert got["ints wrap"] == [-(2**63)] * 2
+        assert got["beside the thread"] == [2.0, 2.0]
+        for name in ("waited on a thread", "after a rank raised", "after the fork"):
+            assert torch.equal(torch.tensor(got[name]).nan_to_num(-1), moved), name
+        assert got["child"] == 0  # the forked child got the fork's error, not a transfer
+
+
+@pytest.mark.parametrize("backend", BASES)
 def test_the_sample_is_the_same_calls_on_every_rank(backend: str) -> None:
     results = _results(backend, "sampled")
     assert results[0] == results[1] == [True, False, True, False]
