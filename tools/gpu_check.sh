@@ -46,7 +46,8 @@
 #                                  the MoE step's goals (raw + 60 us at 1 MiB and below, 1.5x at 64 MiB)
 #   front-end-cupy             30  benchmarks/cupy_front_end.py: where cupy-nccl's front end spends its time
 #                                  with torch tensors (the crossings into cupy and back; cProfile)
-#   reorder-torch, -cupy       15  benchmarks/gpu_reorder.py --library torch|cupy (goal: 0.80 of a copy)
+#   reorder-torch, -cupy       20  benchmarks/gpu_reorder.py --library torch|cupy (goal: 0.80 of a copy), and
+#                                  verification's checksum of the same rows (goal: 0.50 of a copy's bandwidth)
 #   gpu-tests                 110  pytest -m gpu in the other files (autograd, streams, device counts,
 #                                  cupy's row gather), the example tests left to the example steps
 #   conformance-torch-nccl     80  the GPU conformance matrix, world size 1, every stream mode
@@ -223,7 +224,7 @@ for backend in torch-nccl cupy-nccl; do
 done
 backend_step front-end-cupy 30 cupy-nccl "$PY -m unicoll run -n 1 benchmarks/cupy_front_end.py"
 for library in torch cupy; do
-    backend_step "reorder-$library" 15 "$library-nccl" "$PY benchmarks/gpu_reorder.py --library $library"
+    backend_step "reorder-$library" 20 "$library-nccl" "$PY benchmarks/gpu_reorder.py --library $library"
 done
 pytest_step gpu-tests 110 -m gpu tests --ignore=tests/system/test_conformance_gpu.py --ignore=tests/compile/test_compile.py \
     --ignore=tests/frameworks/test_jax_gpu.py --ignore=tests/frontend/test_moe_device.py \

@@ -22,7 +22,7 @@ one), which sets how much rounding a sum may bring.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,39 +76,47 @@ def row_magnitudes(x: Any) -> Any:
     return xp.astype(xp.max(xp.abs(rows), axis=1), xp.float64) * rows.shape[1]
 
 
-def weighted_blocks(per_row: Any, splits: Sequence[int], order: Any | None = None) -> Any:
-    """For each block of ``splits[c]`` consecutive rows (of ``per_row[order]`` when ``order`` is
-    given: an int index on ``per_row``'s device or the host), ``sum((2 j + 1) * per_row[j])``
-    with ``j`` the row's place in its block, in ``per_row``'s dtype (int64 wraps)."""
+def weighted_blocks(per_row: Any, splits: Sequence[int]) -> Any:
+    """For each block of ``splits[c]`` consecutive rows, ``sum((2 j + 1) * per_row[j])`` with
+    ``j`` the row's place in its block, in ``per_row``'s dtype (int64 wraps). On a device,
+    nothing is uploaded from the host (an upload from pageable memory waits for the device):
+    the blocks' bounds are taken from the running sums by place."""
+    splits = list(splits)
     host = host_numbers(per_row)
     if host is not None:
-        if order is not None:
-            host = host[description_of(order).to_host(order)]
         with np.errstate(all="ignore"):
-            return _host_weighted(host, list(splits))
+            return _host_weighted(host, splits)
     xp = array_namespace(per_row)
     where = device(per_row)
-    if order is not None:
-        per_row = xp.take(per_row, xp.asarray(order, device=where), axis=0)
-    counts = np.asarray(splits, dtype=np.int64)
-    ends = np.cumsum(counts)
-    starts = ends - counts
+    if _equal(per_row.shape[0], splits):
+        weights = 2 * xp.arange(splits[0], dtype=per_row.dtype, device=where) + 1
+        return xp.sum(xp.reshape(per_row, (len(splits), splits[0])) * weights, axis=1)
+    ends = np.cumsum(splits, dtype=np.int64).tolist()
+    starts = [end - count for end, count in zip(ends, splits)]
     # With g the row's place in the whole array and s its block's first row:
     # sum((2 (g - s) + 1) h_g) = sum((2 g + 1) h_g) - 2 s sum(h_g), from two running sums.
-    places = xp.arange(per_row.shape[0], dtype=per_row.dtype, device=where)
+    places = xp.arange(per_row.shape[0] + 1, dtype=per_row.dtype, device=where)
     zero = xp.zeros(1, dtype=per_row.dtype, device=where)
-    weighted = xp.concat([zero, xp.cumulative_sum((2 * places + 1) * per_row)])
+    weighted = xp.concat([zero, xp.cumulative_sum((2 * places[:-1] + 1) * per_row)])
     plain = xp.concat([zero, xp.cumulative_sum(per_row)])
-    at_ends, at_starts = xp.asarray(ends, device=where), xp.asarray(starts, device=where)
-    first = xp.asarray(starts, dtype=per_row.dtype, device=where)
-    spans = xp.take(weighted, at_ends) - xp.take(weighted, at_starts)
-    return spans - 2 * first * (xp.take(plain, at_ends) - xp.take(plain, at_starts))
+    spans = _at(weighted, ends) - _at(weighted, starts)
+    return spans - 2 * _at(places, starts) * (_at(plain, ends) - _at(plain, starts))
 
 
-def block_checksums(x: Any, splits: Sequence[int], order: Any | None = None) -> Any:
-    """The checksum of each block of x's rows (int64, ``(len(splits),)``): the rows in
-    ``order`` when given, ``splits[c]`` consecutive ones in block c."""
-    return weighted_blocks(row_hashes(x), splits, order)
+def block_checksums(x: Any, splits: Sequence[int]) -> Any:
+    """The checksum of each block of x's rows (int64, ``(len(splits),)``): ``splits[c]``
+    consecutive rows in block c."""
+    return weighted_blocks(row_hashes(x), splits)
+
+
+def reordered(per_row: Any, order: Any, take_rows: Callable[[Any, Any], Any]) -> Any:
+    """``per_row[order]`` (``order``: an int index on the host or per_row's device): numpy's
+    indexing on the host, else ``take_rows(rows, order)`` on ``per_row`` as rows of one value
+    (a transport's row gather, which uploads a host index without waiting for the device)."""
+    host = host_numbers(per_row)
+    if host is not None:
+        return host[description_of(order).to_host(order)]
+    return take_rows(per_row[:, None], order)[:, 0]
 
 
 def host_numbers(x: Any) -> np.ndarray | None:
@@ -123,18 +131,31 @@ def host_numbers(x: Any) -> np.ndarray | None:
 
 
 def _host_weighted(per_row: np.ndarray, splits: list[int]) -> np.ndarray:
-    """:func:`weighted_blocks` of a numpy ``per_row`` in rows order: blocks of one size as one
-    product with the weights, others from two running sums."""
-    blocks = len(splits)
-    if blocks and per_row.shape[0] == blocks * splits[0] and splits.count(splits[0]) == blocks:
+    """:func:`weighted_blocks` of a numpy ``per_row``: blocks of one size as one product with
+    the weights, others from two running sums."""
+    if _equal(per_row.shape[0], splits):
         weights = np.arange(1, 2 * splits[0], 2, dtype=per_row.dtype)
-        return per_row.reshape(blocks, splits[0]) @ weights
+        return per_row.reshape(len(splits), splits[0]) @ weights
     counts = np.asarray(splits, dtype=np.int64)
     ends = np.cumsum(counts)
     starts = ends - counts
     places = np.arange(per_row.shape[0], dtype=np.int64) - np.repeat(starts, counts)
     running = np.concatenate([np.zeros(1, per_row.dtype), np.cumsum((2 * places + 1) * per_row)])
     return running[ends] - running[starts]
+
+
+def _equal(rows: int, splits: list[int]) -> bool:
+    """Whether ``splits`` are blocks of one size (at least one row) that cover ``rows``."""
+    return bool(splits) and splits[0] > 0 and rows == len(splits) * splits[0] and splits.count(splits[0]) == len(splits)
+
+
+def _at(values: Any, places: list[int]) -> Any:
+    """``values[p]`` for each host place ``p``, where ``values`` are: each an indexed view,
+    stacked into one array, so that no index travels from the host."""
+    xp = array_namespace(values)
+    if not places:
+        return xp.zeros(0, dtype=values.dtype, device=device(values))
+    return xp.stack([values[p] for p in places])
 
 
 def _as_rows(x: Any) -> Any:

@@ -42,7 +42,7 @@ from array_api_compat import array_namespace, device
 from .arrays import description_of
 from .backends.base import Backend, Pending, Work
 from .backends.wrapped import Wrapped
-from .checksums import block_checksums, row_magnitudes, row_values, weighted_blocks
+from .checksums import block_checksums, reordered, row_hashes, row_magnitudes, row_values, weighted_blocks
 from .entry import current_operator
 from .errors import IntegrityError, TransportError, TransportTimeoutError, reported, translated
 from .group import Group
@@ -226,11 +226,11 @@ class VerifiedBackend(Wrapped):
     ) -> Pending:
         record = self._record(group, _MOVED, async_op)
         if record is not None:
-            record.sent = block_checksums(x, plan.send, rows)
+            record.sent = self._checksums(x, plan.send, rows)
         pending = self.inner.global_scatter(x, plan, group, async_op, calc_stream, rows)
         if record is None:
             return pending
-        return self._opened(pending, record, lambda result: block_checksums(result, plan.recv, plan.to_rank_major))
+        return self._opened(pending, record, lambda result: self._checksums(result, plan.recv, plan.to_rank_major))
 
     def global_gather(
         self,
@@ -243,7 +243,7 @@ class VerifiedBackend(Wrapped):
     ) -> Pending:
         record = self._record(group, _MOVED, async_op)
         if record is not None:
-            record.sent = block_checksums(x, plan.recv, plan.to_rank_major)
+            record.sent = self._checksums(x, plan.recv, plan.to_rank_major)
         pending = self.inner.global_gather(x, plan, group, async_op, calc_stream, out)
         if record is None:
             return pending
@@ -361,6 +361,15 @@ class VerifiedBackend(Wrapped):
                 self._settle()
             return self.inner.moe_combine_static(y, layout, valid, group, async_op, calc_stream)
         return super().moe_combine_static(y, layout, valid, group, async_op, calc_stream)
+
+    def _checksums(self, x: Any, splits: Sequence[int], order: Any | None) -> Any:
+        """:func:`~unicoll.checksums.block_checksums` of x's rows taken in ``order`` (an int
+        index, on the host or x's device; None: as they are), reordered by the inner backend's
+        row gather where the rows are on a device."""
+        hashes = row_hashes(x)
+        if order is not None:
+            hashes = reordered(hashes, order, self.inner.take_rows)
+        return weighted_blocks(hashes, splits)
 
     def _note_inputs(self, record: _Record, x: Any, splits: list[int], op: str) -> None:
         """Before a reduction (which may overwrite ``x``): each block's projection and

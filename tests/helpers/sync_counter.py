@@ -32,6 +32,11 @@ _INDEXING = {"aten.index.Tensor", "aten.index_put.default", "aten.index_put_.def
 _TO_NUMPY = {torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.__array__}
 """Conversions that read a tensor's values without a dispatched operation."""
 
+_FROM_HOST = {torch.asarray, torch.tensor, torch.as_tensor}
+"""Tensors made from host data: on a GPU an upload from pageable memory, which waits for the
+device (counted with ``uploads=True``; a transport's uploads of an index go through
+``torch.from_numpy(...).to(device, non_blocking=True)``, which does not wait)."""
+
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
@@ -49,15 +54,18 @@ class _Functions(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func in _TO_NUMPY:
             self.counter.note(f"Tensor.{func.__name__}")
+        elif self.counter.uploads and func in _FROM_HOST and not _tensors(list(args[:1])):
+            self.counter.note(f"upload: torch.{func.__name__}")
         return func(*args, **(kwargs or {}))
 
 
 class SyncCounter(TorchDispatchMode):
     """``with SyncCounter() as reads:`` counts the host reads made inside (``reads.total``,
-    and by kind in ``reads.kinds``)."""
+    and by kind in ``reads.kinds``); with ``uploads``, the tensors made from host data too."""
 
-    def __init__(self) -> None:
+    def __init__(self, uploads: bool = False) -> None:
         super().__init__()
+        self.uploads = uploads
         self.kinds: Counter[str] = Counter()
         self._functions = _Functions(self)
 

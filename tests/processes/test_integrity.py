@@ -19,6 +19,7 @@ import unicoll as uc
 from helpers import corrupting
 from helpers.cpu_backends import BACKENDS
 from helpers.several import SESSION, Case, share
+from helpers.sync_counter import SyncCounter
 from unicoll import checksums
 
 W = 2
@@ -83,6 +84,17 @@ def _clean_calls(rank: int, base: str) -> dict:
         "reduce_scatter": uc.reduce_scatter(None, torch.arange(4.0) + rank).tolist(),
         "broadcast": uc.broadcast(x.clone(), 1).tolist(),
     }
+    if base == DEVICE_PATH:  # the host reads a GPU would make: the one of the gathered records, no upload
+        calls = {
+            "alltoall_single": lambda: uc.alltoall_single(None, x),
+            "all_reduce": lambda: uc.all_reduce(x),
+            "uneven all_gather": lambda: uc.all_gather(None, x[: rank + 1]),
+            "moe.dispatch": lambda: uc.moe.dispatch(x, ids, weights, experts_per_rank=2),
+        }
+        for name, call in calls.items():
+            with SyncCounter(uploads=True) as reads:
+                call()
+            results[f"reads: {name}"] = dict(reads.kinds)
     y = torch.randn(4, 3, requires_grad=True, generator=torch.Generator().manual_seed(rank))
     rows, _, handle = uc.moe.dispatch(y, ids, weights, experts_per_rank=2)
     uc.moe.combine(rows * 2, handle).sum().backward()
@@ -269,6 +281,14 @@ def test_verified_calls_give_the_plain_results(backend: str) -> None:
         assert np.allclose(got["avg"], 0.15)
         assert got["ints"] == [-(2**63)] * 4  # wrapped, as the transport sums them
         assert got["reduce_scatter"] == [[1.0, 3.0], [5.0, 7.0]][rank]
+        if backend == DEVICE_PATH:  # one read per checked call, after the call's own read of counts (if any)
+            reads = {name[len("reads: ") :]: kinds for name, kinds in got.items() if name.startswith("reads: ")}
+            assert {name: sum(kinds.values()) for name, kinds in reads.items()} == {
+                "alltoall_single": 1,
+                "all_reduce": 1,
+                "uneven all_gather": 2,
+                "moe.dispatch": 2,
+            }, reads
     for got in results:  # each token's gradient: 2 * 0.5 per kept slot
         assert got["dynamic grad"] == [[2.0] * 3, [2.0] * 3, [1.0] * 3, [2.0] * 3]
         assert got["static grad"] == got["dynamic grad"]
