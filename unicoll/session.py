@@ -9,6 +9,7 @@ anything references it or one of its works.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -22,8 +23,28 @@ _members: dict[int, weakref.WeakSet[Any]] = {}
 """What every session that has not ended has handed out and still lives, by session number."""
 
 
+def _never() -> bool:
+    return False
+
+
+_tracing: Callable[[], bool] = _never
+"""Whether torch.compile is tracing the caller (:func:`tracing_told_by`)."""
+
+
+def tracing_told_by(test: Callable[[], bool]) -> None:
+    """From now on, ``test()`` says whether torch.compile is tracing: called by
+    :mod:`unicoll.compiled.traced` as it loads, with ``torch.compiler.is_compiling``."""
+    global _tracing
+    _tracing = test
+
+
 def join_session(session: int, obj: SessionObject) -> None:
-    """Have ``obj`` told when ``session`` ends, if it still lives then."""
+    """Have ``obj`` told when ``session`` ends, if it still lives then. Not while torch.compile
+    traces: what a trace makes lives in the trace only (joining would make every compiled call
+    rebuild the object to add it, and guard the compiled code on how many objects the session
+    holds, so that any Task or group made between calls compiled it again)."""
+    if _tracing():
+        return
     _members.setdefault(session, weakref.WeakSet()).add(obj)
 
 

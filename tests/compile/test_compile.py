@@ -604,6 +604,36 @@ def test_a_group_of_an_ended_session_raises_in_compiled_code(world_of_one) -> No
         fn(x, group)
 
 
+def test_what_the_session_holds_between_calls_compiles_nothing_again(world_of_one) -> None:
+    """The MoE step compiled once, then called with tasks, groups and handles made in between
+    (each of which the session holds until it ends) and under verification (whose checks make
+    a group of their own): no second compile. Before, a trace joined its handle to the
+    session, which guarded the code on how many objects the session held."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(x, ids, weights):  # noqa: ANN001, ANN202
+        rows, _, handle = uc.moe.dispatch_static(x, ids, weights, experts_per_rank=2, capacity=8)
+        return uc.moe.combine_static(uc.all_reduce(rows * 2), handle)
+
+    generator = torch.Generator().manual_seed(0)
+    kept = []
+    for verify in (False, True):
+        uc.finalize()
+        uc.init("gloo", verify=verify)
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counter)
+        for _ in range(3):
+            x = torch.randn(4, 3, generator=generator, requires_grad=True)
+            ids, weights = torch.randint(0, 2, (4, 2), generator=generator), torch.rand(4, 2, generator=generator)
+            compiled(x, ids, weights).sum().backward()
+            kept += [uc.all_reduce(torch.ones(1), sync_op=False), uc.new_group([0])]
+            kept.append(uc.moe.dispatch_static(x.detach(), ids, weights, experts_per_rank=2, capacity=8)[2])
+        assert counter.frame_count == 1, verify
+        for task in kept[::3]:
+            task.wait()
+        kept.clear()
+
+
 # -- spawned worlds of 2 and 3 ranks --------------------------------------------------------
 
 

@@ -202,6 +202,24 @@ def test_mismatched_counts_with_the_handshake_off(backend) -> None:
         assert record["seconds"] < TIMEOUT
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_counts_with_the_handshake_off_are_caught_by_verification(backend) -> None:
+    """The same calls with verification on (``UNICOLL_VERIFY=1``): a receiver that expects
+    more rows than its peer sends no longer returns rows left unwritten: both ranks raise the
+    same IntegrityError. One that expects fewer is still aborted inside gloo before any check
+    can run; on mpi it raises IntegrityError on both ranks too."""
+    world = run_fault("mismatch-unchecked", backend, env={"UNICOLL_HANDSHAKE": "0", "UNICOLL_VERIFY": "1"})
+    first = [reports[0] for reports in world.reports.values()]
+    assert [r["error"] for r in first] == ["IntegrityError"] * 2, world.output
+    assert first[0]["message"] == first[1]["message"]
+    assert "call 1 (verified): the block rank 0 sent to rank 1 arrived different" in first[0]["message"]
+    if backend == "gloo":
+        assert world.codes[1] == -signal.SIGABRT, world.output
+    else:
+        assert [r["error"] for reports in world.reports.values() for r in reports] == ["IntegrityError"] * 4
+        assert world.codes == [0]
+
+
 def test_peer_that_exits_fails_the_current_and_next_operator() -> None:
     world = run_fault("peer-exits")
     assert world.reports[1] == [{"rank": 1, "action": "exits"}]

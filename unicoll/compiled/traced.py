@@ -33,6 +33,7 @@ from ..eager.ops import autograd_state
 from ..group import Group
 from ..kinds import GROUP, Kind
 from ..routing import Handle, Routing
+from ..session import tracing_told_by
 from ..spec import SPECS, OpSpec
 from ..static_layout import StaticHandle, combine_blocks, dispatch_blocks, redispatch_blocks, static_layout
 from .custom_ops import WORLD, group_of, world_size
@@ -41,6 +42,7 @@ from .custom_ops import WORLD, group_of, world_size
 # and the array functions' test of every array reads a flag set here.
 torch.compiler.assume_constant_result(dynamo_imported)
 traced_forms_loaded()
+tracing_told_by(torch.compiler.is_compiling)
 
 # -- what runs eagerly, behind one graph break ------------------------------------------------
 

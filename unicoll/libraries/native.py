@@ -134,20 +134,13 @@ def _torch_host_bytes(x: Any) -> bytes | None:
     return x.numpy().tobytes() if x.device.type == "cpu" and not x.dtype.is_floating_point else None
 
 
-_torch_grad_enabled: Callable[[], bool] | None = None
-"""``torch.is_grad_enabled``, bound by the first call that asks (nothing is imported here).
-While torch.compile traces, a module global is a constant, where each read of ``sys.modules``
-cost Dynamo 40 to 90 ms (it wraps every key)."""
-
-
 def _torch_needs_grad(x: Any) -> bool:
     """Whether torch records a gradient for a result computed from the tensor now."""
-    global _torch_grad_enabled
     if not x.requires_grad:
         return False
-    if _torch_grad_enabled is None:
-        _torch_grad_enabled = sys.modules["torch"].is_grad_enabled
-    return _torch_grad_enabled()
+    import torch  # loaded: x is a tensor (an import costs torch.compile nothing, sys.modules does)
+
+    return torch.is_grad_enabled()
 
 
 def _torch_mark_written(x: Any) -> None:
