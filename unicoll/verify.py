@@ -33,7 +33,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,23 +45,13 @@ from .checksums import block_checksums, reordered, row_hashes, row_magnitudes, r
 from .entry import current_operator
 from .errors import IntegrityError, TransportError, TransportTimeoutError, reported, translated
 from .group import Group
+from .records import BROADCAST, MOVED, REDUCED, ROUNDING, SCATTERED, Record, as_int64, mismatch, record_values
 
 if TYPE_CHECKING:
     from .backends.blocks import StaticLayout
     from .backends.layout import MoePlan, Routing
 
 VERIFY_ENV_VAR = "UNICOLL_VERIFY"
-
-_ROUNDING = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
-"""The unit roundoff of each floating dtype: what one rounding of a sum may lose, relatively."""
-
-_RECORD_INTS = 5
-"""The ints of a record beside its ``4 W``: the call's number, what it checks, the group's size
-and room for a reduction's two results."""
-
-_MOVED, _BROADCAST, _REDUCED, _SCATTERED = 1, 2, 3, 4
-"""What a record checks: blocks sent and received by every pair of ranks; the blocks of one
-source; a reduction every rank holds whole; a reduction each rank holds a block of."""
 
 
 def verify_setting(given: bool | float | None) -> float:
@@ -95,31 +84,6 @@ def sampled(number: int, rate: float) -> bool:
     """Whether call ``number`` (from 0, on its group) is verified at ``rate``: the first call,
     then one call in every ``1 / rate``, evenly spaced, decided alike on every rank."""
     return rate > 0 and (number == 0 or math.floor(number * rate) != math.floor((number - 1) * rate))
-
-
-@dataclass
-class _Record:
-    """What one rank tells the others of one verified call, before the transfer and after."""
-
-    op: str
-    group: Group
-    number: int
-    kind: int
-    sent: Any = None
-    """int64 ``(W,)``, where the checksums are (:mod:`unicoll.checksums`): the checksum of the
-    block sent to each rank (zeros: none)."""
-    inputs: Any = None
-    """float64 or int64 ``(2, W)``: each block's projection and magnitude (reductions)."""
-    dtype: str = ""
-    """A reduction's dtype (its rounding sets the tolerance of a sum)."""
-    rows: int = 0
-    """A reduction's rows (the rounding of the float64 projections grows with them)."""
-    columns: int = 0
-    """The values in each of a floating reduction's rows (each row's float64 sum rounds too)."""
-    reduction: str = ""
-    """A reduction's operation (``"sum"``, ``"avg"``, ...)."""
-    src: int = 0
-    """A broadcast's source position."""
 
 
 class VerifiedBackend(Wrapped):
@@ -162,7 +126,7 @@ class VerifiedBackend(Wrapped):
             checks = self._checks[group] = Group(group.ranks, made, self.rank, group.session)
         return checks
 
-    def _record(self, group: Group, kind: int, async_op: bool) -> _Record | None:
+    def _record(self, group: Group, kind: int, async_op: bool) -> Record | None:
         """Number this call on ``group``; its record when it is one to verify, else None. A
         call that blocks starts the open checks first (:meth:`_settle`)."""
         if not async_op:
@@ -171,7 +135,7 @@ class VerifiedBackend(Wrapped):
         self._calls[group] = number + 1
         if not sampled(number, self.rate):
             return None
-        return _Record(current_operator() or "a collective", group, number, kind)
+        return Record(current_operator() or "a collective", group, number, kind)
 
     # -- the seam's operators, checked ----------------------------------------------------
 
@@ -185,7 +149,7 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Work | None:
-        record = self._record(group, _MOVED, async_op)
+        record = self._record(group, MOVED, async_op)
         if record is None:
             return self.inner.alltoallv(out, x, out_splits, in_splits, group, async_op, calc_stream)
         record.sent = block_checksums(x, in_splits)
@@ -207,7 +171,7 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        record = self._record(group, _MOVED, async_op)
+        record = self._record(group, MOVED, async_op)
         if record is not None:
             record.sent = block_checksums(x, in_splits)
         pending = self.inner.alltoall_single(out, x, out_splits, in_splits, group, async_op, calc_stream)
@@ -224,7 +188,7 @@ class VerifiedBackend(Wrapped):
         calc_stream: bool = False,
         rows: np.ndarray | None = None,
     ) -> Pending:
-        record = self._record(group, _MOVED, async_op)
+        record = self._record(group, MOVED, async_op)
         if record is not None:
             record.sent = self._checksums(x, plan.send, rows)
         pending = self.inner.global_scatter(x, plan, group, async_op, calc_stream, rows)
@@ -241,7 +205,7 @@ class VerifiedBackend(Wrapped):
         calc_stream: bool = False,
         out: Any | None = None,
     ) -> Pending:
-        record = self._record(group, _MOVED, async_op)
+        record = self._record(group, MOVED, async_op)
         if record is not None:
             record.sent = self._checksums(x, plan.recv, plan.to_rank_major)
         pending = self.inner.global_gather(x, plan, group, async_op, calc_stream, out)
@@ -258,7 +222,7 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        record = self._record(group, _MOVED, async_op)
+        record = self._record(group, MOVED, async_op)
         if record is not None:
             mine = block_checksums(x, [x.shape[0]])
             record.sent = array_namespace(mine).concat([mine] * group.world_size)
@@ -268,7 +232,7 @@ class VerifiedBackend(Wrapped):
         return self._opened(pending, record, lambda result: block_checksums(result, list(rows)))
 
     def broadcast(self, x: Any, src: int, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        record = self._record(group, _BROADCAST, async_op)
+        record = self._record(group, BROADCAST, async_op)
         if record is not None:
             mine = block_checksums(x, [_rows(x)])
             xp, world = array_namespace(mine), group.world_size
@@ -280,7 +244,7 @@ class VerifiedBackend(Wrapped):
         return self._opened(pending, record, lambda result: _placed(block_checksums(result, [_rows(result)]), src))
 
     def all_reduce(self, x: Any, op: str, group: Group, async_op: bool, calc_stream: bool = False) -> Pending:
-        record = self._record(group, _REDUCED, async_op)
+        record = self._record(group, REDUCED, async_op)
         if record is not None:
             self._note_inputs(record, x, [_rows(x)], op)
         pending = self.inner.all_reduce(x, op, group, async_op, calc_stream)
@@ -298,7 +262,7 @@ class VerifiedBackend(Wrapped):
         async_op: bool,
         calc_stream: bool = False,
     ) -> Pending:
-        record = self._record(group, _SCATTERED, async_op)
+        record = self._record(group, SCATTERED, async_op)
         if record is not None:
             self._note_inputs(record, x, list(rows), op)
         pending = self.inner.reduce_scatter(out, x, op, rows, group, async_op, calc_stream)
@@ -371,7 +335,7 @@ class VerifiedBackend(Wrapped):
             hashes = reordered(hashes, order, self.inner.take_rows)
         return weighted_blocks(hashes, splits)
 
-    def _note_inputs(self, record: _Record, x: Any, splits: list[int], op: str) -> None:
+    def _note_inputs(self, record: Record, x: Any, splits: list[int], op: str) -> None:
         """Before a reduction (which may overwrite ``x``): each block's projection and
         magnitude, where the reduction is a sum (``sum``, ``avg``) of numbers (not bools)."""
         record.dtype = description_of(x).dtype(x)
@@ -380,14 +344,14 @@ class VerifiedBackend(Wrapped):
         if op in ("sum", "avg") and record.dtype != "bool":
             projections = weighted_blocks(row_values(x), splits)
             xp = array_namespace(projections)
-            if record.dtype in _ROUNDING:
+            if record.dtype in ROUNDING:
                 record.columns = math.prod(x.shape[1:]) if x.ndim else 1
                 magnitudes = weighted_blocks(row_magnitudes(x), splits)
             else:  # integers: compared exactly, modulo their width
                 magnitudes = xp.zeros_like(projections)
             record.inputs = xp.stack([projections, magnitudes])
 
-    def _reduced(self, record: _Record, result: Any, splits: list[int]) -> Any:
+    def _reduced(self, record: Record, result: Any, splits: list[int]) -> Any:
         """After a reduction: the result's bit checksum, then its projection (0 where the
         inputs' were not taken), as one int64 array (where the checksums are)."""
         bits = block_checksums(result, splits)
@@ -395,11 +359,11 @@ class VerifiedBackend(Wrapped):
         if record.inputs is None:
             return xp.concat([bits, xp.zeros(1, dtype=xp.int64, device=device(bits))])
         projection = weighted_blocks(row_values(result), splits)
-        return xp.concat([bits, _as_int64(projection)])
+        return xp.concat([bits, as_int64(projection)])
 
     # -- the checks, from the call's issue to its verdict ------------------------------------
 
-    def _opened(self, pending: Pending, record: _Record, received: Callable[[Any], Any]) -> Pending:
+    def _opened(self, pending: Pending, record: Record, received: Callable[[Any], Any]) -> Pending:
         """``pending``, checked: its finish (or, when it has transfers in flight, their wait)
         gives the verdict of :meth:`_conclude`, with ``received(result)`` the native int64
         checksums of what arrived."""
@@ -444,7 +408,7 @@ class VerifiedBackend(Wrapped):
         for work in pending.works:
             work.wait(timeout)
         check.result = pending.finish()
-        ours = self.inner.to_native(_record_values(record, check.received(_result_array(check.result))))
+        ours = self.inner.to_native(record_values(record, check.received(_result_array(check.result))))
         everyone = self.inner.empty_rows(ours, record.group.world_size * ours.shape[0])
         check.exchange = self.inner.all_gather_even(everyone, ours, self._checks_of(record.group), True)
         check.arrays = (ours, everyone)
@@ -462,7 +426,7 @@ class VerifiedBackend(Wrapped):
                     check.exchange.wait(timeout)
             everyone = self.inner.read_ints(check.arrays[1]).reshape(record.group.world_size, -1)
             check.arrays, check.exchange, check.judged = (), None, True
-            problem = _mismatch(record, everyone)
+            problem = mismatch(record, everyone)
             if problem is not None:
                 check.failure = IntegrityError(
                     f"{record.op} on {record.group}, call {record.number} (verified): {problem}; "
@@ -536,7 +500,7 @@ class VerifiedBackend(Wrapped):
 class _Check:
     """One verified call, from its issue (:meth:`VerifiedBackend._opened`) to its verdict."""
 
-    def __init__(self, record: _Record, pending: Pending, received: Callable[[Any], Any]) -> None:
+    def __init__(self, record: Record, pending: Pending, received: Callable[[Any], Any]) -> None:
         self.record = record
         self.pending: Pending | None = pending
         self.received: Callable[[Any], Any] | None = received
@@ -566,29 +530,14 @@ class _CheckWork:
         ones before it are done (its exchange is then issued here), and its exchange too."""
         check = self._check
         if not check.started:
-            for earlier in self._backend._open:
-                if not all(work.is_completed() for work in earlier.pending.works):
+            for earlier in list(self._backend._open):  # a copy: another thread may start checks meanwhile
+                pending = earlier.pending  # None once another thread has started it
+                if pending is not None and not all(work.is_completed() for work in pending.works):
                     return False
                 if earlier is check:
                     break
             self._backend._start_through(check, self._backend._timeout)
         return check.exchange is None or check.exchange.is_completed()
-
-
-def _record_values(record: _Record, received: Any) -> Any:
-    """This rank's record of a verified call as ``5 + 4 W`` int64, where ``received`` (the
-    checksums of what arrived) is (on the host for host rows): the call's number, what it checks and the group's size,
-    the checksums sent, those received, and a reduction's projections of its inputs."""
-    xp, where, world = array_namespace(received), device(received), record.group.world_size
-    sent = record.sent if record.sent is not None else xp.zeros(world, dtype=xp.int64, device=where)
-    parts = [sent, xp.reshape(received, (-1,))]
-    if record.inputs is not None:
-        parts.append(xp.reshape(_as_int64(record.inputs), (-1,)))
-    ours = xp.concat(parts)
-    values = xp.zeros(_RECORD_INTS + 4 * world, dtype=xp.int64, device=where)
-    values[0], values[1], values[2] = record.number, record.kind, world
-    values[3 : 3 + ours.shape[0]] = ours
-    return values
 
 
 def _rows(x: Any) -> int:
@@ -602,87 +551,6 @@ def _placed(checksum: Any, src: int) -> Any:
     return checksum if src == 0 else xp.concat([xp.zeros(src, dtype=xp.int64, device=device(checksum)), checksum])
 
 
-def _as_int64(values: Any) -> Any:
-    """float64 (or int64) values as int64 of the same bits."""
-    if array_namespace(values).isdtype(values.dtype, "integral"):
-        return values
-    return description_of(values).row_words(values).reshape(values.shape)
-
-
 def _result_array(result: Any) -> Any:
     """The array a backend's finish returned (a tuple's first, for the MoE layouts)."""
     return result[0] if isinstance(result, tuple) else result
-
-
-def _mismatch(record: _Record, everyone: np.ndarray) -> str | None:
-    """The first mismatch in every rank's record (rows of ``everyone``), in words, or None."""
-    world = everyone.shape[0]
-    numbers, kinds = everyone[:, 0], everyone[:, 1]
-    if len(set(numbers.tolist())) > 1 or len(set(kinds.tolist())) > 1:
-        calls = ", ".join(f"rank {r}: call {n}" for r, n in enumerate(numbers.tolist()))
-        return (
-            f"the ranks verified different calls ({calls}); every rank must issue the same calls on a group, in "
-            "the same order"
-        )
-    sent, received = everyone[:, 3 : 3 + world], everyone[:, 3 + world : 3 + 2 * world]
-    if record.kind in (_MOVED, _BROADCAST):
-        sources = [record.src] if record.kind == _BROADCAST else range(world)
-        pairs = [(s, d) for s in sources for d in range(world)]
-        wrong = [(s, d) for s, d in pairs if sent[s, d] != received[d, s]]
-        if not wrong:
-            return None
-        s, d = wrong[0]
-        more = f"; {len(wrong) - 1} more block(s) differ" if len(wrong) > 1 else ""
-        return (
-            f"the block rank {s} sent to rank {d} arrived different (checksum {_hex(sent[s, d])} sent, "
-            f"{_hex(received[d, s])} received){more}"
-        )
-    return _reduction_mismatch(record, everyone)
-
-
-def _reduction_mismatch(record: _Record, everyone: np.ndarray) -> str | None:
-    """:func:`_mismatch` of a reduction: the results' bits across ranks (``all_reduce``), and
-    the projections of sums within their rounding."""
-    world = everyone.shape[0]
-    base = 3 + world
-    bits, projections = everyone[:, base], everyone[:, base + 1]
-    if record.kind == _REDUCED and len(set(bits.tolist())) > 1:
-        odd = next(r for r in range(world) if bits[r] != bits[0])
-        return (
-            f"rank {odd}'s result differs from rank 0's (checksum {_hex(bits[odd])} against {_hex(bits[0])}): "
-            "every rank must hold the same reduction"
-        )
-    if record.inputs is None:
-        return None
-    blocks = 1 if record.kind == _REDUCED else world
-    inputs = everyone[:, base + 2 : base + 2 + 2 * blocks].reshape(world, 2, blocks)
-    floating = record.dtype in _ROUNDING
-    for d in range(world):
-        block = 0 if record.kind == _REDUCED else d
-        if floating:
-            expected = inputs[:, 0, block].view(np.float64).sum()
-            magnitude = inputs[:, 1, block].view(np.float64).sum()
-            got = projections[d : d + 1].view(np.float64)[0]
-            if record.reduction == "avg":
-                expected, magnitude = expected / world, magnitude / world
-            if not (np.isfinite(expected) and np.isfinite(got)):
-                continue  # an overflow or a NaN of the data's own: nothing to compare
-            float64_sums = record.rows + record.columns + world
-            tolerance = ((world + 2) * _ROUNDING[record.dtype] + float64_sums * 2.0**-52) * magnitude
-            if abs(got - expected) <= tolerance:
-                continue
-            return (
-                f"rank {d}'s result is not the sum of the ranks' inputs (projection {got!r}, expected {expected!r} "
-                f"within {tolerance:.3g})"
-            )
-        bits_wide = 8 * np.dtype(record.dtype).itemsize
-        expected_int = int(inputs[:, 0, block].astype(np.uint64).sum(dtype=np.uint64))
-        got_int = int(np.uint64(projections[d].astype(np.uint64)))
-        if (expected_int - got_int) % (1 << bits_wide) != 0:
-            return f"rank {d}'s result is not the sum of the ranks' inputs (its projection differs by the bits)"
-    return None
-
-
-def _hex(value: np.integer) -> str:
-    """An int64 checksum as 16 hex digits."""
-    return f"{int(value) & (2**64 - 1):016x}"

@@ -20,7 +20,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundations",
         ("unicoll.errors", "unicoll.arrays", "unicoll.session", "unicoll.group", "unicoll.forking",
          "unicoll.cache", "unicoll.memory", "unicoll.workspace", "unicoll.counts", "unicoll.reference",
-         "unicoll.libraries", "unicoll.libraries.*", "unicoll.checksums"),
+         "unicoll.libraries", "unicoll.libraries.*", "unicoll.checksums", "unicoll.records"),
     ),
     (
         "transports",
