@@ -7,11 +7,12 @@ arrays of the rows' library on their device (cupy, a CUDA tensor), so that a dev
 never read by the host.
 
 A block's checksum reads its rows' bits: each row's words (:attr:`~unicoll.libraries.native.NativeLibrary.row_words`)
-are summed into one int64 ``h_j`` (wrapping), and the block's ``n`` rows into
+are summed into one int64 ``h_j``, plus a constant (wrapping), and the block's ``n`` rows into
 ``sum((2 j + 1) * h_j for j in range(n))`` (wrapping). A flipped bit changes one ``h_j`` by a power
 of two, which an odd weight never cancels; a row moved to another place in its block changes
-its weight; a block of zeros sums to zero; NaN's payload bits count like any others. Rows with
-the same word sum swapped, and words moved within a row, are not seen.
+its weight; the constant counts every row, zeros too, so a block of zeros, or one that arrived
+with rows more or fewer, sums to another value; NaN's payload bits count like any others. Rows
+with the same word sum swapped, and words moved within a row, are not seen.
 
 A projection is the same weighted sum of the rows' values (in float64, or int64 for integers),
 linear in the array: the projection of a sum is the sum of the projections, to rounding. A
@@ -35,11 +36,18 @@ _BUFFERED = 16
 numpy's buffered reduction of narrow rows is slower than the copy."""
 
 
+_ROW = -0x61C8864680B583EB
+"""Added to every row's hash (2**64 / the golden ratio, as int64): a row of zeros counts, so a
+block with rows of zeros more or fewer (counts the ranks disagree on) sums to another value."""
+
+
 def row_hashes(x: Any) -> Any:
-    """Each row's words summed (int64, wrapping): ``(rows,)``, summed by x's own library."""
+    """Each row's words summed, plus :data:`_ROW` (int64, wrapping): ``(rows,)``, summed by x's
+    own library."""
     words = description_of(x).row_words(x)
     xp = array_namespace(words)
-    return _on_host_if_there(xp.sum(words, axis=1, dtype=xp.int64))
+    hashes = xp.sum(words, axis=1, dtype=xp.int64) + _ROW
+    return _on_host_if_there(hashes)
 
 
 def row_values(x: Any) -> Any:

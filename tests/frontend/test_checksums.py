@@ -150,3 +150,16 @@ def test_infinities_and_nans_raise_no_warning() -> None:
             assert np.isnan(np.asarray(weighted_blocks(row_values(a), [2]))).all()
             weighted_blocks(row_magnitudes(a), [1, 1])
             block_checksums(a, [1, 1])
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_a_block_with_rows_more_or_fewer_differs(library: str) -> None:
+    """Counts the ranks disagree on: rows of zeros left unwritten at a block's end, or its last
+    row missing, change the block's checksum (every row counts, zeros too)."""
+    x = _rows(np.float32, (3, 4))
+    wrap = torch.from_numpy if library == "torch" else np.asarray
+    sent = _sums(wrap(x), (3,))
+    for more in (1, 2):
+        assert _sums(wrap(np.concatenate([x, np.zeros((more, 4), np.float32)])), (3 + more,)) != sent
+    assert _sums(wrap(x[:2].copy()), (2,)) != sent
+    assert _sums(wrap(np.zeros((2, 4), np.float32)), (2,)) != [0]

@@ -210,7 +210,7 @@ def test_mismatched_counts_with_the_handshake_off_are_caught_by_verification(bac
     can run; on mpi it raises IntegrityError on both ranks too."""
     world = run_fault("mismatch-unchecked", backend, env={"UNICOLL_HANDSHAKE": "0", "UNICOLL_VERIFY": "1"})
     first = [reports[0] for reports in world.reports.values()]
-    assert [r["error"] for r in first] == ["IntegrityError"] * 2, world.output
+    assert [r["error"] for r in first] == ["IntegrityError"] * 2, (world.reports, world.output)
     assert first[0]["message"] == first[1]["message"]
     assert "call 1 (verified): the block rank 0 sent to rank 1 arrived different" in first[0]["message"]
     if backend == "gloo":
