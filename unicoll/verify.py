@@ -43,7 +43,7 @@ from .backends.base import Backend, Pending, Work
 from .backends.wrapped import Wrapped
 from .checksums import block_checksums, reordered, row_hashes, row_magnitudes, row_values, weighted_blocks
 from .entry import current_operator
-from .errors import IntegrityError, TransportError, TransportTimeoutError, reported, translated
+from .errors import IntegrityError, TransportError, TransportTimeoutError, init_error, reported, translated
 from .group import Group
 from .records import BROADCAST, MOVED, REDUCED, ROUNDING, SCATTERED, Record, as_int64, mismatch, record_values
 
@@ -52,6 +52,11 @@ if TYPE_CHECKING:
     from .backends.layout import MoePlan, Routing
 
 VERIFY_ENV_VAR = "UNICOLL_VERIFY"
+
+_SAME_SETTING = (
+    "verification makes a group of its own as it starts, which every rank must join: start every rank with "
+    "verification on, or every rank with it off (init(verify=...), $UNICOLL_VERIFY)"
+)
 
 
 def verify_setting(given: bool | float | None) -> float:
@@ -95,7 +100,11 @@ class VerifiedBackend(Wrapped):
         self._timeout = timeout
         self._calls: weakref.WeakKeyDictionary[Group, int] = weakref.WeakKeyDictionary()
         self._checks: weakref.WeakKeyDictionary[Group, Group] = weakref.WeakKeyDictionary()
-        self._world_checks = inner.new_group(tuple(range(inner.world_size)))
+        try:
+            self._world_checks = inner.new_group(tuple(range(inner.world_size)))
+        except TransportError as exc:
+            inner.finalize()
+            raise init_error(exc, inner.name, inner.rank, inner.world_size, timeout, _SAME_SETTING) from exc
         self._unseen: list[tuple[Any, Any]] = []
         """The handles :meth:`new_group` made on this rank, each with its checks' handle, until
         a call on the group links them (:meth:`_checks_of`)."""

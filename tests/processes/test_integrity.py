@@ -356,3 +356,23 @@ def test_hostile_callers_get_the_results_or_clean_errors(backend: str) -> None:
 def test_the_sample_is_the_same_calls_on_every_rank(backend: str) -> None:
     results = _results(backend, "sampled")
     assert results[0] == results[1] == [True, False, True, False]
+
+
+def _settings_disagree(rank: int) -> str:
+    """Rank 0 starts with verification on, rank 1 with it off (timeout 3 s): the error each gets."""
+    uc.finalize()
+    try:
+        uc.init("gloo", verify=rank == 0, timeout=3)
+        uc.alltoall_single(None, torch.ones(2, 1))
+    except uc.CommunicationError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def test_ranks_that_disagree_on_verification_get_clean_errors() -> None:
+    started = time.monotonic()
+    verifying, plain = uc.testing.spawn(_settings_disagree, 2, backend="gloo", timeout=60)
+    assert verifying.startswith("CollectiveTimeoutError: init on backend 'gloo' (rank 0 of 2)"), verifying
+    assert "start every rank with verification on, or every rank with it off" in verifying
+    assert plain.startswith("CollectiveTimeoutError: alltoall_single on Group(ranks=[0, 1])"), plain
+    assert time.monotonic() - started < 45
