@@ -32,8 +32,8 @@ from array_api_compat import array_namespace, device
 from .arrays import description_of
 
 _BUFFERED = 16
-"""Rows narrower than this are copied to float64 (int64) before they are summed on the host:
-numpy's buffered reduction of narrow rows is slower than the copy."""
+"""Rows narrower than this are folded column by column on the host (:func:`_across`): numpy's
+reduction along a short axis costs a loop per row."""
 
 
 _ROW = -0x61C8864680B583EB
@@ -45,6 +45,11 @@ def row_hashes(x: Any) -> Any:
     """Each row's words summed, plus :data:`_ROW` (int64, wrapping): ``(rows,)``, summed by x's
     own library."""
     words = description_of(x).row_words(x)
+    host = host_numbers(words)
+    if host is not None and (host.shape[1] == 1 or host.itemsize < 8):
+        # numpy sums narrow words faster than torch
+        with np.errstate(all="ignore"):
+            return _across(host, np.add, np.int64) + _ROW
     xp = array_namespace(words)
     hashes = xp.sum(words, axis=1, dtype=xp.int64) + _ROW
     return _on_host_if_there(hashes)
@@ -58,10 +63,8 @@ def row_values(x: Any) -> Any:
     if host is not None:
         rows = _as_rows(host)
         total = np.float64 if rows.dtype.kind == "f" else np.int64
-        if rows.shape[1] < _BUFFERED:
-            rows = rows.astype(total)
         with np.errstate(all="ignore"):  # infinities and NaNs are the data's own
-            return np.add.reduce(rows, axis=1, dtype=total)
+            return _across(rows, np.add, total)
     xp = array_namespace(x)
     floating = xp.isdtype(x.dtype, "real floating")
     return xp.sum(xp.astype(_as_rows(x), xp.float64 if floating else xp.int64), axis=1)
@@ -76,7 +79,10 @@ def row_magnitudes(x: Any) -> Any:
         if rows.shape[1] == 0:
             return np.zeros(rows.shape[0])
         with np.errstate(all="ignore"):
-            largest = np.maximum(np.maximum.reduce(rows, axis=1), -np.minimum.reduce(rows, axis=1))
+            if rows.shape[1] < _BUFFERED:
+                largest = _across(np.abs(rows), np.maximum, rows.dtype)
+            else:
+                largest = np.maximum(np.maximum.reduce(rows, axis=1), -np.minimum.reduce(rows, axis=1))
             return largest.astype(np.float64) * rows.shape[1]
     xp = array_namespace(x)
     if rows.shape[1] == 0:
@@ -164,6 +170,17 @@ def _at(values: Any, places: list[int]) -> Any:
     if not places:
         return xp.zeros(0, dtype=values.dtype, device=device(values))
     return xp.stack([values[p] for p in places])
+
+
+def _across(rows: np.ndarray, fold: np.ufunc, dtype: Any) -> np.ndarray:
+    """``fold`` (``np.add``, ``np.maximum``) over each row of ``rows`` (2-D, at least one
+    column), in ``dtype``: column by column for narrow rows, else numpy's reduction."""
+    if rows.shape[1] >= _BUFFERED or rows.shape[1] == 0:
+        return fold.reduce(rows, axis=1, dtype=dtype)
+    total = rows[:, 0].astype(dtype)
+    for column in range(1, rows.shape[1]):  # in dtype's own loop: unsigned words wrap as int64
+        fold(total, rows[:, column], out=total, dtype=dtype, casting="unsafe")
+    return total
 
 
 def _as_rows(x: Any) -> Any:
