@@ -3,7 +3,8 @@
     unicoll run -n 2 benchmarks/verify_cost.py --backend gloo
     unicoll run -n 2 --mpi benchmarks/verify_cost.py --backend mpi
 
-For ``alltoall_single`` and ``all_reduce`` of 64 KiB, 1 MiB and 64 MiB of float32 per rank,
+For ``alltoall_single`` and ``all_reduce`` of 64 KiB, 1 MiB and 64 MiB of float32 per rank (rows of
+256 values, and ``all_reduce`` of the same values as one 1-D array, as a gradient bucket),
 rank 0 prints the median time per call (slowest rank) with verification off (the backend
 itself), on every call, and at a share of 0.01, the three interleaved in rounds so that drift
 hits them alike, and each one's ratio to off; and the floor of verifying every call, what any
@@ -65,7 +66,12 @@ def main() -> None:
     for label, nbytes in SIZES.items():
         x = torch.randn(nbytes // 4 // 256, 256)
         iters = 100 if nbytes <= 1 << 20 else 100 // 10
-        calls = {"alltoall_single": lambda x=x: uc.alltoall_single(None, x), "all_reduce": lambda x=x: uc.all_reduce(x)}
+        flat = x.reshape(-1)  # a gradient bucket: each value is its own row
+        calls = {
+            "alltoall_single": lambda x=x: uc.alltoall_single(None, x),
+            "all_reduce": lambda x=x: uc.all_reduce(x),
+            "all_reduce 1-D": lambda flat=flat: uc.all_reduce(flat),
+        }
         for op, call in calls.items():
             times: dict[str, list[float]] = {name: [] for name in SETTINGS}
             for _ in range(args.rounds):
@@ -74,7 +80,8 @@ def main() -> None:
                     state.memory.clear()  # a remembered call keeps the backend it ran on
                     times[name].append(median_us(call, iters))
             best = {name: min(values) for name, values in times.items()}
-            read = min(median_us(lambda x=x: row_hashes(x), iters) for _ in range(args.rounds))
+            rows_read = flat if op.endswith("1-D") else x
+            read = min(median_us(lambda rows_read=rows_read: row_hashes(rows_read), iters) for _ in range(args.rounds))
             best["floor"] = best["off"] + exchange + 2 * read
             rows.append((op, label, best))
     state.backend = inner
