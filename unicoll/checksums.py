@@ -148,14 +148,26 @@ def _host_weighted(per_row: np.ndarray, splits: list[int]) -> np.ndarray:
     """:func:`weighted_blocks` of a numpy ``per_row``: blocks of one size as one product with
     the weights, others from two running sums."""
     if _equal(per_row.shape[0], splits):
-        weights = np.arange(1, 2 * splits[0], 2, dtype=per_row.dtype)
-        return per_row.reshape(len(splits), splits[0]) @ weights
+        blocks, size = len(splits), splits[0]
+        if size % _SPAN or size == _SPAN:
+            return per_row.reshape(blocks, size) @ np.arange(1, 2 * size, 2, dtype=per_row.dtype)
+        # Row j = _SPAN i + e of a block: sum((2 j + 1) h_j) = 2 _SPAN sum(i P_i) + sum((2 e + 1) c_e),
+        # with P_i the sum of span i and c_e that of place e in every span: weights of a span's
+        # length and of a block's spans, not of its rows (a long block's weights cost more than the sums).
+        spans = per_row.reshape(blocks, size // _SPAN, _SPAN)
+        across = spans.sum(axis=2) @ np.arange(size // _SPAN, dtype=per_row.dtype)
+        along = spans.sum(axis=1) @ np.arange(1, 2 * _SPAN, 2, dtype=per_row.dtype)
+        return 2 * _SPAN * across + along
     counts = np.asarray(splits, dtype=np.int64)
     ends = np.cumsum(counts)
     starts = ends - counts
     places = np.arange(per_row.shape[0], dtype=np.int64) - np.repeat(starts, counts)
     running = np.concatenate([np.zeros(1, per_row.dtype), np.cumsum((2 * places + 1) * per_row)])
     return running[ends] - running[starts]
+
+
+_SPAN = 256
+"""The rows of a long block summed together on the host before they are weighted (:func:`_host_weighted`)."""
 
 
 def _equal(rows: int, splits: list[int]) -> bool:

@@ -110,7 +110,7 @@ def test_the_sample_follows_the_call_number() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.int64, np.bool_])
-@pytest.mark.parametrize("shape", [(6, 5), (7,), (4, 40), (0, 3), (3, 0), ()])
+@pytest.mark.parametrize("shape", [(6, 5), (7,), (4, 40), (0, 3), (3, 0), (), (1024,), (1536, 2)])
 def test_the_host_path_and_the_array_api_path_agree(dtype, shape, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the host the sums run in numpy over the same memory; elsewhere (a device) through
     the array API: the same values, for numpy and torch, every shape (no rows, empty rows, 0-d)."""
