@@ -16,8 +16,13 @@ run --mpi``).
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
+import stat
+import struct
 import sys
+import termios
+import time
 
 from unicoll.forking import mpi_running
 
@@ -65,6 +70,30 @@ def _abort_if_failed() -> None:
             stream.flush()
         except (AttributeError, OSError, ValueError):  # None, closed, or a broken pipe
             pass
+    _drained((1, 2), DRAIN_SECONDS)
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(status)
+
+
+DRAIN_SECONDS = 0.5
+"""How long an aborting rank waits at most for the launcher to read what it wrote."""
+
+
+def _drained(fds: tuple[int, ...], seconds: float) -> None:
+    """Wait until the launcher has read every byte written to the pipes ``fds`` (the traceback
+    just printed), at most ``seconds``: the launcher forwards a rank's output as it reads it,
+    and ``MPI_Abort`` stops it, dropping what it had not read yet. Files and terminals, which
+    hold no unread bytes, return at once."""
+    deadline = time.monotonic() + seconds
+    for fd in fds:
+        while time.monotonic() < deadline:
+            try:
+                if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    break
+                unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+            except OSError:  # closed, or no such query on this kind of file
+                break
+            if unread == 0:
+                break
+            time.sleep(0.005)
