@@ -35,7 +35,6 @@ _BUFFERED = 16
 """Rows narrower than this are folded column by column on the host (:func:`_across`): numpy's
 reduction along a short axis costs a loop per row."""
 
-
 _ROW = -0x61C8864680B583EB
 """Added to every row's hash (2**64 / the golden ratio, as int64): a row of zeros counts, so a
 block with rows of zeros more or fewer (counts the ranks disagree on) sums to another value."""
@@ -72,7 +71,8 @@ def row_values(x: Any) -> Any:
 
 def row_magnitudes(x: Any) -> Any:
     """A bound on each row's sum of magnitudes, for a floating ``x``: the row's length times
-    its largest magnitude (float64, ``(rows,)``; two passes without a copy on the host)."""
+    its largest magnitude (float64, ``(rows,)``; on the host, two passes without a copy, or for
+    narrow rows one over their magnitudes)."""
     host = host_numbers(x)
     rows = _as_rows(x if host is None else host)
     if host is not None:
