@@ -24,6 +24,7 @@ _members: dict[int, weakref.WeakSet[Any]] = {}
 
 
 def _never() -> bool:
+    """Nothing traces until :mod:`unicoll.compiled.traced` loads."""
     return False
 
 
