@@ -279,16 +279,23 @@ class VerifiedBackend(Wrapped):
             return pending
         return self._opened(pending, record, lambda result: self._reduced(record, result, [_rows(result)]))
 
-    # -- how a call is checked ------------------------------------------------------------
+    # -- the MoE entry points: the inner backend's own where it moves tokens itself ---------
+
+    def _moves_tokens(self, op: str, async_op: bool) -> bool:
+        """Whether the inner backend moves tokens itself in ``op`` (its capability table says
+        so), so that the call goes to it unchecked; a blocking one starts the open checks first."""
+        if op not in self.capabilities.moe:
+            return False
+        if not async_op:
+            self._settle()
+        return True
 
     def moe_dispatch(
         self, x: Any, routing: Routing, plan: MoePlan, group: Group, async_op: bool, calc_stream: bool = False
     ) -> Pending:
         """The inner backend's own when it moves tokens itself (unchecked), else composed
         from the checked :meth:`global_scatter`."""
-        if "moe_dispatch" in self.capabilities.moe:
-            if not async_op:
-                self._settle()
+        if self._moves_tokens("moe_dispatch", async_op):
             return self.inner.moe_dispatch(x, routing, plan, group, async_op, calc_stream)
         return super().moe_dispatch(x, routing, plan, group, async_op, calc_stream)
 
@@ -303,9 +310,7 @@ class VerifiedBackend(Wrapped):
         out: Any | None = None,
     ) -> Pending:
         """As :meth:`moe_dispatch`, from the checked :meth:`global_gather`."""
-        if "moe_combine" in self.capabilities.moe:
-            if not async_op:
-                self._settle()
+        if self._moves_tokens("moe_combine", async_op):
             return self.inner.moe_combine(y, routing, plan, group, async_op, calc_stream, out)
         return super().moe_combine(y, routing, plan, group, async_op, calc_stream, out)
 
@@ -319,9 +324,7 @@ class VerifiedBackend(Wrapped):
         valid: Any | None = None,
     ) -> Pending:
         """As :meth:`moe_dispatch`, from the checked operators the static mode is composed of."""
-        if "moe_dispatch_static" in self.capabilities.moe:
-            if not async_op:
-                self._settle()
+        if self._moves_tokens("moe_dispatch_static", async_op):
             return self.inner.moe_dispatch_static(x, layout, group, async_op, calc_stream, valid)
         return super().moe_dispatch_static(x, layout, group, async_op, calc_stream, valid)
 
@@ -329,9 +332,7 @@ class VerifiedBackend(Wrapped):
         self, y: Any, layout: StaticLayout, valid: Any, group: Group, async_op: bool, calc_stream: bool = False
     ) -> Pending:
         """As :meth:`moe_dispatch_static`."""
-        if "moe_combine_static" in self.capabilities.moe:
-            if not async_op:
-                self._settle()
+        if self._moves_tokens("moe_combine_static", async_op):
             return self.inner.moe_combine_static(y, layout, valid, group, async_op, calc_stream)
         return super().moe_combine_static(y, layout, valid, group, async_op, calc_stream)
 
