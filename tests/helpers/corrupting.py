@@ -134,13 +134,11 @@ class _Done:
 
 
 class CorruptingFactory:
-    """Starts ``base`` (a built-in backend's name) wrapped in :class:`Corrupting`."""
+    """Starts the backend ``base`` (a backend factory) starts, wrapped in :class:`Corrupting`."""
 
-    def __init__(self, base: str) -> None:
-        from unicoll import registry
-
-        self._base = registry.registered()[base]
-        self.capabilities = self._base.capabilities
+    def __init__(self, base: Any) -> None:
+        self._base = base
+        self.capabilities = base.capabilities
 
     def probe(self) -> str | None:
         return self._base.probe()
@@ -149,30 +147,17 @@ class CorruptingFactory:
         return Corrupting(self._base(rank=rank, world_size=world_size, timeout=timeout))
 
 
-class CorruptingDevicePathFactory:
-    """Starts torch-nccl's transport driving gloo (a GPU backend's code path on the host,
-    :func:`helpers.gpu_backends.device_path`) wrapped in :class:`Corrupting`."""
-
-    def __init__(self) -> None:
-        from helpers.gpu_backends import device_path
-
-        self.capabilities = device_path()
-
-    def probe(self) -> None:
-        return None
-
-    def __call__(self, *, rank: int, world_size: int, timeout: float) -> Backend:
-        from unicoll.backends.torch.transport import TorchNcclBackend
-
-        inner = TorchNcclBackend(
-            "torch-nccl", "gloo", self.capabilities, rank=rank, world_size=world_size, timeout=timeout
-        )
-        return Corrupting(inner)
-
-
 def register() -> None:
     """Register ``corrupting-gloo``, ``corrupting-mpi`` (where mpi4py is installed) and
-    ``corrupting-device-path``."""
-    uc.register_backend("corrupting-gloo", CorruptingFactory("gloo"))
-    uc.register_backend("corrupting-mpi", CorruptingFactory("mpi"))
-    uc.register_backend("corrupting-device-path", CorruptingDevicePathFactory())
+    ``corrupting-device-path`` (torch-nccl's transport driving gloo, a GPU backend's code path
+    on the host: :func:`helpers.gpu_backends.device_path`)."""
+    from helpers.gpu_backends import OnGloo, device_path
+    from unicoll import registry
+    from unicoll.backends.torch.transport import TorchNcclBackend
+
+    built_in = registry.registered()
+    uc.register_backend("corrupting-gloo", CorruptingFactory(built_in["gloo"]))
+    uc.register_backend("corrupting-mpi", CorruptingFactory(built_in["mpi"]))
+    uc.register_backend(
+        "corrupting-device-path", CorruptingFactory(OnGloo(TorchNcclBackend, "torch-nccl", device_path()))
+    )

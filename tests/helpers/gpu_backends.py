@@ -31,20 +31,23 @@ def params(*extra: tuple) -> list:
     ]
 
 
+class OnGloo:
+    """The factory of ``backend`` (a TorchDistBackend class, named ``name``, with ``table``)
+    driving gloo: a GPU backend's own code path run on the host."""
+
+    def __init__(self, backend: type, name: str, table: Capabilities) -> None:
+        self.backend, self.name, self.capabilities = backend, name, table
+
+    def probe(self) -> None:
+        return None
+
+    def __call__(self, *, rank: int, world_size: int, timeout: float) -> Any:
+        return self.backend(self.name, "gloo", self.capabilities, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def start_on_gloo(registered: str, backend: type, name: str, table: Capabilities) -> None:
-    """Register and start ``backend`` (a TorchDistBackend class, named ``name``, with ``table``)
-    driving gloo as ``registered``: a GPU backend's own code path run on the host."""
-
-    class Factory:
-        capabilities = table
-
-        def probe(self) -> None:
-            return None
-
-        def __call__(self, *, rank: int, world_size: int, timeout: float) -> Any:
-            return backend(name, "gloo", table, rank=rank, world_size=world_size, timeout=timeout)
-
-    registry.register_backend(registered, Factory())
+    """Register and start :class:`OnGloo` of ``backend`` as ``registered``."""
+    registry.register_backend(registered, OnGloo(backend, name, table))
     uc.init(registered)
 
 
