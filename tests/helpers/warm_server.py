@@ -13,8 +13,9 @@ with this module among what it imports:
 
 None of this starts a thread, so the server forks from its main thread alone. Every forked
 rank runs with Dynamo, Paddle and JAX loaded, as a program that imports ``torch.optim`` and
-both frameworks does; the ranks of MPI jobs, of ``unicoll run`` and of
-``spawn(start_method="spawn")`` are fresh interpreters without them.
+both frameworks does (MPI ranks of ``spawn`` too: they are forked from here); the ranks of
+``unicoll run``, of mpiexec and of ``spawn(start_method="spawn")`` are fresh interpreters
+without them.
 """
 
 from __future__ import annotations
