@@ -1,16 +1,18 @@
 """A training loop's worth of calls with new routing every step: results stay right and
 resident memory stays flat (every cache is bounded in bytes and holds no caller array).
 
-The ranks run with glibc's mmap threshold pinned (``MALLOC_MMAP_THRESHOLD_``), so every
-allocation of 128 KiB or more is its own mapping, returned to the system when freed, and the
-resident size shows what is still held. With glibc's default, the threshold rises to the size
-of the first large block freed, and activations of a slightly different size every step then
-fragment the heap: the same loop written with raw torch.distributed calls drifts by about
-0.3 MiB per step that way (docs/reliability.md), which would hide what this test looks for.
+The ranks pin glibc's mmap threshold first (``mallopt(M_MMAP_THRESHOLD)``, what
+``MALLOC_MMAP_THRESHOLD_`` sets as a process starts), so every allocation of 128 KiB or more is
+its own mapping, returned to the system when freed, and the resident size shows what is still
+held. With glibc's default, the threshold rises to the size of the first large block freed, and
+activations of a slightly different size every step then fragment the heap: the same loop
+written with raw torch.distributed calls drifts by about 0.3 MiB per step that way
+(docs/reliability.md), which would hide what this test looks for.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +27,24 @@ TOKENS, HIDDEN, EXPERTS = 4096, 256, 4
 GROWTH_LIMIT = 64 * 2**20
 
 
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter for the mmap threshold (malloc.h); setting it also stops the
+threshold from rising."""
+
+
 def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def _pin_mmap_threshold(nbytes: int) -> None:
+    """Every allocation of ``nbytes`` or more its own mapping, from now on in this process."""
+    assert ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes) == 1, "glibc refused the mmap threshold"
 
 
 def soak(rank: int) -> dict[str, int]:
     """New activations and new counts every step through exchange_counts, global_scatter and
     global_gather, beside alltoall_single and all_gather of sizes that change every step."""
+    _pin_mmap_threshold(128 * 2**10)
     world = uc.get_world_size()
     rng = np.random.default_rng(100 + rank)
     baseline = peak = 0
@@ -69,11 +82,13 @@ def soak(rank: int) -> dict[str, int]:
     }
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+@pytest.mark.skipif(
+    not Path("/proc/self/statm").exists() or not hasattr(ctypes.CDLL(None), "mallopt"),
+    reason="reads the resident size from /proc and sets glibc's mmap threshold",
+)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_memory_stays_flat_when_counts_change_every_step(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 2**10))  # read by glibc as each rank starts
-    ranks = uc.testing.spawn(soak, 2, backend=backend, timeout=240, start_method="spawn")  # glibc reads it at start
+def test_memory_stays_flat_when_counts_change_every_step(backend: str) -> None:
+    ranks = uc.testing.spawn(soak, 2, backend=backend, timeout=240)
     for rank, figures in enumerate(ranks):
         assert figures["growth"] < GROWTH_LIMIT, (
             f"rank {rank}: resident memory grew by {figures['growth'] / 2**20:.1f} MiB over {STEPS - WARMUP} steps"
