@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 import unicoll as uc
@@ -126,4 +127,24 @@ def test_a_running_script_that_started_mpi_is_refused(tmp_path) -> None:
     done = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert SpawnError.__name__ in done.stderr
-    assert "MPI started before the rank joined its world (the running script imports mpi4py.MPI" in done.stderr
+    assert "MPI started before the rank joined its world (the running script imports mpi4py.MPI as it" in done.stderr
+
+
+def die_in_a_collective(rank: int, folder: str) -> None:
+    """Each rank notes its pid; rank 1 then dies while rank 0 waits for it in an all-reduce."""
+    (Path(folder) / str(rank)).write_text(str(os.getpid()))
+    if rank == 1:
+        os._exit(3)
+    uc.all_reduce(np.ones(4))
+
+
+@needs_mpich
+def test_a_rank_that_dies_ends_the_forked_world_and_leaves_no_process(tmp_path) -> None:
+    """Without a launcher to stop the job, spawn stops the rank left waiting, and the PMI
+    server's threads end with it."""
+    with pytest.raises(SpawnError, match="rank 1 exited with code 3") as info:
+        uc.testing.spawn(die_in_a_collective, 2, str(tmp_path), backend="mpi", timeout=60)
+    assert info.value.exitcode == 3
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    assert [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"] == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("unicoll-pmi")]

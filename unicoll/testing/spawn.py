@@ -170,12 +170,13 @@ def _finalize_mpi() -> None:
 
 def _place_mpi_rank(rank: int, pmi_socket: socket.socket) -> None:
     """Tell MPI, which reads it when it starts, where this rank's PMI server is; refuse a rank
-    in which MPI started already (a running script that imports ``mpi4py.MPI``): it would be a
-    world of its own."""
+    in which MPI started already (a running script that imports ``mpi4py.MPI`` as it loads,
+    itself or through a module it imports): it would be a world of its own."""
     if "mpi4py.MPI" in sys.modules:
         raise RuntimeError(
             f"unicoll.testing.spawn: rank {rank}: MPI started before the rank joined its world (the running "
-            "script imports mpi4py.MPI at its top); import it inside functions, or pass start_method='spawn'"
+            "script imports mpi4py.MPI as it loads, itself or through a module it imports); import it inside "
+            "functions, or pass start_method='spawn'"
         )
     os.environ["PMI_FD"] = str(pmi_socket.fileno())
 
