@@ -59,7 +59,7 @@ class PmiServer:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass  # never connected, or already closed by the rank's end
+                pass  # closed already (a rank's socket once handed over), or its peer gone
             sock.close()
         for thread in self._threads:
             thread.join()
@@ -96,7 +96,7 @@ class PmiServer:
             return f"cmd=universe_size rc=0 size={self.size}"
         if command == "put":
             with self._barrier:
-                self._values[fields["key"]] = fields.get("value", "")
+                self._values[fields.get("key", "")] = fields.get("value", "")
             return "cmd=put_result rc=0"
         if command == "get":
             with self._barrier:

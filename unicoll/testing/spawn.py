@@ -85,13 +85,11 @@ def spawn(
     if start_method not in ("forkserver", "spawn") or start_method not in methods:
         expected = " or ".join(repr(m) for m in ("forkserver", "spawn") if m in methods)
         raise ValueError(f"spawn: start_method: expected {expected} (or None), got {start_method!r}")
-    pmi = None
-    if (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi":
-        if start_method != "forkserver" or not serves_this_mpi():
-            from .mpi import spawn_mpi
+    mpi = (backend or {**os.environ, **(env or {})}.get("UNICOLL_BACKEND")) == "mpi"
+    if mpi and (start_method != "forkserver" or not serves_this_mpi()):
+        from .mpi import spawn_mpi
 
-            return spawn_mpi(fn, world_size, args, backend, timeout, env)
-        pmi = PmiServer(world_size)
+        return spawn_mpi(fn, world_size, args, backend, timeout, env)
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(PRELOAD))  # read once, when the server starts
@@ -100,6 +98,7 @@ def spawn(
     port = free_port()
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
+    pmi = PmiServer(world_size) if mpi else None
     try:
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)
@@ -114,6 +113,8 @@ def spawn(
             with sender:
                 proc.start()
             procs.append(proc)
+            if pmi is not None:  # the rank has its copy: its end closes the server's line to it
+                pmi.rank_sockets[rank].close()
         results = _collect(procs, conns, timeout)
         _join(procs, time.monotonic() + GRACE_S)
         return results
