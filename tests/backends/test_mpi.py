@@ -1,9 +1,10 @@
-"""The ``mpi`` backend beyond the conformance matrix: worlds started by mpiexec, timeouts
+"""The ``mpi`` backend beyond the conformance matrix: worlds of forked ranks and of mpiexec, timeouts
 instead of hangs, gradients, check mode, groups, init again, ``unicoll run --mpi`` and
 ``unicoll bench --backend mpi``. Skipped, with the reason, where mpi4py cannot run.
 
 The cases that need no environment of their own (but check mode) run in the session's shared
-MPI jobs (helpers/several.py): each job costs more to start than its cases take."""
+MPI worlds (helpers/several.py): one start (a rendezvous, MPI's start and end) for the cases of
+every module."""
 
 from __future__ import annotations
 
@@ -312,9 +313,9 @@ def test_an_asynchronous_transfer_keeps_the_arrays_the_caller_dropped() -> None:
     assert _shared(2, "dropped inputs") == [True, True]
 
 
-# The session's shared MPI jobs (helpers/several.py): moe_both_paths last (it records the
+# The session's shared MPI worlds (helpers/several.py): moe_both_paths last (it records the
 # backend's collectives from then on), init_again last (it starts a new session); the mismatches
-# in the job of 2 in check mode.
+# in the world of 2 in check mode.
 JOBS = {
     3: share(
         "mpi",

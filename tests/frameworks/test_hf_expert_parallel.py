@@ -155,7 +155,7 @@ def _world(rank: int) -> dict:
 
 
 ON_MPI = share("mpi", 2, [Case("hf: mixtral", _train, ("mixtral", False))], timeout=120)
-"""mpi's case, in the session's shared MPI job of 2 ranks (helpers/several.py): the models'
+"""mpi's case, in the session's shared MPI world of 2 ranks (helpers/several.py): the models'
 code reaches a backend only through ExpertParallel's dispatch and combine and the reducer's
 all-reduces, the same eager calls on every backend, so one model in the dynamic mode (whose
 all-reduces run while backward runs) proves them on mpi; the other models, the rounding and

@@ -130,7 +130,7 @@ LAYERS = {
     for backend in ("gloo", "mpi")
     if backend == "gloo" or MPI_REASON is None
 }
-"""The layer runs in the session's shared worlds of 2 (helpers/several.py): an MPI job fewer."""
+"""The layer runs in the session's shared worlds of 2 (helpers/several.py): a world fewer on each backend."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -126,5 +126,5 @@ def test_init_after_finalize_in_a_world() -> None:
 # In the session's shared gloo worlds (helpers/several.py); init_again starts a new session: last.
 ASYNC = share("gloo", 3, [Case("reliability: async in any order", async_in_any_order)])
 INIT_AGAIN = share("gloo", 2, [Case("reliability: init again", init_again)], last=True)
-# In the session's shared MPI job of 2 in check mode, last: it refuses unpickling from then on.
+# In the session's shared MPI world of 2 in check mode, last: it refuses unpickling from then on.
 SOCKETS_ON_MPI = share("mpi", 2, [Case("reliability: sockets and pickles", sockets_and_pickles)], check=True, last=True)

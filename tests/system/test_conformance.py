@@ -1,6 +1,6 @@
 """The conformance matrix on the CPU backends (gloo, mpi): 1 to 4 ranks (4 with the handshake
 off and torch's half; gloo's 3 in check mode), one spawned world per backend and size, two worlds at a time
-(mpi's of 2 and 3 in the session's shared MPI jobs); Paddle and JAX in gloo's worlds of 2 and
+(mpi's of 2 and 3 in the session's shared MPI worlds); Paddle and JAX in gloo's worlds of 2 and
 3. A backend that cannot run here is skipped with the reason."""
 
 from __future__ import annotations
@@ -86,9 +86,8 @@ IN_SHARED_JOBS = {
     for w in (2, 3)
     if FACTORIES["mpi"].probe() is None
 }
-"""mpi's worlds of 2 and 3 run in the session's shared MPI jobs (helpers/several.py), which
-every test of mpi starts anyway: two MPI jobs fewer, five interpreters that each took about
-2.5 s of CPU time to start."""
+"""mpi's worlds of 2 and 3 run in the session's shared MPI worlds (helpers/several.py), which
+every test of mpi starts anyway: two worlds fewer (each about 0.3 s and 0.5 CPU-s to start)."""
 
 
 @pytest.fixture(scope="module")
