@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from ..forking import mpi_running
 from ..launch.local import free_port, world_env
 from ..launch.process import GRACE_S, thread_share
 from ..runtime import finalize, init
@@ -164,16 +165,15 @@ def _child_main(
 def _finalize_mpi() -> None:
     """End MPI where the rank started it, as an MPI rank must before it exits (after its
     result is sent: MPI's end waits for every rank)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
+    if mpi_running():
+        sys.modules["mpi4py.MPI"].Finalize()
 
 
 def _place_mpi_rank(rank: int, pmi_socket: socket.socket) -> None:
     """Tell MPI, which reads it when it starts, where this rank's PMI server is; refuse a rank
     in which MPI started already (a running script that imports ``mpi4py.MPI`` as it loads,
     itself or through a module it imports): it would be a world of its own."""
-    if "mpi4py.MPI" in sys.modules:
+    if mpi_running():
         raise RuntimeError(
             f"unicoll.testing.spawn: rank {rank}: MPI started before the rank joined its world (the running "
             "script imports mpi4py.MPI as it loads, itself or through a module it imports); import it inside "
