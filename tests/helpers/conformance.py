@@ -2,8 +2,8 @@
 
 Cases are generated from the operator specs (``unicoll.spec.OPS``) and a backend's capability
 table: every operator it provides x every array library and dtype it moves x each layout
-variant of the operator, in two of the four settings of sync/async x the world group or a
-sub-group (the dtypes and world sizes take the halves in turn: :data:`SETTINGS`). all_reduce runs every
+variant of the operator, in one of the four settings of sync/async x the world group or a
+sub-group (the dtypes and world sizes take them in turn: :data:`SETTINGS`). all_reduce runs every
 reduction the table lists for the dtype; each reduce_scatter case draws one of them. Every case draws
 random whole-world inputs from its own seed (zero counts, empty ranks, several trailing
 shapes), runs on each rank of a spawned world, and is compared with ``unicoll.reference``.
@@ -142,7 +142,7 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
         if not (library == "jax" and variant in FILLS_OUTPUTS.get(op, ()))
         for dtype in sorted(caps.dtypes - MISSING_DTYPES[library])
         if library not in JOINED or _in_turn(variant, _runnable(caps, op, library, dtype), dtype, world_size)
-        for sync, subgroup in ([(True, False)] if library in JOINED else _settings(dtype, world_size))
+        for sync, subgroup in _settings(caps, op, variant, library, dtype, world_size)
         for stream in (streams if sync and library not in JOINED else (None,))
         if (reduction := _reduction(caps, op, variant, dtype, (library, sync, stream, subgroup))) != ""
     ]
@@ -158,18 +158,28 @@ def cases(caps: Capabilities, world_size: int, streams: tuple[str | None, ...] =
     return operators + topk
 
 
-SETTINGS = (((True, False), (False, True)), ((False, False), (True, True)))
-"""The (synchronous, on a sub-group) settings of a numpy, torch or cupy case, in two halves:
-each case runs one half (:func:`_settings`). The two halves together are the four settings,
-and the dtypes and world sizes take them in turn, so every operator, variant and library runs
-every setting on every world size (by some dtypes) and every dtype runs every setting (on
-some world sizes): whether a call is synchronous and which group it runs on does not depend on
-the dtype, and the full product cost the matrix twice the time."""
+SETTINGS = ((True, False), (False, True), (False, False), (True, True))
+"""The (synchronous, on a sub-group) settings of a numpy, torch or cupy case; each case runs
+one (:func:`_settings`). The dtypes that run an operator's variant on a library take them in
+turn, and the world size moves each dtype on by one, so every operator, variant and library
+runs every setting on every world size (by some dtypes, where it runs at least four) and each
+dtype runs a different setting on each world size (all four over the worlds of 1 to 4 ranks):
+whether a call is synchronous and which group it runs on does not depend on the dtype, and
+each further setting per case would cost the matrix as much again."""
 
 
-def _settings(dtype: str, world_size: int) -> tuple[tuple[bool, bool], ...]:
-    """The half of :data:`SETTINGS` a case of ``dtype`` runs on ``world_size`` ranks."""
-    return SETTINGS[(zlib.crc32(dtype.encode()) + world_size) % 2]
+def _settings(
+    caps: Capabilities, op: str, variant: str, library: str, dtype: str, world_size: int
+) -> list[tuple[bool, bool]]:
+    """The settings a case of ``op``'s ``variant`` on ``library``'s arrays of ``dtype`` runs on
+    ``world_size`` ranks: for numpy, torch and cupy one of :data:`SETTINGS`, by the dtype's
+    place among those the variant runs on (a reduction must be one the backend has for the
+    dtype), moved on by the world size; none where the variant does not run on the dtype; the
+    joined libraries' cases run synchronously on the world."""
+    if library in JOINED:
+        return [(True, False)]
+    dtypes = [d for d in sorted(caps.dtypes - MISSING_DTYPES[library]) if _reduction(caps, op, variant, d, ()) != ""]
+    return [SETTINGS[(dtypes.index(dtype) + world_size) % len(SETTINGS)]] if dtype in dtypes else []
 
 
 JOINED_MOE_VARIANTS = tuple(f"E{e}-k{k}" for e, k, sync, subgroup in MOE_VARIANTS if sync and not subgroup)

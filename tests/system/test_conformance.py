@@ -23,7 +23,7 @@ FOUR = ("torch",)
 machine's 2 cores: 15 CPU-s for gloo's whole matrix, 23 for mpi's), where numpy's half would
 repeat what both backends prove at 1-3 ranks: how numpy arrays and torch tensors are handed
 to a transport does not depend on the world size, and torch's half runs every operator,
-variant, dtype and setting at 4."""
+variant and dtype at 4, and every setting (by some dtypes)."""
 
 
 def _in_matrix(case: conformance.Case, backend: str, w: int) -> bool:
