@@ -4,6 +4,8 @@ every rank (one seed)."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe")
@@ -11,6 +13,13 @@ MODELS = ("mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe")
 (a dense first layer, a shared expert, a group-limited router), Qwen3-MoE and OLMoE."""
 
 VOCAB = 64
+
+
+def import_models() -> None:
+    """Import transformers' modules of :data:`MODELS` (what the suite's forkserver loads once:
+    helpers/warm_server.py)."""
+    for name in MODELS:
+        importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
 def tiny(name: str, experts: int = 4, topk: int = 2) -> torch.nn.Module:

@@ -9,13 +9,16 @@ with this module among what it imports:
   are emptied afterwards, so no rank sees this graph, and tqdm's monitor thread is kept from
   starting (FX's interpreter opens a progress bar);
 - Paddle and JAX, where installed: a world of 2 whose ranks use both took 1.4 s of CPU time
-  per rank forked from a server without them, 0.15 s from one with them.
+  per rank forked from a server without them, 0.15 s from one with them;
+- transformers' modules of the tiny models the expert-parallel tests build
+  (helpers/hf_models.py), where installed: the ranks of mpi's Hugging Face case took 2.5 CPU-s
+  each forked from a server without them, 0.3-0.4 from one with them.
 
 None of this starts a thread, so the server forks from its main thread alone. Every forked
-rank runs with Dynamo, Paddle and JAX loaded, as a program that imports ``torch.optim`` and
-both frameworks does (MPI ranks of ``spawn`` too: they are forked from here); the ranks of
-``unicoll run``, of mpiexec and of ``spawn(start_method="spawn")`` are fresh interpreters
-without them.
+rank runs with Dynamo, Paddle, JAX and transformers loaded, as a program that imports
+``torch.optim`` and those frameworks does (MPI ranks of ``spawn`` too: they are forked from
+here); the ranks of ``unicoll run``, of mpiexec and of ``spawn(start_method="spawn")`` are
+fresh interpreters without them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 import torch._dynamo
 import tqdm
 from torch._dynamo.utils import counters
+
+from helpers import hf_models
 
 
 def _compile_once() -> None:
@@ -44,3 +49,5 @@ with warnings.catch_warnings():
     for name in ("paddle", "jax.numpy"):
         with contextlib.suppress(ImportError):
             __import__(name)
+with contextlib.suppress(ImportError):
+    hf_models.import_models()
