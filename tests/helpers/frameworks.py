@@ -182,8 +182,9 @@ def _placed(values, dtype):
 
 
 def jax_gradients(rank: int) -> dict[str, str]:
-    """Each operator on jax.Array under jax.grad (custom_vjp): values and this rank's gradient
-    against the reference; moe.dispatch and combine to the tokens and the weights."""
+    """Each operator on jax.Array differentiated (custom_vjp; the operators under jax.vjp,
+    moe.dispatch and combine under jax.grad): values and this rank's gradient against the
+    reference; moe.dispatch and combine to the tokens and the weights."""
     import jax
     import jax.numpy as jnp
 
@@ -206,9 +207,11 @@ def jax_gradients(rank: int) -> dict[str, str]:
             continue
         a = _world_inputs(op, world, seed=index)
         x, ws = _placed(a["xs"][rank], np.float32), _placed(a["ws"][rank], np.float32)
-        y = forward(op, x, a, rank, True, jnp.concatenate)
+        # the gradient of (y * ws).sum(): the pullback of ws (jax.grad's own way, without the
+        # product and the sum, whose compiles for each shape cost more than the call)
+        y, pullback = jax.vjp(lambda x, op=op, a=a: forward(op, x, a, rank, True, jnp.concatenate), x)
         assert isinstance(y, jax.Array), f"{op}: {type(y).__name__}"
-        grad = jax.grad(lambda x, op=op, a=a, ws=ws: (forward(op, x, a, rank, True, jnp.concatenate) * ws).sum())(x)
+        (grad,) = pullback(ws)
         expected = expected_gradient(a, op, True, rank, world)
         np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-5, err_msg=op)
         report[op] = "ok"
