@@ -35,10 +35,10 @@ WARM = "helpers.warm_server"
 def _start_a_warm_forkserver() -> None:
     """Start the server that :func:`unicoll.testing.spawn` forks its ranks from, now and with
     :data:`WARM` among what it imports: one compile run and Paddle, JAX and transformers' MoE
-    models loaded there, once, instead of in each rank (helpers/warm_server.py). ``spawn`` names the server's imports only
-    for a server it starts itself, and starts none while one runs; this one starts while pytest
-    collects, on the other core. Python 3.11's server does not apply the ``sys.path`` it is
-    handed, so ``tests/`` reaches it through ``PYTHONPATH``."""
+    models loaded there, once, instead of in each rank (helpers/warm_server.py). ``spawn``
+    names the server's imports only for a server it starts itself, and starts none while one
+    runs; this one starts while pytest collects, on the other core. Python 3.11's server does
+    not apply the ``sys.path`` it is handed, so ``tests/`` reaches it through ``PYTHONPATH``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return
     multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, WARM])
