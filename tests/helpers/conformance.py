@@ -173,12 +173,12 @@ def _settings(
 ) -> list[tuple[bool, bool]]:
     """The settings a case of ``op``'s ``variant`` on ``library``'s arrays of ``dtype`` runs on
     ``world_size`` ranks: for numpy, torch and cupy one of :data:`SETTINGS`, by the dtype's
-    place among those the variant runs on (a reduction must be one the backend has for the
-    dtype), moved on by the world size; none where the variant does not run on the dtype; the
-    joined libraries' cases run synchronously on the world."""
+    place among those the variant runs on (:func:`_runnable`), moved on by the world size; none
+    where the variant does not run on the dtype; the joined libraries' cases run synchronously
+    on the world."""
     if library in JOINED:
         return [(True, False)]
-    dtypes = [d for d in sorted(caps.dtypes - MISSING_DTYPES[library]) if _reduction(caps, op, variant, d, ()) != ""]
+    dtypes = [d for d in sorted(caps.dtypes - MISSING_DTYPES[library]) if variant in _runnable(caps, op, library, d)]
     return [SETTINGS[(dtypes.index(dtype) + world_size) % len(SETTINGS)]] if dtype in dtypes else []
 
 
