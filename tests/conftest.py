@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import unicoll as uc
+from helpers.several import SESSION
 from unicoll.testing.spawn import PRELOAD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,9 +24,16 @@ COMPILED = ("unicoll", "backends", "tests", "examples", "tools")
 
 def pytest_configure(config: pytest.Config) -> None:
     """Compile the repository's bytecode once where the interpreter may not write it, and
-    start the forkserver that spawned worlds fork from."""
+    start the forkserver that spawned worlds fork from, in each process that runs tests (not
+    in pytest-xdist's controller, whose workers run them)."""
     _compile_bytecode(config)
-    _start_a_warm_forkserver()
+    if not _distributes(config):
+        _start_a_warm_forkserver()
+
+
+def _distributes(config: pytest.Config) -> bool:
+    """Whether this process is pytest-xdist's controller, which hands the tests to workers."""
+    return bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 WARM = "helpers.warm_server"
@@ -77,6 +85,14 @@ def _bytecode() -> Iterator[Path]:
 
 
 _WRITTEN = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_worlds_shared_by_the_workers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under pytest-xdist, each session world runs once for all the workers: in a folder of
+    the run's base temporary folder, which the workers' own folders are in."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        SESSION.share_through(tmp_path_factory.getbasetemp().parent / "session-worlds")
 
 
 @pytest.fixture

@@ -6,9 +6,11 @@ does anything; the fault tests start a dozen worlds of such ranks, with no launc
 them and the test. Here each one starts in a fraction of that: it gets the environment given
 (nothing of the server's), ``sys.argv`` and the script's folder first on ``sys.path``, runs the
 script as ``__main__``, then the exit handlers (``atexit``), and exits with the script's
-status; its standard output and error go to a file. What differs from a fresh interpreter: the
-C libraries the server loaded read their environment when it started (as for
-``uc.testing.spawn``'s ranks).
+status; its standard output and error go to a file. The handlers of the fatal signals that
+the server's imports installed (Paddle's print a report, then end the process, slowly enough
+that a thread's ``exit`` may end it first with status 0) are put back to the defaults a fresh
+interpreter has. What differs from a fresh interpreter: the C libraries the server loaded read
+their environment when it started (as for ``uc.testing.spawn``'s ranks).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from unicoll.testing.spawn import PRELOAD
+
+FATAL = (signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGSEGV, signal.SIGTERM)
+"""The signals that end a fresh interpreter, which Paddle (imported by the suite's server) catches."""
 
 
 def start_script(script: Path, args: Sequence[str], env: Mapping[str, str], output: Path) -> BaseProcess:
@@ -35,13 +41,16 @@ def start_script(script: Path, args: Sequence[str], env: Mapping[str, str], outp
 
 
 def _run(script: str, args: list[str], env: dict[str, str], output: str) -> None:
-    """In the forked process: the output, the environment, the thread count, then the script."""
+    """In the forked process: the output, the signals, the environment, the thread count, then
+    the script."""
     sys.stdout.flush()
     sys.stderr.flush()
     descriptor = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
     os.close(descriptor)
+    for number in FATAL:
+        signal.signal(number, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
     threads = env.get("OMP_NUM_THREADS", "")

@@ -18,12 +18,22 @@ starts another, or leaves the backend changed) run after the others.
 
 A case that raises on a rank stops the world (its peers may be waiting for it in a collective),
 with an error that names the case; every test of that world then fails with that error.
+
+Under pytest-xdist every worker imports every module, so each holds the same session worlds:
+the first worker to ask for a world runs it and leaves its outcome in a folder the workers
+share (:meth:`SharedWorlds.share_through`), where the others read it instead of running the
+world again.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+import pickle
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,8 +95,16 @@ class SharedWorlds:
 
     def __init__(self, worlds: dict[Hashable, World] | None = None) -> None:
         self._entries: dict[Hashable, _Entry] = {}
+        self._shared: Path | None = None
         for key, world in (worlds or {}).items():
             self.add(key, world)
+
+    def share_through(self, folder: Path) -> None:
+        """Share each world's outcome with the other processes of a test run (pytest-xdist's
+        workers) through ``folder``: the first to ask for a world runs it, holding the world's
+        lock there, and writes its outcome; the others wait on the lock and read it."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self._shared = folder
 
     def add(self, key: Hashable, world: World, *, last: bool = False) -> None:
         """Add ``world``'s cases to world ``key`` (after the cases added before; with ``last``,
@@ -110,15 +128,37 @@ class SharedWorlds:
         cases = [*entry.cases, *entry.last]
         assert name in [case.name for case in cases], f"world {key!r} runs no case {name!r}"
         if not entry.started:
-            try:
-                entry.per_rank = uc.testing.spawn(
-                    run_cases, entry.size, cases, **entry.spawn_kwargs, timeout=entry.timeout
-                )
-            except Exception as exc:  # reported by every test of this world
-                entry.error = f"{type(exc).__name__}: {exc}"
+            entry.per_rank, entry.error = self._outcome(key, entry)
         if entry.error is not None:
             pytest.fail(f"the world {key!r} that runs case {name!r} failed: {entry.error}", pytrace=False)
         return [results[name] for results in entry.per_rank]
+
+    def _outcome(self, key: Hashable, entry: _Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """World ``key``'s results by rank, or its error: run here, or read from the shared
+        folder where another process ran it."""
+        if self._shared is None:
+            return _run(entry)
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        with (self._shared / f"{name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+            done = self._shared / f"{name}.pickle"
+            if done.exists():
+                return pickle.loads(done.read_bytes())
+            outcome = _run(entry)
+            written = done.with_suffix(".partial")
+            written.write_bytes(pickle.dumps(outcome))
+            os.replace(written, done)
+            return outcome
+
+
+def _run(entry: _Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Spawn ``entry``'s world: its results by rank, or the error that stopped it."""
+    try:
+        per_rank = uc.testing.spawn(run_cases, entry.size, [*entry.cases, *entry.last], **entry.spawn_kwargs,
+                                    timeout=entry.timeout)  # fmt: skip
+    except Exception as exc:  # reported by every test of this world
+        return None, f"{type(exc).__name__}: {exc}"
+    return per_rank, None
 
 
 #: The worlds shared by every module of the session, by key (backend, world size, check mode).

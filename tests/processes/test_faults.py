@@ -148,6 +148,28 @@ def _read(folder: Path) -> dict[int, list[dict]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+CAUGHT = """
+for line in open("/proc/self/status"):
+    if line.startswith("SigCgt:"):
+        print(int(line.split()[1], 16))
+"""
+"""A script that prints the signals this process catches (a bit mask)."""
+
+
+def test_a_forked_script_ends_on_a_fatal_signal_as_a_fresh_interpreter(tmp_path) -> None:
+    """The suite's server imported Paddle, whose handlers catch the fatal signals (and end the
+    process only after a report, which a thread's exit can beat, with status 0): a script forked
+    from it catches none of them, as a fresh interpreter does."""
+    script = tmp_path / "caught.py"
+    script.write_text(CAUGHT)
+    forked = start_script(script, [], dict(os.environ), tmp_path / "output.txt")
+    forked.join(60)
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    fatal = sum(1 << (number - 1) for number in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGTERM))
+    masks = [int((tmp_path / "output.txt").read_text()), int(fresh.stdout)]
+    assert forked.exitcode == 0 and [mask & fatal for mask in masks] == [0, 0], masks
+
+
 def test_mismatched_counts_in_check_mode_fail_on_every_rank() -> None:
     world = run_fault("mismatch-checked", check=True)
     expected = "global_scatter: ranks disagree: rank 1 expects 2 row(s) from rank 0 for expert 1, but rank 0 sends 1"
