@@ -12,7 +12,11 @@ with this module among what it imports:
   per rank forked from a server without them, 0.15 s from one with them;
 - transformers' modules of the tiny models the expert-parallel tests build
   (helpers/hf_models.py), where installed: the ranks of mpi's Hugging Face case took 2.5 CPU-s
-  each forked from a server without them, 0.3-0.4 from one with them.
+  each forked from a server without them, 0.3-0.4 from one with them;
+- what most ranks import after they start (:data:`RANKS_IMPORT`): pytest with the test module
+  that holds the rank's function (114 of the suite's 146 ranks, 74 ms each), gloo's transport
+  (103 ranks, 13 ms), array-api-compat's torch and numpy namespaces (99 ranks, 15 ms) and the
+  helpers of the shared worlds.
 
 None of this starts a thread, so the server forks from its main thread alone. Every forked
 rank runs with Dynamo, Paddle, JAX and transformers loaded, as a program that imports
@@ -24,6 +28,7 @@ fresh interpreters without them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 
 import torch
@@ -32,6 +37,19 @@ import tqdm
 from torch._dynamo.utils import counters
 
 from helpers import hf_models
+
+RANKS_IMPORT = (
+    "pytest",
+    "array_api_compat.numpy",
+    "array_api_compat.torch",
+    "unicoll.backends.torch.transport",
+    "unicoll.eager.autograd",
+    "helpers.several",
+    "helpers.conformance",
+)
+"""Modules that most ranks import after they start. None starts MPI (mpi4py.MPI would) or reads
+the registry's entry points (helpers/gpu_backends.py does as it loads: ranks forked from here
+would not see a backend package installed later, as tests/backends/test_backend_plugin.py's)."""
 
 
 def _compile_once() -> None:
@@ -51,3 +69,5 @@ with warnings.catch_warnings():
             __import__(name)
 with contextlib.suppress(ImportError):
     hf_models.import_models()
+for name in RANKS_IMPORT:
+    importlib.import_module(name)
