@@ -211,12 +211,19 @@ def _cupy_rank(
     """Start CupyNcclBackend as ``rank`` on the stand-in, make ``groups``, finalize once every
     rank has made them (``together``, a barrier: NCCL's own communicators would wait for their
     members); report the communicators made, whether torch was imported, or the error and how
-    long it took. ``failing``: see :func:`_fake_cupy`."""
+    long it took. ``failing``: see :func:`_fake_cupy`. The ranks of a world of more than one
+    import torch (whose store the backend uses) and meet before the clock starts: on a loaded
+    machine, an import that takes seconds would otherwise count against the timeout, as the
+    ranks' differences in start would."""
     fake = _fake_cupy(failing)
     sys.modules.update(fake)
     from unicoll.backends.cupy.nccl import CAPABILITIES
     from unicoll.backends.cupy.transport import CupyNcclBackend
 
+    if world_size > 1:
+        import torch.distributed  # noqa: F401
+
+        together.wait(60)
     start = time.monotonic()
     try:
         backend = CupyNcclBackend(CAPABILITIES, rank=rank, world_size=world_size, timeout=timeout)
