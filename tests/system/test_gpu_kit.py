@@ -64,7 +64,9 @@ def _run(folder: Path, name: str) -> tuple[list[str], dict[str, str], Path]:
         return ["bash", str(KIT), "--no-install", *args], env, ROOT
     if name == "pytest":
         (folder / "test_sample.py").write_text(SAMPLE)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=junit.xml"]
+        # without hypothesis's plugin, which imports hypothesis at the end of every run (1 CPU-s)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+        command.append("--junitxml=junit.xml")
         return [*command, "test_sample.py"], env, folder
     if name == "bench":
         command = [sys.executable, "-m", "unicoll", "bench", "-n", "1", "--backend", "gloo", "--op", "alltoall_single"]
