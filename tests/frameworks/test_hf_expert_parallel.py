@@ -18,25 +18,26 @@ import copy
 import importlib.metadata
 
 import pytest
-import torch
-
-import unicoll as uc
-from helpers.cpu_backends import MPI_REASON
-from helpers.hf_models import MODELS, VOCAB, tiny
-from helpers.several import SESSION, Case, share
 
 
 def _transformers_5() -> bool:
-    """Whether transformers 5 or later is installed (read from its metadata: the ranks import it)."""
+    """Whether transformers 5 or later is installed (read from its metadata: the ranks import
+    it, this process need not)."""
     try:
         return int(importlib.metadata.version("transformers").split(".")[0]) >= 5
     except importlib.metadata.PackageNotFoundError:
         return False
 
 
-pytestmark = pytest.mark.skipif(
-    not _transformers_5(), reason="transformers 5 is not installed (pip install 'unicoll[hf]')"
-)
+if not _transformers_5():  # before the module adds its case to the shared mpi world
+    pytest.skip("transformers 5 is not installed (pip install 'unicoll[hf]')", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import unicoll as uc  # noqa: E402
+from helpers.cpu_backends import MPI_REASON  # noqa: E402
+from helpers.hf_models import MODELS, VOCAB, tiny  # noqa: E402
+from helpers.several import SESSION, Case, share  # noqa: E402
 
 STEPS = 3
 CASES = [(name, static) for name in MODELS for static in (False, True)]
