@@ -88,10 +88,12 @@ _WRITTEN = pytest.StashKey[list]()
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _session_worlds_shared_by_the_workers(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _session_worlds_shared_by_the_workers(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Under pytest-xdist, each session world runs once for all the workers: in a folder of
     the run's base temporary folder, which the workers' own folders are in."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(pytestconfig, "workerinput"):
         SESSION.share_through(tmp_path_factory.getbasetemp().parent / "session-worlds")
 
 

@@ -86,6 +86,11 @@ class _Entry:
     error: str | None = None
 
     @property
+    def ordered(self) -> list[Case]:
+        """The cases in the order they run: those added with ``last=True`` after the others."""
+        return [*self.cases, *self.last]
+
+    @property
     def started(self) -> bool:
         return self.per_rank is not None or self.error is not None
 
@@ -117,7 +122,7 @@ class SharedWorlds:
             f"{entry.spawn_kwargs}"
         )
         assert not entry.started, f"world {key!r}: cases added after it started"
-        names = [case.name for case in [*entry.cases, *entry.last, *world.cases]]
+        names = [case.name for case in [*entry.ordered, *world.cases]]
         assert len(set(names)) == len(names), f"world {key!r}: two cases share a name: {names}"
         entry.timeout += world.spawn_kwargs.get("timeout", DEFAULT_TIMEOUT)
         (entry.last if last else entry.cases).extend(world.cases)
@@ -125,8 +130,7 @@ class SharedWorlds:
     def results(self, key: Hashable, name: str) -> list[Any]:
         """Case ``name``'s result on each rank of world ``key``, in rank order."""
         entry = self._entries[key]
-        cases = [*entry.cases, *entry.last]
-        assert name in [case.name for case in cases], f"world {key!r} runs no case {name!r}"
+        assert name in [case.name for case in entry.ordered], f"world {key!r} runs no case {name!r}"
         if not entry.started:
             entry.per_rank, entry.error = self._outcome(key, entry)
         if entry.error is not None:
@@ -154,8 +158,7 @@ class SharedWorlds:
 def _run(entry: _Entry) -> tuple[list[dict[str, Any]] | None, str | None]:
     """Spawn ``entry``'s world: its results by rank, or the error that stopped it."""
     try:
-        per_rank = uc.testing.spawn(run_cases, entry.size, [*entry.cases, *entry.last], **entry.spawn_kwargs,
-                                    timeout=entry.timeout)  # fmt: skip
+        per_rank = uc.testing.spawn(run_cases, entry.size, entry.ordered, **entry.spawn_kwargs, timeout=entry.timeout)
     except Exception as exc:  # reported by every test of this world
         return None, f"{type(exc).__name__}: {exc}"
     return per_rank, None

@@ -29,7 +29,7 @@ from faults import reporting
 
 import unicoll as uc
 from helpers.cpu_backends import BACKENDS, MPI_REASON
-from helpers.forked import start_script
+from helpers.forked import FATAL, start_script
 from unicoll.launch.local import free_port, world_env
 
 SCRIPT = Path(__file__).parents[1] / "faults" / "inject.py"
@@ -165,7 +165,7 @@ def test_a_forked_script_ends_on_a_fatal_signal_as_a_fresh_interpreter(tmp_path)
     forked = start_script(script, [], dict(os.environ), tmp_path / "output.txt")
     forked.join(60)
     fresh = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
-    fatal = sum(1 << (number - 1) for number in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGTERM))
+    fatal = sum(1 << (number - 1) for number in FATAL)
     masks = [int((tmp_path / "output.txt").read_text()), int(fresh.stdout)]
     assert forked.exitcode == 0 and [mask & fatal for mask in masks] == [0, 0], masks
 
