@@ -57,6 +57,9 @@
 #   bench-<backend>            90  later: unicoll bench -n 1 --iters 10 --warmup 2 on torch-nccl, then
 #                                  cupy-nccl (whose raw baseline is torch.distributed's NCCL, started beside it)
 #
+# GPU_CHECK_LIMIT_FACTOR (a whole number, default 1) multiplies every step's limit and the
+# backends' probe limit of 30 s, for a machine slower or busier than the one they were set on.
+#
 # Goals print as "goal: WHAT: FIGURE (goal TARGET): pass|fail" lines, which the summary collects;
 # with both overhead steps it adds one more: cupy-nccl's front end within 20 us of torch-nccl's
 # (alltoall_single at 64 KiB, each backend's time over its raw all-to-all).
@@ -115,6 +118,11 @@ if [[ -n $ONLY ]] || ((ALL)); then
 else
     TOTAL=${GPU_CHECK_SECONDS:-280}
 fi
+FACTOR=${GPU_CHECK_LIMIT_FACTOR:-1}
+if [[ ! $FACTOR =~ ^[1-9][0-9]*$ ]]; then
+    echo "tools/gpu_check.sh: GPU_CHECK_LIMIT_FACTOR must be a whole number of 1 or more, got '$FACTOR'" >&2
+    exit 2
+fi
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT" || exit 1
 rm -f "$OUT/summary.json" "$OUT/summary.txt" "$OUT/gpu_check.log" "$OUT/logs.tar.gz"
@@ -153,7 +161,7 @@ selected() {
 probe_backend() {
     local backend=$1 reason
     if [[ ! -v PROBED[$backend] ]]; then
-        reason=$(timeout -k 5 30 "$PY" tools/gpu_check.py probe "$backend" 2>&1)
+        reason=$(timeout -k 5 $((30 * FACTOR)) "$PY" tools/gpu_check.py probe "$backend" 2>&1)
         (($? == 3)) || reason=""
         PROBED[$backend]=$reason
         echo "=== probe $backend: ${reason:-usable}" | tee -a "$COMBINED"
@@ -161,10 +169,11 @@ probe_backend() {
     WHY_NOT=${PROBED[$backend]}
 }
 
-# step NAME LIMIT_S BACKEND COMMAND: run COMMAND (a bash command line) under its limit, unless
-# BACKEND (empty: none needed) cannot run here or no time is left; record and summarize it.
+# step NAME LIMIT_S BACKEND COMMAND: run COMMAND (a bash command line) under LIMIT_S times
+# GPU_CHECK_LIMIT_FACTOR, unless BACKEND (empty: none needed) cannot run here or no time is left;
+# record and summarize it.
 step() {
-    local name=$1 limit=$2 backend=$3 command=$4 left=$((DEADLINE - SECONDS)) reason started elapsed rc
+    local name=$1 limit=$(($2 * FACTOR)) backend=$3 command=$4 left=$((DEADLINE - SECONDS)) reason started elapsed rc
     if ((left < 5)); then
         helper record "$WORK" "$name" "$limit" not-run 0 "" "$command" "not run: the run's ${TOTAL} s were spent"
     elif [[ -n $backend ]] && probe_backend "$backend" && [[ -n $WHY_NOT ]]; then

@@ -58,6 +58,8 @@ def _run(folder: Path, name: str) -> tuple[list[str], dict[str, str], Path]:
     bench, on gloo."""
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(folder)}
     if name in KIT_RUNS:
+        # the module's runs share two cores with the other worker: the steps' GPU limits, times 4
+        env["GPU_CHECK_LIMIT_FACTOR"] = "4"
         args, seconds = KIT_RUNS[name]
         if seconds is not None:
             env["GPU_CHECK_SECONDS"] = str(seconds)
@@ -135,6 +137,7 @@ def test_the_kit_runs_and_skips_the_gpu_steps_with_their_reason(runs: Runs) -> N
     assert [step["name"] for step in summary["steps"]] == SKIPPED_STEPS
     versions, reorder, example, _ = summary["steps"]
     assert versions["status"] == "pass" and versions["exit_code"] == 0
+    assert versions["limit_s"] == 20 * 4  # its limit times GPU_CHECK_LIMIT_FACTOR
     assert summary["versions"]["python"] == platform.python_version()
     assert summary["versions"]["torch"]["version"] == torch.__version__
     assert summary["versions"]["packages"]["numpy"] == __import__("numpy").__version__
@@ -187,6 +190,15 @@ def test_only_refuses_a_step_that_does_not_exist(runs: Runs) -> None:
     assert run.returncode == 2
     assert "tools/gpu_check.sh: --only names no step conformance-torch (see --help)" in run.stderr
     assert "--only names no step versions" not in run.stderr
+
+
+@pytest.mark.parametrize("factor", ["0", "1.5", "two"])
+def test_a_limit_factor_that_is_no_whole_number_is_refused(factor: str) -> None:
+    env = {**os.environ, "GPU_CHECK_LIMIT_FACTOR": factor}
+    run = subprocess.run(["bash", str(KIT), "--no-install"], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2
+    expected = f"tools/gpu_check.sh: GPU_CHECK_LIMIT_FACTOR must be a whole number of 1 or more, got '{factor}'"
+    assert expected in run.stderr
 
 
 def test_the_header_carries_an_ignored_wheel_folder() -> None:
