@@ -8,13 +8,13 @@ import functools
 import importlib.util
 import json
 import os
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers.forked import start_script
 from helpers.frameworks import (
     jax_gradients,
     jax_jit_ended_session,
@@ -112,28 +112,29 @@ def test_a_jitted_step_of_an_ended_session_raises_its_error() -> None:
 @functools.cache
 def _two_devices_world() -> dict[int, dict]:
     """helpers.frameworks.jax_devices_and_a_lost_peer on 2 gloo ranks with two JAX CPU devices
-    each, started without a launcher (rank 1 exits mid-step): each rank's report."""
-    port, tests = free_port(), str(Path(__file__).parents[1])
-    env = {**os.environ, "UNICOLL_BACKEND": "gloo", "UNICOLL_TIMEOUT": "30", "PYTHONPATH": tests,
+    each, started without a launcher (rank 1 exits mid-step), each forked from the suite's server
+    (helpers/forked.py; JAX reads ``XLA_FLAGS`` when its first array is made, which the server
+    never makes): each rank's report."""
+    port = free_port()
+    env = {**os.environ, "UNICOLL_BACKEND": "gloo", "UNICOLL_TIMEOUT": "30",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
-    code = "from helpers.frameworks import jax_devices_and_a_lost_peer as run; run()"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", code],
-            env={**env, **world_env(rank, 2, "127.0.0.1", port)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()  # none left behind by a failure (a no-op for a rank that exited)
-    reports = [json.loads(line) for output in outputs for line in output.splitlines() if line.startswith("{")]
-    assert len(reports) == 2, "\n".join(outputs)
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "two_devices.py"
+        script.write_text("from helpers.frameworks import jax_devices_and_a_lost_peer as run\nrun()\n")
+        outputs = [Path(folder) / f"rank{rank}.txt" for rank in range(2)]
+        ranks = [
+            start_script(script, [], {**env, **world_env(rank, 2, "127.0.0.1", port)}, outputs[rank])
+            for rank in range(2)
+        ]
+        try:
+            for rank in ranks:
+                rank.join(120)
+        finally:
+            for rank in ranks:
+                rank.kill()  # none left behind by a failure (a no-op for a rank that exited)
+        texts = [output.read_text() if output.exists() else "" for output in outputs]
+    reports = [json.loads(line) for text in texts for line in text.splitlines() if line.startswith("{")]
+    assert len(reports) == 2, "\n".join(texts)
     return {report["rank"]: report for report in reports}
 
 
