@@ -17,12 +17,14 @@ import os
 import subprocess
 import sys
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
 from helpers import netns
+from helpers.forked import start_script
 from helpers.multihost_rank import subset
 from unicoll.backends.mpi.mpi import MpiFactory
 from unicoll.backends.torch.gloo import CAPABILITIES
@@ -59,7 +61,7 @@ def _env(**extra: str) -> dict[str, str]:
 class Job(NamedTuple):
     """A process started on a host, its output going to ``log`` (no pipe to fill up)."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | BaseProcess
     log: Path
 
 
@@ -68,6 +70,23 @@ def _start(network: netns.Network, host: int, argv: list[str], env: dict[str, st
     with open(log, "w") as out:
         proc = subprocess.Popen(network.command(host, argv), env=env, stdout=out, stderr=subprocess.STDOUT)
     return Job(proc, log)
+
+
+def _fork(network: netns.Network, host: int, script: Path, args: list[str], env: dict[str, str], log: Path) -> Job:
+    """Run ``python script *args`` on ``host`` with ``env``, its output to ``log``, forked from
+    the suite's server (helpers/forked.py: torch imported there once, not by each rank)."""
+    return Job(start_script(script, args, env, log, netns=network.namespaces[host]), log)
+
+
+def _exit_code(proc: subprocess.Popen | BaseProcess, seconds: float) -> int | None:
+    """``proc``'s exit code once it exits within ``seconds``, else None."""
+    if isinstance(proc, subprocess.Popen):
+        try:
+            return proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return None
+    proc.join(seconds)
+    return proc.exitcode
 
 
 def _nodes(network: netns.Network, argv: list[str], envs: list[dict[str, str]], logs: Path) -> list[Job]:
@@ -86,11 +105,10 @@ def _finish(jobs: list[Job], within: float) -> None:
     deadline = time.monotonic() + within
     try:
         for job in jobs:
-            try:
-                job.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{job.proc.args} still ran after {within} s: {job.log.read_text()[-3000:]}")
-            assert job.proc.returncode == 0, job.log.read_text()[-3000:]
+            code = _exit_code(job.proc, max(deadline - time.monotonic(), 0.1))
+            if code is None:
+                pytest.fail(f"the job of {job.log.name} still ran after {within} s: {job.log.read_text()[-3000:]}")
+            assert code == 0, job.log.read_text()[-3000:]
     finally:
         for job in jobs:
             job.proc.kill()
@@ -164,16 +182,14 @@ def test_init_ends_within_its_timeout_when_a_peer_cannot_be_reached(network, tmp
     other host's ranks. Every rank's init fails within its timeout, naming what gloo could not
     reach and where each rank listens (before, the ranks that waited for a connection waited five
     times the timeout, and others blamed a finalized session). The ranks start with the variables
-    any launcher sets."""
+    any launcher sets, forked from the suite's server into their hosts."""
     script = tmp_path / "init_only.py"
     script.write_text(INIT_ONLY)
     jobs = []
     for rank in range(4):
         world = {"RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": network.addresses[0], "MASTER_PORT": str(PORT)}
         env = _env(GLOO_SOCKET_IFNAME="lo", **world)
-        jobs.append(
-            _start(network, rank // 2, [sys.executable, str(script), str(tmp_path)], env, tmp_path / f"{rank}.log")
-        )
+        jobs.append(_fork(network, rank // 2, script, [str(tmp_path)], env, tmp_path / f"{rank}.log"))
     _finish(jobs, 5 * TIMEOUT + 15)
     for report in _reports(tmp_path, 4):
         assert report["error"] in ("CollectiveTimeoutError", "CommunicationError"), report
