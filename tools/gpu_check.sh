@@ -148,7 +148,7 @@ selected() {
     elif ((ALL)) || [[ $LATER != *",$1,"* ]]; then
         return 0
     else
-        helper record "$WORK" "$1" "$2" not-run 0 "" "$3" "not run: left for a second call (--only)"
+        helper record "$WORK" "$1" $(($2 * FACTOR)) not-run 0 "" "$3" "not run: left for a second call (--only)"
         helper summary "$WORK" "$OUT" >/dev/null
         return 1
     fi
